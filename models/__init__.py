@@ -1,0 +1,76 @@
+"""Flax NNX models of the supported MoE families and the registry that builds them from HF configs.
+
+`config_from_hf` reads a Hugging Face `config.json` dict; `build_model` / `abstract_model` instantiate
+the shared `MoECausalLM` with the family's routing function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from . import mixtral, phimoe, qwen2_moe
+from .base import DecoderLayer, MoECausalLM, RouteFn
+from .config import MoEConfig, RopeConfig, UnsupportedConfigError
+from .layers import LayerKV, Layout, init_kv_cache
+from .moe import Expert, ExpertWeights, Routing, expert_mixture, reference_mixture
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    config_from_hf: Callable[[dict[str, Any]], MoEConfig]
+    route: RouteFn
+
+
+FAMILIES: dict[str, Family] = {
+    "mixtral": Family("mixtral", mixtral.config_from_hf, mixtral.route),
+    "qwen2_moe": Family("qwen2_moe", qwen2_moe.config_from_hf, qwen2_moe.route),
+    "phimoe": Family("phimoe", phimoe.config_from_hf, phimoe.route),
+}
+
+
+def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
+    """Builds a `MoEConfig` from a Hugging Face `config.json` dict, refusing unknown families by name."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise UnsupportedConfigError(
+            f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
+        )
+    return FAMILIES[model_type].config_from_hf(hf)
+
+
+def build_model(cfg: MoEConfig, *, dtype: jnp.dtype = jnp.float32, seed: int = 0) -> MoECausalLM:
+    """A randomly initialised model (training, tests)."""
+    return MoECausalLM(cfg, FAMILIES[cfg.family].route, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: MoEConfig, *, dtype: jnp.dtype = jnp.float32) -> MoECausalLM:
+    """The model with `jax.ShapeDtypeStruct` leaves: the target structure checkpoint loaders fill in."""
+    return nnx.eval_shape(lambda: build_model(cfg, dtype=dtype))
+
+
+__all__ = [
+    "FAMILIES",
+    "DecoderLayer",
+    "Expert",
+    "ExpertWeights",
+    "Family",
+    "LayerKV",
+    "Layout",
+    "MoECausalLM",
+    "MoEConfig",
+    "RopeConfig",
+    "Routing",
+    "UnsupportedConfigError",
+    "abstract_model",
+    "build_model",
+    "config_from_hf",
+    "expert_mixture",
+    "init_kv_cache",
+    "reference_mixture",
+]

@@ -1,0 +1,219 @@
+"""`load_model`: from a Hugging Face directory, a converted fmoe_jax checkpoint, or a shipped model's name.
+
+Returns a `Model`, the handle `generate` and `forward` take. Weights stream in one tensor at a time;
+with an `OffloadConfig`, routed experts go to host memory and the offload engine serves them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fmoe_jax.convert.hf import CheckpointError, HFCheckpoint
+from fmoe_jax.models import MoECausalLM, MoEConfig, abstract_model
+from fmoe_jax.models.moe import Kernel
+
+from .resident import ResidentEngine
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: its config, weights (an NNX module), tokenizer and the engine that serves it."""
+
+    config: MoEConfig
+    module: MoECausalLM
+    engine: Any
+    tokenizer: Any = None
+    source: str = ""
+    eos_token_ids: tuple[int, ...] = ()
+    offload: Any = None
+
+    @property
+    def pad_token_id(self) -> int:
+        cfg = self.config
+        if cfg.pad_token_id is not None:
+            return cfg.pad_token_id
+        return self.eos_token_ids[0] if self.eos_token_ids else 0
+
+    def close(self) -> None:
+        """Stops background threads of the offload policy (no-op when resident)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def shipped_models() -> list[str]:
+    """Names `load_model` accepts in place of a path (models that ship inside the package)."""
+    if not SHIPPED_DIR.is_dir():
+        return []
+    return sorted(p.name for p in SHIPPED_DIR.iterdir() if (p / "config.json").exists())
+
+
+def resolve(path_or_name: str | os.PathLike) -> Path:
+    path = Path(path_or_name)
+    if path.exists():
+        return path
+    if isinstance(path_or_name, str) and (SHIPPED_DIR / path_or_name / "config.json").exists():
+        return SHIPPED_DIR / path_or_name
+    names = ", ".join(shipped_models()) or "none"
+    raise FileNotFoundError(
+        f"{path_or_name!s} is neither an existing path nor a shipped model name (shipped: {names}). "
+        "Hub checkpoints are not downloaded: pass a local directory (convert it with `fmoe-convert`)."
+    )
+
+
+def nest(flat: dict[tuple, Any]) -> dict:
+    """{("a", 0, "b"): x} -> {"a": {0: {"b": x}}}, the pure-dict form NNX states use."""
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+def assemble(cfg: MoEConfig, dtype: jnp.dtype, flat: dict[tuple, Any]) -> MoECausalLM:
+    """Builds the module from parameters by path (arrays already placed where they should live)."""
+    graphdef, state = nnx.split(abstract_model(cfg, dtype=dtype))
+    expected = {tuple(p) for p, _ in nnx.to_flat_state(state)}
+    if expected != set(flat):
+        missing, extra = (
+            sorted(map(str, expected - set(flat)))[:5],
+            sorted(map(str, set(flat) - expected))[:5],
+        )
+        raise CheckpointError(f"parameters do not match the model: missing {missing}, unexpected {extra}")
+    state.replace_by_pure_dict(nest(flat))
+    return nnx.merge(graphdef, state)
+
+
+def load_tokenizer_if_any(directory: Path):
+    if not any(
+        (directory / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as err:  # transformers raises many types; the user needs the file and the reason
+        raise CheckpointError(
+            f"{directory}: tokenizer files are present but could not be loaded: {err}"
+        ) from err
+
+
+def generation_eos(directory: Path, cfg: MoEConfig) -> tuple[int, ...]:
+    path = directory / "generation_config.json"
+    if path.exists():
+        value = json.loads(path.read_text()).get("eos_token_id")
+        if value is not None:
+            return (value,) if isinstance(value, int) else tuple(value)
+    return cfg.eos_token_ids
+
+
+def _dtype_arg(dtype: Any, default: np.dtype) -> jnp.dtype:
+    if dtype is None:
+        return jnp.dtype(default)
+    try:
+        return jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}") from None
+
+
+def load_hf_params(ckpt: HFCheckpoint, dtype: jnp.dtype, place) -> dict[tuple, Any]:
+    """Streams a HF checkpoint into {path: placed array}; `place(path, np_array)` puts one tensor."""
+    flat = {}
+    for _, target, value in ckpt.params(np.dtype(dtype)):
+        flat[target.path] = place(target.path, value)
+    return flat
+
+
+def load_model(
+    path_or_name: str | os.PathLike, offload: Any = None, *, dtype: Any = None, kernel: Kernel = "auto"
+) -> Model:
+    """Loads a model for `generate` / `forward`.
+
+    Args:
+      path_or_name: a Hugging Face model directory (safetensors), a directory written by `fmoe-convert`,
+        or the name of a shipped model (see `shipped_models()`).
+      offload: None for resident serving, or an `OffloadConfig` to keep routed experts in host memory.
+      dtype: parameter dtype; defaults to the checkpoint's.
+      kernel: expert-mixture kernel ("auto" picks per shape and backend).
+    """
+    directory = resolve(path_or_name)
+    from fmoe_jax.convert import orbax_io  # local import: orbax is heavy and only needed here
+
+    if orbax_io.is_converted(directory):
+        return orbax_io.load_converted(directory, offload=offload, dtype=dtype, kernel=kernel)
+    ckpt = HFCheckpoint(directory)
+    cfg = ckpt.config
+    dtype = _dtype_arg(dtype, ckpt.stored_dtype())
+    flat = load_hf_params(
+        ckpt, dtype, lambda path, value: jax.device_put(value, param_sharding(path, offload))
+    )
+    return build(
+        cfg,
+        dtype,
+        flat,
+        offload,
+        tokenizer=load_tokenizer_if_any(directory),
+        source=str(directory),
+        eos=generation_eos(directory, cfg),
+        kernel=kernel,
+    )
+
+
+def param_sharding(path: tuple, offload: Any) -> jax.sharding.Sharding:
+    """Where a parameter lives: routed experts in pinned host memory when offloading, the rest on device."""
+    memory = "pinned_host" if offload is not None and path[0] == "experts" else "device"
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory)
+
+
+def build(
+    cfg: MoEConfig,
+    dtype: jnp.dtype,
+    flat: dict[tuple, Any],
+    offload: Any,
+    *,
+    tokenizer: Any,
+    source: str,
+    eos: tuple[int, ...],
+    kernel: Kernel,
+) -> Model:
+    """The `Model` for placed parameters (see `param_sharding`): resident, or served by the offload engine."""
+    module = assemble(cfg, dtype, flat)
+    if offload is None:
+        engine = ResidentEngine(module, kernel=kernel)
+    else:
+        from .engine import OffloadEngine
+
+        engine = OffloadEngine(module, offload, kernel=kernel)
+    return Model(cfg, module, engine, tokenizer, source, eos, offload)
+
+
+def from_module(module: MoECausalLM, *, tokenizer: Any = None, kernel: Kernel = "auto") -> Model:
+    """Wraps an in-memory module (e.g. fresh from training) as a resident `Model`."""
+    return Model(
+        module.config,
+        module,
+        ResidentEngine(module, kernel=kernel),
+        tokenizer,
+        "<memory>",
+        module.config.eos_token_ids,
+    )

@@ -1,0 +1,92 @@
+"""The resident engine: every weight on the device, one jitted program per prefill and per decode step.
+
+`fmoe_jax.generate` drives an engine through `prefill` / `decode`; the offload engine
+(`fmoe_jax/engine.py`) implements the same two methods layer by layer.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fmoe_jax.models import LayerKV, Layout, MoECausalLM, init_kv_cache
+from fmoe_jax.models.moe import Kernel
+
+from .sampling import Sampling
+
+
+class StepOutput:
+    """What one engine call returns to the generation loop."""
+
+    __slots__ = ("tokens", "logits", "embeds", "probs", "ids")
+
+    def __init__(self, tokens, logits, embeds=None, probs=None, ids=None):
+        self.tokens = tokens  # [B] int32, sampled next tokens
+        self.logits = logits  # [B, V] float32, logits of the last position
+        self.embeds = embeds  # [B, T, D] embedding output of the new tokens (semantic context), if recorded
+        self.probs = probs  # [B, T, L_moe, J] router probabilities, if recorded
+        self.ids = ids  # [B, T, L_moe, k] chosen experts, if recorded
+
+
+class ResidentEngine:
+    """Runs the whole model in one jitted function per call; counts traces so tests can catch recompiles."""
+
+    def __init__(self, module: MoECausalLM, *, kernel: Kernel = "auto"):
+        self.module = module
+        self.config = module.config
+        self.graphdef, self.state = nnx.split(module)
+        self.kernel = kernel
+        self.trace_counts: collections.Counter[str] = collections.Counter()
+        self._step = jax.jit(self._step_impl, static_argnames=("sampling", "record"), donate_argnums=(2,))
+
+    def init_cache(self, batch: int, length: int) -> list[LayerKV]:
+        return init_kv_cache(self.config, batch, length, self.module.dtype)
+
+    def _step_impl(self, state, tokens, cache, layout, key, *, sampling: Sampling, record: bool):
+        self.trace_counts[f"step_T{tokens.shape[1]}_S{cache[0].k.shape[1]}_B{tokens.shape[0]}"] += 1
+        model = nnx.merge(self.graphdef, state)
+        logits, cache, routings = model(tokens, cache, layout, kernel=self.kernel, last_only=True)
+        next_tokens = sampling(logits, key)
+        if not record:
+            return next_tokens, logits, cache, None
+        b, t = tokens.shape
+        probs = jnp.stack([r.probs for r in routings], axis=1).reshape(b, t, len(routings), -1)
+        ids = jnp.stack([r.ids for r in routings], axis=1).reshape(b, t, len(routings), -1)
+        embeds = model.embed_tokens(tokens)
+        return next_tokens, logits, cache, (embeds, probs, ids)
+
+    def step(
+        self,
+        tokens: jax.Array,
+        cache: list[LayerKV],
+        layout: Layout,
+        key: jax.Array,
+        sampling: Sampling,
+        record: bool = False,
+    ) -> tuple[StepOutput, list[LayerKV]]:
+        """Runs prefill (T > 1) or one decode step (T = 1) and samples the next token of each row."""
+        next_tokens, logits, cache, extra = self._step(
+            self.state, tokens, cache, layout, key, sampling=sampling, record=record
+        )
+        out = StepOutput(next_tokens, logits)
+        if extra is not None:
+            out.embeds, out.probs, out.ids = extra
+        return out, cache
+
+    def forward(self, tokens: jax.Array) -> tuple[jax.Array, list]:
+        """Full-sequence logits `[B, T, V]` and routings of unpadded tokens `[B, T]`, no sampling or cache."""
+        return _full_forward(self.graphdef, self.state, tokens, self.kernel)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _full_forward(graphdef, state, tokens, kernel):
+    model = nnx.merge(graphdef, state)
+    b, t = tokens.shape
+    cache = init_kv_cache(model.config, b, t, model.dtype)
+    layout = Layout(jnp.int32(0), jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), t)
+    logits, _, routings = model(tokens, cache, layout, kernel=kernel)
+    return logits, routings

@@ -1,0 +1,171 @@
+"""The decoder-only MoE model every family instantiates, split into the steps the engine calls.
+
+A family supplies its config parser and routing function (`models/mixtral.py` etc.); this module wires
+norms, attention, router, routed experts, an optional shared expert and dense MLP layers. Routed experts
+live in `MoECausalLM.experts`, outside the layers, so the offload engine can run a layer's dense part on
+the device while the experts come from its cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import MoEConfig
+from .layers import Attention, LayerKV, Layout, make_norm, rope_tables
+from .moe import Expert, ExpertWeights, Kernel, Routing, expert_mixture
+
+RouteFn = Callable[[jax.Array, MoEConfig], Routing]  # router logits [N, J] (any dtype) -> Routing
+
+
+class DecoderLayer(nnx.Module):
+    """Attention block plus either a routed MoE block (router, optional shared expert) or a dense MLP."""
+
+    def __init__(self, cfg: MoEConfig, layer: int, route_fn: RouteFn, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.config = cfg
+        self.is_moe = cfg.moe_layers[layer]
+        self.window = cfg.sliding_windows[layer]
+        self.route_fn = route_fn
+        self.input_norm = make_norm(cfg, dtype=dtype)
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_norm = make_norm(cfg, dtype=dtype)
+        kw = dict(dtype=dtype, rngs=rngs)
+        if self.is_moe:
+            self.router = nnx.Linear(
+                cfg.hidden_size, cfg.num_experts, use_bias=False, param_dtype=dtype, **kw
+            )
+            if cfg.shared_expert_intermediate_size:
+                self.shared_expert = Expert(cfg.hidden_size, cfg.shared_expert_intermediate_size, **kw)
+                self.shared_gate = nnx.Linear(cfg.hidden_size, 1, use_bias=False, param_dtype=dtype, **kw)
+        else:
+            self.mlp = Expert(cfg.hidden_size, cfg.dense_intermediate_size, **kw)
+
+    def attention_block(
+        self, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv: LayerKV, layout: Layout
+    ) -> tuple[jax.Array, jax.Array, LayerKV]:
+        """x `[B, T, D]` -> residual stream after attention `h`, the MLP input `z = norm(h)`, new cache."""
+        attn_out, kv = self.attn(self.input_norm(x), rope, kv, layout, self.window)
+        h = x + attn_out
+        return h, self.post_norm(h), kv
+
+    def route(self, z: jax.Array) -> Routing:
+        """z `[N, D]` -> routing of N tokens (probabilities in float32)."""
+        return self.route_fn(self.router(z), self.config)
+
+    def moe_output(
+        self,
+        z: jax.Array,
+        routing: Routing,
+        experts: Sequence[ExpertWeights],
+        slot_of_expert: jax.Array,
+        valid: jax.Array,
+        *,
+        kernel: Kernel = "auto",
+        include_shared: bool = True,
+    ) -> jax.Array:
+        """Routed experts (those passed in) plus the always-resident shared expert. z `[N, D]` -> `[N, D]`."""
+        out = expert_mixture(z, routing, experts, slot_of_expert, valid, kernel=kernel)
+        if include_shared and hasattr(self, "shared_expert"):
+            gate = jax.nn.sigmoid(self.shared_gate(z))
+            out = out + gate * self.shared_expert(z)
+        return out
+
+    def dense_output(self, z: jax.Array) -> jax.Array:
+        return self.mlp(z)
+
+
+class MoECausalLM(nnx.Module):
+    """Embedding, decoder layers, routed experts `experts[layer][expert]`, final norm and LM head."""
+
+    def __init__(self, cfg: MoEConfig, route_fn: RouteFn, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, route_fn, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
+        )
+        self.experts = nnx.List(
+            [
+                nnx.List(
+                    [
+                        Expert(cfg.hidden_size, cfg.expert_intermediate_size, dtype=dtype, rngs=rngs)
+                        for _ in range(cfg.num_experts)
+                    ]
+                )
+                if cfg.moe_layers[i]
+                else nnx.List([])
+                for i in range(cfg.num_layers)
+            ]
+        )
+        self.final_norm = make_norm(cfg, dtype=dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Linear(
+                cfg.hidden_size,
+                cfg.vocab_size,
+                use_bias=cfg.lm_head_bias,
+                dtype=dtype,
+                param_dtype=dtype,
+                rngs=rngs,
+            )
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens `[B, T]` -> `[B, T, D]`; this is also the semantic context fMoE matches on."""
+        return self.embed(tokens)
+
+    def rope(self, layout: Layout) -> tuple[jax.Array, jax.Array]:
+        cfg = self.config
+        return rope_tables(cfg.rope, cfg.head_dim, layout.positions, layout.token_valid, self.dtype)
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Final norm and LM head: `[B, T, D]` -> logits `[B, T, V]` float32."""
+        x = self.final_norm(x)
+        if self.config.tie_word_embeddings:
+            return self.embed.attend(x).astype(jnp.float32)
+        return self.lm_head(x).astype(jnp.float32)
+
+    def layer_experts(self, layer: int) -> list[ExpertWeights]:
+        return [e.weights() for e in self.experts[layer]]
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        cache: list[LayerKV],
+        layout: Layout,
+        *,
+        kernel: Kernel = "auto",
+        last_only: bool = False,
+    ) -> tuple[jax.Array, list[LayerKV], list[Routing]]:
+        """Resident forward over all layers.
+
+        Args:
+          tokens: `[B, T]` new tokens (left padded).
+          cache: per-layer KV caches `[B, S, K, E]`.
+          layout: where the tokens go in the cache.
+          last_only: return only the last position's logits `[B, V]` (prefill never needs `[B, T, V]`).
+        Returns:
+          logits `[B, T, V]` (or `[B, V]`) float32, the updated cache, and each MoE layer's routing over the
+          B*T tokens.
+        """
+        b, t = tokens.shape
+        x = self.embed_tokens(tokens)
+        rope = self.rope(layout)
+        valid = layout.token_valid.reshape(b * t)
+        new_cache, routings = [], []
+        slots = jnp.arange(self.config.num_experts, dtype=jnp.int32)
+        for i, layer in enumerate(self.layers):
+            h, z, kv = layer.attention_block(x, rope, cache[i], layout)
+            new_cache.append(kv)
+            z = z.reshape(b * t, -1)
+            if layer.is_moe:
+                routing = layer.route(z)
+                routings.append(routing)
+                y = layer.moe_output(z, routing, self.layer_experts(i), slots, valid, kernel=kernel)
+            else:
+                y = layer.dense_output(z)
+            x = h + y.reshape(b, t, -1).astype(h.dtype)
+        if last_only:
+            return self.head(x[:, -1:, :])[:, 0], new_cache, routings
+        return self.head(x), new_cache, routings

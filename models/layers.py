@@ -1,0 +1,175 @@
+"""Shared transformer layers: norms, rotary embeddings, grouped-query attention with a KV cache.
+
+Used by every family through `models/base.py`; nothing here knows a model family, only `MoEConfig` features.
+
+Dimension letters: B batch, T new tokens, S cache length, D hidden, H query heads, K key/value heads,
+G = H / K query heads per KV head, E head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import MoEConfig, RopeConfig
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32 and cast back, as the Mixtral/Qwen reference implementations do."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with weight and bias (Phi-3.5-MoE); statistics in float32."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+def make_norm(cfg: MoEConfig, *, dtype: jnp.dtype) -> RMSNorm | LayerNorm:
+    return {"rms": RMSNorm, "layer": LayerNorm}[cfg.norm](cfg.hidden_size, cfg.norm_eps, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Positions, masks and rotary embeddings for one call (prefill or decode step).
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the new tokens of one call sit in the (left-padded) KV cache.
+
+    Rows are left padded so that every row writes its new tokens at the same cache index `write_index`;
+    row b's real tokens start at cache index `key_start[b]`, and its token at cache index i has position
+    `i - key_start[b]`.
+    """
+
+    write_index: jax.Array  # [] int32, cache index of the first new token
+    key_start: jax.Array  # [B] int32, first valid cache index per row
+    row_active: jax.Array  # [B] bool, False for rows that finished (their tokens count as padding)
+    num_new: int = dataclasses.field(metadata=dict(static=True))  # T
+
+    @property
+    def positions(self) -> jax.Array:  # [B, T]
+        idx = self.write_index + jnp.arange(self.num_new, dtype=jnp.int32)
+        return jnp.maximum(idx[None, :] - self.key_start[:, None], 0)
+
+    @property
+    def token_valid(self) -> jax.Array:  # [B, T] False on left padding and in finished rows
+        idx = self.write_index + jnp.arange(self.num_new, dtype=jnp.int32)
+        return (idx[None, :] >= self.key_start[:, None]) & self.row_active[:, None]
+
+
+def rope_tables(
+    rope: RopeConfig, head_dim: int, positions: jax.Array, valid: jax.Array, dtype: jnp.dtype
+) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables `[B, T, E]` for `positions` `[B, T]`.
+
+    LongRoPE follows the original Phi-3.5-MoE code: the factor set (short or long) and the mscale are
+    chosen per call from the largest position in the batch, so keys cached before the sequence crossed
+    `original_max_position_embeddings` keep their earlier rotation.
+    """
+    exponent = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponent)  # [E/2]
+    scale = jnp.float32(1.0)
+    if rope.kind == "longrope":
+        seq_len = jnp.max(jnp.where(valid, positions, 0)) + 1
+        is_long = seq_len > rope.original_max_position_embeddings
+        factors = jnp.where(
+            is_long, jnp.asarray(rope.long_factor, jnp.float32), jnp.asarray(rope.short_factor, jnp.float32)
+        )
+        inv_freq = 1.0 / (factors * rope.theta**exponent)
+        scale = jnp.where(is_long, jnp.float32(rope.long_mscale), jnp.float32(rope.short_mscale))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return (jnp.cos(emb) * scale).astype(dtype), (jnp.sin(emb) * scale).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x `[B, T, N, E]`, cos/sin `[B, T, E]` (rotate-half convention of the HF reference)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# KV cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerKV:
+    k: jax.Array  # [B, S, K, E]
+    v: jax.Array  # [B, S, K, E]
+
+
+def init_kv_cache(cfg: MoEConfig, batch: int, length: int, dtype: jnp.dtype) -> list[LayerKV]:
+    """One `LayerKV` per layer, zero filled; a list so the engine can donate one layer's cache at a time."""
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return [LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention that appends the new keys/values to the cache and attends over it."""
+
+    def __init__(self, cfg: MoEConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d, h, k, e = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        kw = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.q_proj = nnx.Linear(d, h * e, use_bias=cfg.qkv_bias, **kw)
+        self.k_proj = nnx.Linear(d, k * e, use_bias=cfg.qkv_bias, **kw)
+        self.v_proj = nnx.Linear(d, k * e, use_bias=cfg.qkv_bias, **kw)
+        self.o_proj = nnx.Linear(h * e, d, use_bias=cfg.o_bias, **kw)
+        self.num_heads, self.num_kv_heads, self.head_dim = h, k, e
+
+    def __call__(
+        self, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv: LayerKV, layout: Layout, window: int | None
+    ) -> tuple[jax.Array, LayerKV]:
+        b, t, _ = x.shape
+        h, k, e = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).reshape(b, t, h, e)
+        k_new = self.k_proj(x).reshape(b, t, k, e)
+        v_new = self.v_proj(x).reshape(b, t, k, e)
+        cos, sin = rope
+        q, k_new = apply_rope(q, cos, sin), apply_rope(k_new, cos, sin)
+
+        start = (0, layout.write_index, 0, 0)
+        keys = jax.lax.dynamic_update_slice(kv.k, k_new.astype(kv.k.dtype), start)
+        values = jax.lax.dynamic_update_slice(kv.v, v_new.astype(kv.v.dtype), start)
+
+        s = keys.shape[1]
+        q_idx = layout.write_index + jnp.arange(t, dtype=jnp.int32)  # [T]
+        k_idx = jnp.arange(s, dtype=jnp.int32)  # [S]
+        allowed = (k_idx[None, None, :] <= q_idx[None, :, None]) & (
+            k_idx[None, None, :] >= layout.key_start[:, None, None]
+        )  # [B, T, S]
+        if window is not None:
+            allowed &= (q_idx[None, :, None] - k_idx[None, None, :]) < window
+
+        qg = q.reshape(b, t, k, h // k, e)
+        scores = jnp.einsum("btkge,bske->bkgts", qg, keys.astype(q.dtype)) * (1.0 / math.sqrt(e))
+        scores = jnp.where(allowed[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        out = jnp.einsum("bkgts,bske->btkge", probs, values.astype(q.dtype)).reshape(b, t, h * e)
+        return self.o_proj(out), LayerKV(keys, values)
