@@ -13,6 +13,7 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -213,3 +214,28 @@ class HFCheckpoint:
             for dtype, _, begin, end in shard.entries.values():
                 by_dtype[dtype] = by_dtype.get(dtype, 0) + end - begin
         return max(by_dtype, key=by_dtype.get)
+
+
+def write_safetensors(
+    path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None
+) -> int:
+    """Writes a safetensors file (tensors in the given order); returns the bytes written."""
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for key, value in tensors.items():
+        if value.dtype not in SAFETENSORS_CODES:
+            raise ValueError(f"tensor {key!r}: dtype {value.dtype} cannot be stored in safetensors")
+        header[key] = {
+            "dtype": SAFETENSORS_CODES[value.dtype],
+            "shape": list(value.shape),
+            "data_offsets": [offset, offset + value.nbytes],
+        }
+        offset += value.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keeps the data 8-byte aligned, as the reference writer does
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for value in tensors.values():
+            f.write(np.ascontiguousarray(value).tobytes())
+    return 8 + len(raw) + offset
