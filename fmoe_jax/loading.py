@@ -99,7 +99,7 @@ def assemble(cfg: MoEConfig, dtype: jnp.dtype, flat: dict[tuple, Any]) -> MoECau
             sorted(map(str, set(flat) - expected))[:5],
         )
         raise CheckpointError(f"parameters do not match the model: missing {missing}, unexpected {extra}")
-    state.replace_by_pure_dict(nest(flat))
+    nnx.replace_by_pure_dict(state, nest(flat))
     return nnx.merge(graphdef, state)
 
 

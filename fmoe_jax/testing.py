@@ -123,3 +123,19 @@ def write_random_checkpoint(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
         )
     return out
+
+
+def ensure_checkpoint(preset: str, root: str | os.PathLike = "/tmp/fmoe-bench", **kwargs: Any) -> Path:
+    """`root/preset`, written once (into a temporary directory renamed on success) and reused afterwards."""
+    final = Path(root) / preset
+    if (final / "config.json").exists():
+        return final
+    tmp = Path(root) / f".{preset}.tmp-{os.getpid()}"
+    write_random_checkpoint(tmp, PRESETS[preset], **kwargs)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # someone else finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,125 @@
+"""Shared fixtures: tiny random Hugging Face models of each family, written with `save_pretrained`.
+
+These are the ground truth for parity: built by transformers + torch in float32, small enough to run fast.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+# Small configs that still exercise every feature: GQA, >= 2 layers, >= 4 experts, Mixtral's sliding
+# window, Qwen's dense layer and shared expert, Phi's biases and LongRoPE (original max 64 < 300 tokens).
+HF_CONFIGS = {
+    "mixtral": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        sliding_window=None,
+    ),
+    "mixtral_window": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        sliding_window=48,
+    ),
+    "qwen2_moe": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=80,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+        max_position_embeddings=1024,
+    ),
+    "phimoe": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        attention_bias=True,
+        lm_head_bias=True,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0],
+            "long_factor": [1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0],
+            "short_mscale": 1.05,
+            "long_mscale": 1.2,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+}
+FAMILY_OF = {"mixtral": "mixtral", "mixtral_window": "mixtral", "qwen2_moe": "qwen2_moe", "phimoe": "phimoe"}
+
+
+def make_hf_model(name: str, seed: int = 0):
+    import torch
+    import transformers
+
+    config_cls = {
+        "mixtral": transformers.MixtralConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "phimoe": transformers.PhimoeConfig,
+    }[FAMILY_OF[name]]
+    torch.manual_seed(seed)
+    config = config_cls(**HF_CONFIGS[name])
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if FAMILY_OF[name] == "phimoe":
+        # Random LayerNorm biases and LM-head bias, so the test sees whether they are applied.
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, torch.nn.LayerNorm) or module is model.lm_head:
+                    module.bias.normal_(0.0, 0.02)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    """name -> directory of a saved tiny HF model (created once per session)."""
+    out = {}
+    root = tmp_path_factory.mktemp("hf")
+    for name in HF_CONFIGS:
+        model = make_hf_model(name)
+        model.save_pretrained(root / name)
+        out[name] = root / name
+    return out
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data not found at {SHARED_DATA}")
+    return SHARED_DATA
