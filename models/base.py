@@ -77,6 +77,13 @@ class DecoderLayer(nnx.Module):
         return self.mlp(z)
 
 
+def output_logits(final_norm: nnx.Module, projection: nnx.Linear | nnx.Embed, x: jax.Array) -> jax.Array:
+    """Final norm then the LM head (or the tied embedding): `[..., D]` -> `[..., V]` float32."""
+    x = final_norm(x)
+    logits = projection.attend(x) if isinstance(projection, nnx.Embed) else projection(x)
+    return logits.astype(jnp.float32)
+
+
 class MoECausalLM(nnx.Module):
     """Embedding, decoder layers, routed experts `experts[layer][expert]`, final norm and LM head."""
 
@@ -116,15 +123,20 @@ class MoECausalLM(nnx.Module):
         return self.embed(tokens)
 
     def rope(self, layout: Layout) -> tuple[jax.Array, jax.Array]:
-        cfg = self.config
-        return rope_tables(cfg.rope, cfg.head_dim, layout.positions, layout.token_valid, self.dtype)
+        return self.rope_for(self.config, layout, self.dtype)
+
+    @staticmethod
+    def rope_for(cfg: MoEConfig, layout: Layout, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+        """cos/sin tables `[B, T, E]` of one call, shared by every layer."""
+        return rope_tables(cfg.rope, cfg.head_dim, layout.positions, layout.token_valid, dtype)
+
+    @property
+    def output_projection(self) -> nnx.Linear | nnx.Embed:
+        return self.embed if self.config.tie_word_embeddings else self.lm_head
 
     def head(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: `[B, T, D]` -> logits `[B, T, V]` float32."""
-        x = self.final_norm(x)
-        if self.config.tie_word_embeddings:
-            return self.embed.attend(x).astype(jnp.float32)
-        return self.lm_head(x).astype(jnp.float32)
+        return output_logits(self.final_norm, self.output_projection, x)
 
     def layer_experts(self, layer: int) -> list[ExpertWeights]:
         return [e.weights() for e in self.experts[layer]]

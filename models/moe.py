@@ -91,6 +91,8 @@ def expert_mixture(
     Returns:
       `[N, D]` in the experts' dtype.
     """
+    if not experts:  # nothing routed here is resident in this call (e.g. every token is padding)
+        return jnp.zeros(x.shape, x.dtype)
     n_assign = routing.ids.size
     if kernel == "auto":
         kernel = "unrolled" if n_assign <= UNROLL_MAX_ASSIGNMENTS else "tiled"

@@ -1,0 +1,128 @@
+"""Resident decode speed on "bench-s": fmoe_jax vs transformers eager vs the memory-bandwidth floor.
+
+    python benchmarks/decode_speed.py [--checkpoint DIR] [--prompt-len 128] [--new-tokens 64]
+
+bench-s is a random Mixtral-shaped model (vocab 32000, hidden 1024, intermediate 3584, 8 layers, 8 experts
+top-2, 16 heads, 4 KV heads, float32), written to /tmp/fmoe-bench on first use. The floor is the bytes of
+weights one decode token reads divided by the measured read bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import RESULTS, bar_plot, print_table, read_bandwidth_gbs, save
+
+
+def bytes_per_token(cfg, dtype_bytes: int, context: int) -> int:
+    """Weight (and KV cache) bytes one decode step reads: attention, norms, router, top-k experts, head."""
+    d, e = cfg.hidden_size, cfg.head_dim
+    attn = d * cfg.num_heads * e * 2 + d * cfg.num_kv_heads * e * 2
+    expert = 3 * d * cfg.expert_intermediate_size
+    per_layer = attn + 2 * d + d * cfg.num_experts + cfg.top_k * expert
+    kv = 2 * context * cfg.num_kv_heads * e
+    return (cfg.num_layers * (per_layer + kv) + d * cfg.vocab_size + d + d) * dtype_bytes
+
+
+def run_fmoe(path: Path, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+    import fmoe_jax as fj
+
+    model = fj.load_model(path)
+    fj.generate(model, [prompt], max_new_tokens=new_tokens, stop_at_eos=False)  # compile
+    traces_before = sum(model.engine.trace_counts.values())
+    ttft, steps = [], []
+    for _ in range(repeats):
+        out = fj.generate(model, [prompt], max_new_tokens=new_tokens, stop_at_eos=False)
+        ttft.append(out.stats.ttft_s)
+        steps.extend(out.stats.decode_step_s)
+    recompiles = sum(model.engine.trace_counts.values()) - traces_before
+    return dict(ttft_ms=float(np.median(ttft) * 1e3), tpot_ms=float(np.median(steps) * 1e3),
+                tpot_mean_ms=float(np.mean(steps) * 1e3), recompilations=recompiles, config=model.config)
+
+
+def run_transformers(path: Path, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    ids = torch.tensor([prompt])
+
+    def once():
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = model(ids, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            ttft = time.perf_counter() - start
+            cache, steps = out.past_key_values, []
+            for _ in range(new_tokens - 1):
+                start = time.perf_counter()
+                out = model(token, past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                steps.append(time.perf_counter() - start)
+                cache = out.past_key_values
+        return ttft, steps
+
+    once()
+    ttft, steps = [], []
+    for _ in range(repeats):
+        t, s = once()
+        ttft.append(t)
+        steps.extend(s)
+    return dict(ttft_ms=float(np.median(ttft) * 1e3), tpot_ms=float(np.median(steps) * 1e3),
+                tpot_mean_ms=float(np.mean(steps) * 1e3))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, help="HF directory (default: bench-s in /tmp/fmoe-bench)")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    from fmoe_jax.testing import ensure_checkpoint
+
+    path = args.checkpoint or ensure_checkpoint("bench-s")
+    prompt = np.random.default_rng(0).integers(3, 32000, args.prompt_len).tolist()
+    bandwidth = read_bandwidth_gbs()
+    ours = run_fmoe(path, prompt, args.new_tokens, args.repeats)
+    cfg = ours.pop("config")
+    context = args.prompt_len + args.new_tokens // 2
+    touched = bytes_per_token(cfg, 4, context)
+    floor_ms = touched / (bandwidth["best"] * 1e6)
+    rows = [dict(system="fmoe_jax resident", **ours)]
+    hf = None
+    if not args.skip_transformers:
+        hf = run_transformers(path, prompt, args.new_tokens, args.repeats)
+        rows.append(dict(system="transformers eager", **hf))
+    rows.append(dict(system="bandwidth floor", ttft_ms="", tpot_ms=floor_ms))
+    print(f"\nbench-s, prompt {args.prompt_len}, {args.new_tokens} new tokens, batch 1; "
+          f"{touched / 1e6:.0f} MB read per token; read bandwidth {bandwidth['best']:.1f} GB/s")
+    print_table(rows, ["system", "ttft_ms", "tpot_ms", "tpot_mean_ms", "recompilations"])
+    ratios = dict(tpot_vs_floor=ours["tpot_ms"] / floor_ms)
+    if hf:
+        ratios.update(tpot_vs_transformers=ours["tpot_ms"] / hf["tpot_ms"],
+                      ttft_vs_transformers=ours["ttft_ms"] / hf["ttft_ms"])
+    print("ratios:", {k: round(v, 3) for k, v in ratios.items()})
+    print("targets: tpot_vs_transformers <= 0.8, tpot_vs_floor <= 1.3, ttft_vs_transformers <= 1.0")
+    save("decode_speed", dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, bytes_per_token=touched,
+                              bandwidth_gbs=bandwidth, fmoe=ours, transformers=hf, floor_ms=floor_ms,
+                              ratios=ratios), args.out)
+    groups = {"TPOT (ms)": {"fmoe_jax": ours["tpot_ms"], "floor": floor_ms}, "TTFT (ms)": {"fmoe_jax": ours["ttft_ms"]}}
+    if hf:
+        groups["TPOT (ms)"]["transformers"] = hf["tpot_ms"]
+        groups["TTFT (ms)"]["transformers"] = hf["ttft_ms"]
+    bar_plot(args.out / "decode_speed.png", "bench-s resident decode, batch 1", groups, "ms")
+
+
+if __name__ == "__main__":
+    main()

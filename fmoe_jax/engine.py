@@ -1,0 +1,289 @@
+"""The offload engine: the per-layer loop where model steps, the expert cache and the policy meet.
+
+One iteration (DESIGN.md "One decode iteration"): embed (the semantic context goes to the policy); per
+layer, `attention_and_router` (jitted), one host read of the routing (the trajectory context goes to the
+policy), `cache.ensure` for the needed experts, `experts` (jitted) with the cached experts' arrays passed
+as arguments; if a layer needs more experts than the cache holds it runs in chunks; then the LM head.
+`fmoe_jax.generate` drives it through `step` exactly like the resident engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fmoe_jax.models import LayerKV, Layout, MoECausalLM, init_kv_cache
+from fmoe_jax.models.base import output_logits
+from fmoe_jax.models.moe import ExpertWeights, Kernel, Routing, expert_mixture
+from fmoe_jax.offload.config import OffloadConfig
+from fmoe_jax.offload.policies import PolicyContext, make_policy
+from fmoe_jax.offload.transfer import DeviceExpertCache, JaxMover
+
+from .resident import StepOutput
+from .sampling import Sampling
+
+
+def _pad_pow2(n: int, cap: int) -> int:
+    size = 1
+    while size < n:
+        size *= 2
+    return max(n, min(size, cap))
+
+
+class OffloadEngine:
+    """Serves a model whose routed experts live in host memory (see module docstring)."""
+
+    def __init__(self, module: MoECausalLM, offload: OffloadConfig, *, kernel: Kernel = "auto"):
+        cfg = module.config
+        self.module = module
+        self.config = cfg
+        self.offload = offload
+        self.kernel = kernel
+        self.trace_counts: collections.Counter[str] = collections.Counter()
+        self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layer_ids)}
+        self.embed_split = nnx.split(module.embed)
+        self.head_split = nnx.split((module.final_norm, module.output_projection))
+        self.layer_splits = [nnx.split(layer) for layer in module.layers]
+
+        first = module.experts[cfg.moe_layer_ids[0]][0].weights()
+        self.expert_bytes = sum(a.nbytes for a in first)
+        total = cfg.num_moe_layers * cfg.num_experts
+        self.policy = make_policy(offload.policy, **offload.policy_options)
+        slots = total if self.policy.preload_all else offload.slots(self.expert_bytes, total)
+        self.device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+        mover = JaxMover(self._host_expert, self.device)
+        self.cache = DeviceExpertCache(
+            mover,
+            slots,
+            self.expert_bytes,
+            self.policy,
+            max_inflight=offload.max_inflight,
+            synchronous=offload.synchronous_transfers,
+        )
+        ctx = PolicyContext(
+            num_layers=cfg.num_moe_layers,
+            num_experts=cfg.num_experts,
+            top_k=cfg.top_k,
+            embed_dim=cfg.hidden_size,
+            prefetch_distance=offload.prefetch_distance,
+            capacity=slots,
+            model_id=cfg.family,
+            options=dict(offload.policy_options),
+        )
+        self.policy.bind(ctx, self.cache)
+        if self.policy.preload_all:
+            self.cache.preload([(m, e) for m in range(cfg.num_moe_layers) for e in range(cfg.num_experts)])
+        self.overhead = collections.defaultdict(float)
+        self._jits()
+
+    def _host_expert(self, key: tuple[int, int]) -> ExpertWeights:
+        layer = self.config.moe_layer_ids[key[0]]
+        return self.module.experts[layer][key[1]].weights()
+
+    # -- jitted steps -----------------------------------------------------------------------------------
+    def _jits(self) -> None:
+        cfg, kernel, counts = self.config, self.kernel, self.trace_counts
+
+        @functools.partial(jax.jit, static_argnums=0)
+        def embed(graphdef, state, tokens, layout):
+            counts["embed"] += 1
+            x = nnx.merge(graphdef, state)(tokens)
+            rope = MoECausalLM.rope_for(cfg, layout, x.dtype)
+            return x, rope
+
+        @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+        def attention_and_router(graphdef, state, x, kv, layout, rope):
+            counts[f"attention_and_router_T{x.shape[1]}"] += 1
+            layer = nnx.merge(graphdef, state)
+            h, z, kv = layer.attention_block(x, rope, kv, layout)
+            z = z.reshape(-1, z.shape[-1])
+            return h, z, layer.route(z), kv
+
+        @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+        def dense_layer(graphdef, state, x, kv, layout, rope):
+            counts[f"dense_layer_T{x.shape[1]}"] += 1
+            layer = nnx.merge(graphdef, state)
+            h, z, kv = layer.attention_block(x, rope, kv, layout)
+            return h + layer.dense_output(z).astype(h.dtype), kv
+
+        @functools.partial(jax.jit, static_argnums=0)
+        def experts_finish(graphdef, state, h, z, routing, experts, slots, valid, acc):
+            counts[f"experts_finish_T{h.shape[1]}_n{len(experts)}"] += 1
+            layer = nnx.merge(graphdef, state)
+            y = layer.moe_output(z, routing, experts, slots, valid, kernel=kernel)
+            y = y.astype(jnp.float32) + acc
+            return h + y.reshape(h.shape).astype(h.dtype)
+
+        @jax.jit
+        def experts_partial(z, routing, experts, slots, valid, acc):
+            counts[f"experts_partial_N{z.shape[0]}_n{len(experts)}"] += 1
+            return acc + expert_mixture(z, routing, experts, slots, valid, kernel=kernel).astype(jnp.float32)
+
+        @functools.partial(jax.jit, static_argnums=(0, 4), static_argnames="all_positions")
+        def head(graphdef, state, x, key, sampling, all_positions=False):
+            counts[f"head_all{all_positions}"] += 1
+            norm, projection = nnx.merge(graphdef, state)
+            if all_positions:
+                return output_logits(norm, projection, x)
+            logits = output_logits(norm, projection, x[:, -1])
+            return sampling(logits, key), logits
+
+        self._embed, self._attention_and_router, self._dense_layer = embed, attention_and_router, dense_layer
+        self._experts_finish, self._experts_partial, self._head = experts_finish, experts_partial, head
+
+    # -- the generation loop's interface ----------------------------------------------------------------
+    def init_cache(self, batch: int, length: int) -> list[LayerKV]:
+        return init_kv_cache(self.config, batch, length, self.module.dtype)
+
+    def begin(self, batch: int) -> None:
+        """Starts a `generate` call: statistics count from here."""
+        book = self.cache.book
+        self._start = (copy.deepcopy(book.stats), dict(self.cache.timers))
+        self.overhead.clear()
+        self.policy.on_request_start(batch)
+
+    def finish(self, stats) -> None:
+        """Fills the cache and policy statistics of the call into `stats` (a `GenerationStats`)."""
+        before, timers = self._start
+        now = self.cache.book.stats
+        stats.hits = now.hits - before.hits
+        stats.misses = now.misses - before.misses
+        stats.late_prefetches = now.late_prefetches - before.late_prefetches
+        stats.prefetches = now.prefetches - before.prefetches
+        stats.wasted_prefetches = now.wasted_prefetches - before.wasted_prefetches
+        stats.bytes_to_device = now.bytes_to_device - before.bytes_to_device
+        stats.hit_rate = stats.hits / (stats.hits + stats.misses) if stats.hits + stats.misses else 1.0
+        stats.peak_cache_bytes = now.peak_bytes
+        layers = self.config.num_moe_layers
+        hits = [now.layer_hits.get(i, 0) - before.layer_hits.get(i, 0) for i in range(layers)]
+        needed = [now.layer_needed.get(i, 0) - before.layer_needed.get(i, 0) for i in range(layers)]
+        stats.layer_hit_rate = [h / n if n else 1.0 for h, n in zip(hits, needed, strict=True)]
+        overhead = dict(self.overhead)
+        for name, value in self.cache.timers.items():
+            overhead[name] = overhead.get(name, 0.0) + value - timers.get(name, 0.0)
+        stats.overhead_s = overhead
+        stats.extra.update(self.policy.stats())
+        stats.extra["cache_slots"] = self.cache.book.capacity
+        stats.extra["expert_bytes"] = self.expert_bytes
+
+    def close(self) -> None:
+        self.policy.close()
+
+    def step(
+        self,
+        tokens: jax.Array,
+        kv: list[LayerKV],
+        layout: Layout,
+        key: jax.Array,
+        sampling: Sampling,
+        record: bool = False,
+    ) -> tuple[StepOutput, list[LayerKV]]:
+        x, kv, extra = self._layers(tokens, kv, layout, record)
+        next_tokens, logits = self._head(*self.head_split, x, key, sampling)
+        out = StepOutput(next_tokens, logits)
+        if record:
+            out.embeds, out.probs, out.ids = extra
+        return out, kv
+
+    def forward(self, tokens: jax.Array) -> tuple[jax.Array, list[Routing]]:
+        b, t = tokens.shape
+        kv = self.init_cache(b, t)
+        layout = Layout(jnp.int32(0), jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), t)
+        x, _, (_, probs, ids) = self._layers(tokens, kv, layout, True)
+        logits = self._head(*self.head_split, x, None, None, all_positions=True)
+        probs = probs.reshape(b * t, probs.shape[2], -1)
+        ids = ids.reshape(b * t, ids.shape[2], -1)
+        routings = [
+            Routing(jnp.asarray(probs[:, i]), jnp.asarray(ids[:, i]), jnp.zeros(ids[:, i].shape))
+            for i in range(probs.shape[1])
+        ]
+        return logits, routings
+
+    # -- the per-layer loop -----------------------------------------------------------------------------
+    def _layers(self, tokens, kv, layout, record):
+        policy = self.policy
+        b, t = tokens.shape
+        valid_bt = np.asarray(layout.token_valid)  # [B, T] (layout arrays are small host-made inputs)
+        valid = valid_bt.reshape(b * t)
+        valid_dev = jnp.asarray(valid)
+        x, rope = self._embed(*self.embed_split, tokens, layout)
+
+        start = time.perf_counter()
+        embeds = np.asarray(x, np.float32).reshape(b * t, -1) if (policy.needs_semantic or record) else None
+        policy.on_iteration_start(embeds if policy.needs_semantic else None, valid)
+        self.overhead["context_collection"] += time.perf_counter() - start
+
+        kv = list(kv)
+        probs_all, ids_all = [], []
+        for layer_id, (graphdef, state) in enumerate(self.layer_splits):
+            if layer_id not in self.moe_index:
+                x, kv[layer_id] = self._dense_layer(graphdef, state, x, kv[layer_id], layout, rope)
+                continue
+            moe = self.moe_index[layer_id]
+            h, z, routing, kv[layer_id] = self._attention_and_router(
+                graphdef, state, x, kv[layer_id], layout, rope
+            )
+            start = time.perf_counter()
+            ids = np.asarray(routing.ids)  # [N, k]: the one sync point of the layer
+            probs = np.asarray(routing.probs) if (policy.needs_probs or record) else None
+            policy.on_layer_routed(moe, probs if policy.needs_probs else None, ids, valid)
+            self.overhead["context_collection"] += time.perf_counter() - start
+            if record:
+                probs_all.append(probs)
+                ids_all.append(ids)
+            needed = sorted({int(e) for e in ids[valid].ravel()})
+            x = self._run_experts(moe, graphdef, state, h, z, routing, valid_dev, needed)
+        policy.on_iteration_end()
+        extra = None
+        if record:
+            extra = (
+                embeds.reshape(b, t, -1),
+                np.stack(probs_all, 1).reshape(b, t, len(probs_all), -1),
+                np.stack(ids_all, 1).reshape(b, t, len(ids_all), -1),
+            )
+        return x, kv, extra
+
+    def _run_experts(self, moe, graphdef, state, h, z, routing, valid, needed):
+        """Computes a layer's experts with what fits the cache, in chunks when it needs more than that."""
+        capacity = self.cache.book.capacity
+        acc = jnp.zeros(z.shape, jnp.float32)
+        if not needed:  # only padding or finished rows: the shared expert and the residual remain
+            return self._experts_finish(
+                graphdef,
+                state,
+                h,
+                z,
+                routing,
+                (),
+                jnp.full((self.config.num_experts,), -1, jnp.int32),
+                valid,
+                acc,
+            )
+        keys = [(moe, e) for e in needed]
+        if len(keys) > capacity:  # resident ones first: they are hits, and loading the rest evicts them
+            keys.sort(key=lambda k: k not in self.cache.book)
+        chunks = [keys[i : i + capacity] for i in range(0, len(keys), capacity)]
+        for i, chunk in enumerate(chunks):
+            arrays = self.cache.ensure(moe, chunk)
+            experts = [arrays[k] for k in chunk]
+            slots = np.full((self.config.num_experts,), -1, np.int32)
+            slots[[e for _, e in chunk]] = np.arange(len(chunk), dtype=np.int32)
+            padded = _pad_pow2(len(experts), capacity)
+            experts += [experts[0]] * (padded - len(experts))
+            if i == len(chunks) - 1:
+                out = self._experts_finish(
+                    graphdef, state, h, z, routing, tuple(experts), jnp.asarray(slots), valid, acc
+                )
+            else:
+                acc = self._experts_partial(z, routing, tuple(experts), jnp.asarray(slots), valid, acc)
+                acc.block_until_ready()  # the next chunk evicts these experts: let the computation finish
+                out = None
+            self.cache.release(chunk)
+        return out

@@ -1,0 +1,69 @@
+"""`OffloadConfig`: how a model is served with its routed experts in host memory.
+
+Passed to `fmoe_jax.load_model(path, offload=OffloadConfig(...))`; read by the engine, the expert cache
+and the policy factory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """Settings of expert offloading.
+
+    Attributes:
+      policy: a policy name (`resident`, `on_demand_lru`, `on_demand_lfu`, `fmoe`, and the baselines of
+        `fmoe_jax.offload.policies.POLICIES`) or a `Policy` object.
+      cache_experts: device expert-cache budget in experts (slots).
+      cache_bytes: the budget in bytes instead; the cache holds `cache_bytes // bytes_per_expert` experts.
+        With neither, the cache holds 25 % of all routed experts.
+      prefetch_distance: d, how many layers ahead a policy prefetches.
+      store_capacity: expert maps the fMoE store keeps.
+      store_path: file of a saved fMoE expert-map store: loaded at start when it exists, saved back at close.
+      devices: devices for expert-parallel placement (None: the default device).
+      max_inflight: host-to-device copies in flight at once.
+      synchronous_transfers: wait for every copy as it is issued (the simulator's comparison mode).
+      policy_options: extra keyword arguments of the policy (ablation switches and the like).
+    """
+
+    policy: Any = "on_demand_lru"
+    cache_experts: int | None = None
+    cache_bytes: int | None = None
+    prefetch_distance: int = 3
+    store_capacity: int = 1000
+    store_path: str | None = None
+    devices: Any = None
+    max_inflight: int = 4
+    synchronous_transfers: bool = False
+    policy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.cache_experts is not None and self.cache_bytes is not None:
+            raise ValueError("give cache_experts or cache_bytes, not both")
+        if self.cache_experts is not None and self.cache_experts < 1:
+            raise ValueError(f"cache_experts must be at least 1 expert slot, got {self.cache_experts}")
+        if self.cache_bytes is not None and self.cache_bytes <= 0:
+            raise ValueError(f"cache_bytes must be positive, got {self.cache_bytes}")
+        if self.prefetch_distance < 1:
+            raise ValueError(f"prefetch_distance must be >= 1, got {self.prefetch_distance}")
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.store_capacity < 1:
+            raise ValueError(f"store_capacity must be >= 1, got {self.store_capacity}")
+
+    def slots(self, expert_bytes: int, total_experts: int) -> int:
+        """The budget in expert slots for experts of `expert_bytes` each."""
+        if self.cache_experts is not None:
+            return min(self.cache_experts, total_experts)
+        if self.cache_bytes is not None:
+            slots = self.cache_bytes // expert_bytes
+            if slots < 1:
+                raise ValueError(
+                    f"cache_bytes={self.cache_bytes} is below the size of one expert ({expert_bytes} bytes); "
+                    "the cache needs at least one expert slot"
+                )
+            return min(slots, total_experts)
+        return max(1, total_experts // 4)

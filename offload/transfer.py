@@ -1,0 +1,240 @@
+"""The device expert cache's storage and its transfer engine: asynchronous host-to-device copies.
+
+`DeviceExpertCache` owns the cached experts' device arrays and the `CacheBook`; prefetches wait in a
+priority queue and start while fewer than `max_inflight` copies are in flight; on-demand loads start
+at once, ahead of every queued prefetch, and pause prefetching until they land. The engine calls
+`ensure`; policies call `request_prefetch` (from any thread: one lock guards the state). Copies go
+through a `Mover`: `JaxMover` does real `jax.device_put`s; the simulator plugs in a simulated link.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import jax
+from fmoe_jax.models.moe import ExpertWeights
+
+from .cache import CacheBook, Entry, Key
+
+
+class EvictionPolicy(Protocol):
+    def keep_score(self, key: Key, entry: Entry) -> float:
+        """Higher is kept longer; the lowest-scoring ready, unpinned expert is evicted first."""
+
+    def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
+        """Whether a prefetch of `key` may evict `victim` to make room."""
+
+
+class Mover(Protocol):
+    def start(self, key: Key) -> Any:
+        """Begins copying expert `key` to the device; returns a handle (the device arrays)."""
+
+    def is_ready(self, handle: Any) -> bool: ...
+
+    def wait(self, handles: Sequence[Any]) -> None: ...
+
+
+class JaxMover:
+    """Asynchronous `jax.device_put` of an expert's host arrays to a device sharding."""
+
+    def __init__(self, host: Callable[[Key], ExpertWeights], device: jax.sharding.Sharding):
+        self.host = host
+        self.device = device
+
+    def start(self, key: Key) -> ExpertWeights:
+        return jax.device_put(self.host(key), self.device)
+
+    def is_ready(self, handle: ExpertWeights) -> bool:
+        return all(a.is_ready() for a in handle)
+
+    def wait(self, handles: Sequence[ExpertWeights]) -> None:
+        jax.block_until_ready(list(handles))
+
+
+class DeviceExpertCache:
+    """Expert weights on one device, within a budget of `capacity` experts.
+
+    Args:
+      mover: copies an expert to the device (`JaxMover`, or the simulator's).
+      capacity: slots.
+      expert_bytes: bytes of one expert.
+      policy: eviction order and prefetch admission (the offload policy).
+      max_inflight: copies in flight at once (prefetches; on-demand loads are never held back).
+      synchronous: wait for every copy as it is issued.
+    """
+
+    def __init__(
+        self,
+        mover: Mover,
+        capacity: int,
+        expert_bytes: int,
+        policy: EvictionPolicy,
+        *,
+        max_inflight: int = 4,
+        synchronous: bool = False,
+    ):
+        self.mover = mover
+        self.book = CacheBook(capacity, expert_bytes)
+        self.policy = policy
+        self.max_inflight = max_inflight
+        self.synchronous = synchronous
+        self.arrays: dict[Key, Any] = {}
+        self.lock = threading.RLock()
+        self.queue: list[tuple[float, int, Key]] = []  # (-priority, order, key)
+        self.queued: set[Key] = set()
+        self.order = 0
+        self.paused = 0  # on-demand loads pending
+        self.timers = {"prefetch_issue": 0.0, "on_demand_wait": 0.0}
+
+    # -- copies ----------------------------------------------------------------------------------------
+    def _start_copy(self, key: Key, *, prefetched: bool) -> None:
+        """Caller holds the lock and has made room."""
+        self.book.add(key, prefetched=prefetched)
+        handle = self.mover.start(key)
+        if self.synchronous:
+            self.mover.wait([handle])
+            self.book.mark_ready(key)
+        self.arrays[key] = handle
+
+    def _poll(self) -> None:
+        """Marks finished copies ready."""
+        for key, entry in self.book.entries.items():
+            if not entry.ready and self.mover.is_ready(self.arrays[key]):
+                entry.ready = True
+
+    def _inflight(self) -> list[Key]:
+        return [k for k, e in self.book.entries.items() if not e.ready]
+
+    def _evict_one(self, protect: Iterable[Key] = ()) -> bool:
+        victim = self.book.victim(self.policy.keep_score, protect=protect)
+        if victim is None:
+            return False
+        self.book.remove(victim)
+        del self.arrays[victim]
+        return True
+
+    def _wait_ready(self, keys: Sequence[Key]) -> None:
+        """Blocks (without the lock) until the copies of `keys` have landed."""
+        self.mover.wait([self.arrays[k] for k in keys])
+        with self.lock:
+            for key in keys:
+                self.book.mark_ready(key)
+
+    # -- prefetch --------------------------------------------------------------------------------------
+    def request_prefetch(self, items: Iterable[tuple[Key, float]], *, replace: bool = True) -> None:
+        """Queues prefetches `(key, priority)` (higher first). With `replace`, requests still waiting are
+        dropped first: they are no longer wanted."""
+        start = time.perf_counter()
+        with self.lock:
+            if replace:
+                self.book.stats.dropped_prefetches += len(self.queued)
+                self.queue.clear()
+                self.queued.clear()
+            for key, priority in items:
+                if key in self.book or key in self.queued:
+                    continue
+                self.order += 1
+                heapq.heappush(self.queue, (-priority, self.order, key))
+                self.queued.add(key)
+            self._pump()
+        self.timers["prefetch_issue"] += time.perf_counter() - start
+
+    def _pump(self) -> None:
+        """Starts queued prefetches while allowed. Caller holds the lock."""
+        if self.paused:
+            return
+        self._poll()
+        while self.queue and len(self._inflight()) < self.max_inflight:
+            neg_priority, _, key = self.queue[0]
+            if key in self.book:
+                heapq.heappop(self.queue)
+                self.queued.discard(key)
+                continue
+            if self.book.free_slots <= 0 and not self._evict_for_prefetch(key, -neg_priority):
+                break
+            heapq.heappop(self.queue)
+            self.queued.discard(key)
+            self._start_copy(key, prefetched=True)
+
+    def _evict_for_prefetch(self, key: Key, priority: float) -> bool:
+        """Makes room for a prefetch if the policy lets it evict its lowest-ranked expert."""
+        victim = self.book.victim(self.policy.keep_score)
+        if victim is None or not self.policy.admit_prefetch(key, priority, victim):
+            return False
+        self.book.remove(victim)
+        del self.arrays[victim]
+        return True
+
+    def pump(self) -> None:
+        with self.lock:
+            self._pump()
+
+    # -- the engine's side -----------------------------------------------------------------------------
+    def ensure(self, layer: int, needed: Sequence[Key]) -> dict[Key, ExpertWeights]:
+        """Makes `needed` (at most `capacity` experts of one layer) resident and pinned; returns their arrays.
+
+        Hits are counted before anything is loaded; misses load on demand ahead of queued prefetches.
+        The caller must `release` the keys after computing with them.
+        """
+        if len(needed) > self.book.capacity:
+            raise ValueError(
+                f"{len(needed)} experts requested at once but the cache holds {self.book.capacity}"
+            )
+        with self.lock:
+            self._poll()
+            hits, late, misses = self.book.classify(layer, needed)
+            self.book.pin(hits + late)
+            if misses:
+                self.paused += 1
+            try:
+                for key in misses:
+                    self.queued.discard(key)
+                    while self.book.free_slots <= 0 and not self._evict_one(protect=needed):
+                        self._wait_for_any_inflight()
+                    self._start_copy(key, prefetched=False)
+                    self.book.pin([key])
+            except BaseException:
+                self.paused -= bool(misses)
+                raise
+        start = time.perf_counter()
+        waiting = late + misses
+        if waiting:
+            self._wait_ready(waiting)
+        self.timers["on_demand_wait"] += time.perf_counter() - start
+        with self.lock:
+            if misses:
+                self.paused -= 1
+            for key in needed:
+                self.book.record_use(key)
+            out = {key: self.arrays[key] for key in needed}
+            self._pump()
+        return out
+
+    def _wait_for_any_inflight(self) -> None:
+        """No evictable expert: every slot is pinned or arriving. Waits (lock held) for an unpinned arriving
+        copy so it can be evicted; the lock is re-entrant and the copy needs no other thread."""
+        arriving = [k for k in self._inflight() if not self.book.entries[k].pins]
+        if not arriving:
+            raise RuntimeError("expert cache deadlock: every slot is pinned (engine bug: chunk too large)")
+        key = min(arriving, key=lambda k: self.book.entries[k].arrived)
+        self.mover.wait([self.arrays[key]])
+        self.book.mark_ready(key)
+
+    def release(self, keys: Iterable[Key]) -> None:
+        with self.lock:
+            self.book.unpin(keys)
+
+    def preload(self, keys: Iterable[Key]) -> None:
+        """Loads experts without counting them as prefetches or misses (warm start, resident policy)."""
+        with self.lock:
+            for key in keys:
+                if key not in self.book:
+                    self.book.add(key, prefetched=False)
+                    self.arrays[key] = self.mover.start(key)
+            self.book.stats.loads = 0
+            self.book.stats.bytes_to_device = 0
+        self._wait_ready(list(self.arrays))
