@@ -1,0 +1,475 @@
+"""fMoE's Expert Map Store: stored expert maps, their semantic and trajectory search, deduplication.
+
+Owned by the fmoe policy thread (`offload/policies/fmoe.py`) and the trace-replay simulator; pure NumPy.
+
+Paper sections 4.1, 4.2 and 4.4. An expert map is the router probabilities of every layer for one
+token at one iteration, [L, J]; its semantic context is that token's input embedding, [H].
+
+Shapes: C capacity, n = len(store) <= C, B rows of a batch, H embedding size, L layers, J experts per
+layer, l observed layers of a trajectory, k sketch size, R rerank candidates.
+
+Layout, chosen so that one match is one matrix-vector product over contiguous float32 memory:
+  embeddings [C, H] and maps [C, L*J] (row-major, so the first l layers of every map are the first
+  l*J columns: a prefix is a strided view, never a copy); inverse norms of the embeddings [C] and of
+  every map prefix [L, C] (row l-1 is 1/||map[:l*J]||, from a cumulative sum over layers), written
+  once per stored map, so a match never recomputes a norm.
+
+An exact semantic search reads all n*H floats per query: 512 MiB at C = 32K, H = 4096, 25-60 ms on
+the 2-core development machine (memory-bound). Above `rerank` stored maps the search therefore
+shortlists the R best candidates on a k-dimensional sketch of the unit embeddings, [C, k], and
+rescores those R exactly: the reported score is always the exact cosine of the returned map, and
+the returned map is the exact best unless R stored maps beat it on the sketch. The sketch is a count
+sketch (the H coordinates, randomly signed, summed in k random groups of equal size): it preserves
+inner products in expectation like a Gaussian Johnson-Lindenstrauss projection, but costs no [H, k]
+matrix read per query. `sketch_dim=None` turns it off. The trajectory search is always exact.
+
+Not thread-safe: one thread (the policy's) adds and matches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Norms below this are treated as zero: such a vector has cosine 0 with everything.
+_NORM_FLOOR = 1e-12
+_SKETCH_SEED = 0
+# Rows per `add` when loading, so that loading never holds more than one chunk of temporaries.
+_LOAD_CHUNK = 4096
+_FORMAT = "fmoe-expert-map-store"
+_VERSION = 1
+_SHAPE_FIELDS = ("num_layers", "num_experts", "embed_dim", "prefetch_distance")
+
+
+class ExpertMapStore:
+    """At most `capacity` expert maps with their semantic embeddings, searched by cosine similarity.
+
+    While not full, `add` appends. When full, each new map replaces the stored map that is most
+    redundant with it (section 4.4):
+
+        RDY = (d / L) * cos(embedding_new, embedding_old) + (1 - d / L) * cos(map_new, map_old),
+
+    with d the prefetch distance and both maps flattened to [L*J].
+
+    Matching an empty store returns scores 0 and all-zero maps (no stored map, no information);
+    `fmoe_select.select_experts` selects no expert from an all-zero map.
+    """
+
+    def __init__(
+        self,
+        *,
+        capacity: int = 1000,
+        num_layers: int,
+        num_experts: int,
+        embed_dim: int,
+        prefetch_distance: int,
+        sketch_dim: int | None = 256,
+        rerank: int = 128,
+    ):
+        for name, value in (
+            ("capacity", capacity),
+            ("num_layers", num_layers),
+            ("num_experts", num_experts),
+            ("embed_dim", embed_dim),
+            ("rerank", rerank),
+        ):
+            if value < 1:
+                raise ValueError(f"ExpertMapStore {name} must be >= 1, got {value}.")
+        if not 0 <= prefetch_distance <= num_layers:
+            raise ValueError(
+                f"prefetch_distance must be in [0, num_layers={num_layers}], got {prefetch_distance}."
+            )
+        if sketch_dim is not None and sketch_dim < 1:
+            raise ValueError(f"sketch_dim must be >= 1 or None (exact search), got {sketch_dim}.")
+        self.capacity = capacity
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.embed_dim = embed_dim
+        self.prefetch_distance = prefetch_distance
+        self.rerank = rerank
+        # Weight of the semantic similarity in the redundancy score (section 4.4).
+        self.semantic_weight = prefetch_distance / num_layers
+        width = num_layers * num_experts
+
+        self._size = 0
+        self._embeds = np.zeros((capacity, embed_dim), np.float32)  # [C, H]
+        self._inv_embed_norm = np.zeros((capacity,), np.float32)  # [C]
+        self._maps = np.zeros((capacity, width), np.float32)  # [C, L*J]
+        self._inv_prefix_norm = np.zeros((num_layers, capacity), np.float32)  # [L, C]
+        # A sketch only pays off when it is smaller than the embedding and the store can outgrow
+        # the rerank shortlist; otherwise every search is exact.
+        self.sketch_dim = sketch_dim if sketch_dim is not None and sketch_dim < embed_dim else None
+        if self.sketch_dim is not None and capacity > rerank:
+            rng = np.random.default_rng(_SKETCH_SEED)
+            self._sketch_order = rng.permutation(embed_dim)  # [H]: coordinate order, group by group
+            self._sketch_sign = rng.choice(np.array([-1.0, 1.0], np.float32), embed_dim)  # [H]
+            self._sketch_starts = np.arange(self.sketch_dim) * embed_dim // self.sketch_dim  # [k]
+            self._sketch = np.zeros((capacity, self.sketch_dim), np.float32)  # [C, k], unit rows
+        else:
+            self.sketch_dim = None
+            self._sketch = None
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def embeds(self) -> np.ndarray:  # [n, H]
+        """Stored semantic embeddings, a read-only view."""
+        return _read_only(self._embeds[: self._size])
+
+    @property
+    def maps(self) -> np.ndarray:  # [n, L, J]
+        """Stored expert maps, a read-only view."""
+        return _read_only(self._maps[: self._size].reshape(self._size, self.num_layers, self.num_experts))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the store's arrays (preallocated for the full capacity)."""
+        arrays = [self._embeds, self._inv_embed_norm, self._maps, self._inv_prefix_norm]
+        if self._sketch is not None:
+            arrays += [self._sketch, self._sketch_order, self._sketch_sign, self._sketch_starts]
+        return sum(a.nbytes for a in arrays)
+
+    def add(
+        self,
+        embeds: np.ndarray,  # [B, H]
+        maps: np.ndarray,  # [B, L, J]
+    ) -> np.ndarray:  # [B] int64
+        """Stores B new expert maps; returns the slot each one went to.
+
+        A batch behaves exactly like B single-row calls in row order: rows append while there is
+        room; once full, each row replaces the stored map most redundant with it, where the store
+        already holds the earlier rows of the batch. So two new rows replace the same slot only when
+        the second is most redundant with the first (the first is then dropped as a near-duplicate),
+        and no old map is dropped for a row that was itself dropped. Ties go to the lowest slot.
+
+        The authors' code (`ExpertMapStore.add` in finemoe/runtime/model_offload.py) instead takes
+        every row's argmax against the store as it was before the replacements and scatters the
+        rows: rows sharing an argmax overwrite each other there, so fewer old maps are replaced than
+        rows arrived and some rows are lost without being compared with each other.
+
+        One matrix product scores all B rows against the store; the sequential replacement then
+        updates only the replaced columns, from the batch's own [B, B] similarities.
+        """
+        embeds = self._rows(embeds, (self.embed_dim,), "embeds")  # [B, H]
+        maps = self._rows(maps, (self.num_layers, self.num_experts), "maps")  # [B, L, J]
+        if embeds.shape[0] != maps.shape[0]:
+            raise ValueError(
+                f"add needs one map per embedding, got {embeds.shape[0]} embeddings and {maps.shape[0]} maps."
+            )
+        if np.any(maps < 0):
+            raise ValueError("expert maps hold router probabilities and must be >= 0.")
+        flat = maps.reshape(len(maps), self.num_layers * self.num_experts)  # [B, L*J]
+        inv_embed, inv_prefix, sketch = self._row_stats(embeds, flat)
+        num_rows = embeds.shape[0]
+        slots = np.empty((num_rows,), np.int64)
+
+        take = min(self.capacity - self._size, num_rows)
+        slots[:take] = np.arange(self._size, self._size + take)
+        self._write(
+            slots[:take],
+            embeds[:take],
+            flat[:take],
+            inv_embed[:take],
+            inv_prefix[:take],
+            None if sketch is None else sketch[:take],
+        )
+        self._size += take
+        if take == num_rows:
+            return slots
+
+        # Full from here on: n == C.
+        rest = slice(take, num_rows)
+        unit_embeds = embeds[rest] * inv_embed[rest, None]  # [r, H]
+        unit_maps = flat[rest] * inv_prefix[rest, -1:]  # [r, L*J]
+        sem = self._semantic_scores(unit_embeds, None if sketch is None else sketch[rest])  # [r, C]
+        traj = _scores(self._maps, unit_maps) * self._inv_prefix_norm[-1]  # [r, C]
+        # Replaced columns take the same kind of value as the rest of `sem` (sketch or exact), so a
+        # batch shortlists exactly as the equivalent single-row calls would.
+        sem_batch = unit_embeds @ unit_embeds.T if sketch is None else sketch[rest] @ sketch[rest].T  # [r, r]
+        traj_batch = unit_maps @ unit_maps.T  # [r, r]
+        w = self.semantic_weight
+        for i, row in enumerate(range(take, num_rows)):
+            rdy = w * sem[i] + (1.0 - w) * traj[i]  # [C]
+            if self._sketch is None:
+                slot = int(np.argmax(rdy))
+            else:
+                # sem holds sketch estimates: shortlist on them, decide on exact cosines.
+                cand = _top_candidates(rdy, self.rerank)  # [R]
+                exact = (self._embeds[cand] @ unit_embeds[i]) * self._inv_embed_norm[cand]
+                slot = int(cand[np.argmax(w * exact + (1.0 - w) * traj[i, cand])])
+            slots[row] = slot
+            self._write(
+                slots[row : row + 1],
+                embeds[row : row + 1],
+                flat[row : row + 1],
+                inv_embed[row : row + 1],
+                inv_prefix[row : row + 1],
+                None if sketch is None else sketch[row : row + 1],
+            )
+            sem[i + 1 :, slot] = sem_batch[i + 1 :, i]
+            traj[i + 1 :, slot] = traj_batch[i + 1 :, i]
+        return slots
+
+    def match_embed(
+        self,
+        embeds: np.ndarray,  # [B, H]
+    ) -> tuple[np.ndarray, np.ndarray]:  # [B] float32, [B, L, J] float32
+        """Semantic search (equation 4): for each row, the stored map whose embedding is most similar.
+
+        Returns the cosine similarity of the best match and a copy of its full map. The policy uses
+        the first d layers of it. Empty store: scores 0 and zero maps.
+        """
+        embeds = self._rows(embeds, (self.embed_dim,), "embeds")  # [B, H]
+        if self._size == 0:
+            return self._empty_match(embeds.shape[0])
+        inv_embed, _, sketch = self._row_stats(embeds, None)
+        unit = embeds * inv_embed[:, None]  # [B, H]
+        sims = self._semantic_scores(unit, sketch)  # [B, n]
+        if self._sketch is None or self._size <= self.rerank:
+            best = np.argmax(sims, axis=1)  # [B]
+            return self._answer(sims[np.arange(len(best)), best], best)
+        best = np.empty((embeds.shape[0],), np.int64)
+        scores = np.empty((embeds.shape[0],), np.float32)
+        for b in range(embeds.shape[0]):
+            cand = _top_candidates(sims[b], self.rerank)  # [R]
+            exact = (self._embeds[cand] @ unit[b]) * self._inv_embed_norm[cand]  # [R]
+            i = int(np.argmax(exact))
+            best[b], scores[b] = cand[i], exact[i]
+        return self._answer(scores, best)
+
+    def match_traj(
+        self,
+        trajs: np.ndarray,  # [B, l, J]
+    ) -> tuple[np.ndarray, np.ndarray]:  # [B] float32, [B, L, J] float32
+        """Trajectory search (equation 5): the stored map whose first l layers best match `trajs`.
+
+        `trajs` is the router probabilities observed so far in this iteration, layers 0..l-1
+        (1 <= l <= L). Returns the cosine similarity of the flattened prefixes and a copy of the full
+        best map, from which the policy reads the layers d and more ahead of layer l-1. Empty store:
+        scores 0 and zero maps.
+        """
+        shape = np.shape(trajs)
+        if len(shape) != 3 or not 1 <= shape[1] <= self.num_layers or shape[2] != self.num_experts:
+            raise ValueError(
+                f"trajs must be [B, l, J={self.num_experts}] with 1 <= l <= L={self.num_layers}, "
+                f"got shape {shape}."
+            )
+        trajs = self._rows(trajs, shape[1:], "trajs")  # [B, l, J]
+        if self._size == 0:
+            return self._empty_match(trajs.shape[0])
+        observed = trajs.shape[1]
+        query = trajs.reshape(trajs.shape[0], -1)  # [B, l*J]
+        inv_query = _inv_norm(query)  # [B]
+        prefix = self._maps[: self._size, : query.shape[1]]  # [n, l*J], strided view
+        sims = _scores(prefix, query) * self._inv_prefix_norm[observed - 1, : self._size] * inv_query[:, None]
+        best = np.argmax(sims, axis=1)  # [B]
+        return self._answer(sims[np.arange(len(best)), best], best)
+
+    def save(self, path: str | os.PathLike, meta: dict[str, Any]) -> None:
+        """Writes the stored maps to one .npz with a JSON header, atomically.
+
+        `meta` says what the maps belong to (at least the model identity, e.g.
+        {"model": "mistralai/Mixtral-8x7B-v0.1"}); it must be JSON-serialisable. L, J, H and d are
+        written from the store itself. The file is written next to `path` and renamed over it, so a
+        crash never leaves a half-written store behind.
+        """
+        clash = sorted(set(meta) & set(_SHAPE_FIELDS + ("capacity", "size")))
+        if clash:
+            raise ValueError(f"meta must not set {clash}: the store writes these fields itself.")
+        header = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            **{name: getattr(self, name) for name in _SHAPE_FIELDS},
+            "capacity": self.capacity,
+            "size": self._size,
+            "meta": meta,
+        }
+        try:
+            header_text = json.dumps(header, default=_json_default)
+        except TypeError as err:
+            raise ValueError(f"meta must be JSON-serialisable: {err}") from err
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, header=np.array(header_text), embeds=self.embeds, maps=self.maps)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        expected_meta: dict[str, Any],
+        *,
+        capacity: int | None = None,
+        sketch_dim: int | None = 256,
+        rerank: int = 128,
+    ) -> ExpertMapStore:
+        """Reads a store written by `save`, refusing one built for another model.
+
+        `expected_meta` must give num_layers, num_experts, embed_dim and prefetch_distance, plus the
+        fields the caller identifies the model by (e.g. "model"); every field it gives must equal the
+        file's, otherwise ValueError names each mismatched field. `capacity` defaults to the saved
+        one; `sketch_dim` and `rerank` are search settings, not part of the file.
+        """
+        missing = [name for name in _SHAPE_FIELDS if name not in expected_meta]
+        if missing:
+            raise ValueError(f"expected_meta must give {missing} to check the store at {path} against.")
+        with np.load(path, allow_pickle=False) as data:
+            if "header" not in data:
+                raise ValueError(f"{path} is not an expert map store (no header); expected a file from save.")
+            header = json.loads(str(data["header"]))
+            embeds, maps = data["embeds"], data["maps"]
+        if header.get("format") != _FORMAT or header.get("version") != _VERSION:
+            raise ValueError(
+                f"{path} has format {header.get('format')!r} version {header.get('version')!r}; "
+                f"expected {_FORMAT!r} version {_VERSION}."
+            )
+        saved_meta = header["meta"]
+        mismatched = []
+        for name, expected in expected_meta.items():
+            saved = header[name] if name in _SHAPE_FIELDS else saved_meta.get(name, "<absent>")
+            if saved != json.loads(json.dumps(expected, default=_json_default)):
+                mismatched.append(f"{name}: file has {saved!r}, expected {expected!r}")
+        if mismatched:
+            raise ValueError(
+                f"expert map store {path} was built for a different model or setting "
+                f"({'; '.join(mismatched)}). Point the store path elsewhere or delete the file to start "
+                f"an empty store."
+            )
+        store = cls(
+            capacity=header["capacity"] if capacity is None else capacity,
+            **{name: header[name] for name in _SHAPE_FIELDS},
+            sketch_dim=sketch_dim,
+            rerank=rerank,
+        )
+        size = header["size"]
+        expected_maps = (size, store.num_layers, store.num_experts)
+        if embeds.shape != (size, store.embed_dim) or maps.shape != expected_maps:
+            raise ValueError(
+                f"{path} is corrupt: header says {size} maps, arrays are {embeds.shape} and {maps.shape}."
+            )
+        if size > store.capacity:
+            raise ValueError(
+                f"{path} holds {size} maps, more than capacity={store.capacity}; pass capacity >= {size}."
+            )
+        for start in range(0, size, _LOAD_CHUNK):
+            store.add(embeds[start : start + _LOAD_CHUNK], maps[start : start + _LOAD_CHUNK])
+        return store
+
+    def _rows(self, x: np.ndarray, trailing: tuple[int, ...], name: str) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 1 + len(trailing) or x.shape[1:] != tuple(trailing):
+            dims = ", ".join(str(d) for d in trailing)
+            raise ValueError(f"{name} must be [B, {dims}] (add a batch axis for one row), got {x.shape}.")
+        if not np.all(np.isfinite(x)):
+            raise ValueError(f"{name} holds NaN or inf; the store only takes finite values.")
+        return x
+
+    def _row_stats(
+        self,
+        embeds: np.ndarray,  # [B, H]
+        flat_maps: np.ndarray | None,  # [B, L*J]
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:  # [B], [B, L], [B, k]
+        """Inverse norms of new rows (embedding, every map prefix) and their unit sketch."""
+        inv_embed = _inv_norm(embeds)
+        inv_prefix = None
+        if flat_maps is not None:
+            per_layer = flat_maps.reshape(-1, self.num_layers, self.num_experts).astype(np.float64)
+            prefix_norm = np.sqrt(np.cumsum(np.einsum("blj,blj->bl", per_layer, per_layer), axis=1))
+            inv_prefix = (1.0 / np.maximum(prefix_norm, _NORM_FLOOR)).astype(np.float32)
+        sketch = None
+        if self._sketch is not None:
+            signed = embeds[:, self._sketch_order] * (self._sketch_sign * inv_embed[:, None])  # [B, H]
+            sketch = np.add.reduceat(signed, self._sketch_starts, axis=1)  # [B, k]
+            sketch *= _inv_norm(sketch)[:, None]
+        return inv_embed, inv_prefix, sketch
+
+    def _write(
+        self,
+        slots: np.ndarray,  # [m]
+        embeds: np.ndarray,  # [m, H]
+        flat_maps: np.ndarray,  # [m, L*J]
+        inv_embed: np.ndarray,  # [m]
+        inv_prefix: np.ndarray,  # [m, L]
+        sketch: np.ndarray | None,  # [m, k]
+    ) -> None:
+        self._embeds[slots] = embeds
+        self._inv_embed_norm[slots] = inv_embed
+        self._maps[slots] = flat_maps
+        self._inv_prefix_norm[:, slots] = inv_prefix.T
+        if self._sketch is not None:
+            self._sketch[slots] = sketch
+
+    def _semantic_scores(
+        self,
+        unit_embeds: np.ndarray,  # [B, H], unit rows
+        sketch: np.ndarray | None,  # [B, k], unit rows
+    ) -> np.ndarray:  # [B, n]
+        """Cosines with the stored embeddings; sketch estimates when the store is large enough."""
+        n = self._size
+        if self._sketch is None or n <= self.rerank:
+            return _scores(self._embeds[:n], unit_embeds) * self._inv_embed_norm[:n]
+        return _scores(self._sketch[:n], sketch)
+
+    def _answer(
+        self,
+        scores: np.ndarray,  # [B]
+        best: np.ndarray,  # [B]
+    ) -> tuple[np.ndarray, np.ndarray]:  # [B], [B, L, J]
+        # Rounding can put a cosine a few ulp outside [-1, 1]; clip so that delta stays meaningful.
+        scores = np.clip(scores, -1.0, 1.0).astype(np.float32)
+        return scores, self._maps[best].reshape(len(best), self.num_layers, self.num_experts)
+
+    def _empty_match(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        return (
+            np.zeros((batch,), np.float32),
+            np.zeros((batch, self.num_layers, self.num_experts), np.float32),
+        )
+
+
+def _scores(
+    stored: np.ndarray,  # [n, D], rows may be strided
+    queries: np.ndarray,  # [B, D]
+) -> np.ndarray:  # [B, n]
+    """Dot products of every query with every stored row, as one BLAS call on the stored rows."""
+    if len(queries) == 1:
+        # One matrix-vector product (gemv) streams the stored rows once.
+        return (stored @ queries[0])[None, :]
+    return queries @ stored.T
+
+
+def _inv_norm(rows: np.ndarray) -> np.ndarray:  # [B, D] -> [B] float32
+    norm = np.sqrt(np.einsum("bd,bd->b", rows, rows, dtype=np.float64))
+    return (1.0 / np.maximum(norm, _NORM_FLOOR)).astype(np.float32)
+
+
+def _top_candidates(scores: np.ndarray, count: int) -> np.ndarray:  # [n] -> [count] int64, ascending
+    """Slots of the `count` highest scores, sorted so that ties resolve to the lowest slot."""
+    if count >= len(scores):
+        return np.arange(len(scores))
+    return np.sort(np.argpartition(-scores, count - 1)[:count])
+
+
+def _json_default(value: Any) -> Any:
+    """Lets NumPy scalars (e.g. a config's np.int64) into the JSON header."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+
+
+def _read_only(x: np.ndarray) -> np.ndarray:
+    view = x.view()
+    view.flags.writeable = False
+    return view

@@ -1,0 +1,146 @@
+"""fMoE's per-expert decisions as pure functions: similarity-aware selection and the two priorities.
+
+Called by the fmoe policy (`offload/policies/fmoe.py`) and the trace-replay simulator, after a match
+from `offload/expert_map_store.py`; no JAX, no state.
+
+Paper section 4.3 (selection) and 4.5 (priorities). Notation: J experts per layer, K = top_k experts
+activated per layer, p the probability of an expert in the matched expert map.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Cumulative sums of float32 router probabilities stop short of 1.0 by a few ulp. Without slack, a
+# threshold delta = 1 would drag in every zero-probability expert; 1e-6 is ~8 float32 ulp at 1.0.
+MASS_TOLERANCE = 1e-6
+
+
+def selection_threshold(score: float | np.ndarray) -> np.ndarray:
+    """delta = Clip(1 - score, 0, 1) (section 4.3): low match confidence asks for more probability mass.
+
+    Args:
+      score: cosine similarity of the match, in [-1, 1]; scalar or [B].
+
+    Returns:
+      delta, float64 of the same shape, in [0, 1].
+    """
+    score = np.asarray(score, dtype=np.float64)
+    if not np.all(np.isfinite(score)):
+        raise ValueError(f"match score must be finite, got {score}; an empty store reports 0, not NaN.")
+    return np.clip(1.0 - score, 0.0, 1.0)
+
+
+def select_experts(
+    probs: np.ndarray,  # [J] or [B, J]
+    score: float | np.ndarray,  # scalar or [B]
+    top_k: int,
+) -> np.ndarray | list[np.ndarray]:
+    """Experts to prefetch for one layer of a matched map: equations 6-8 of the paper.
+
+    The smallest set E with sum_{j in E} p_j >= delta (eq. 7) and |E| >= top_k (eq. 8), where
+    delta = Clip(1 - score, 0, 1). Taking experts by descending probability gives the smallest such
+    set. Ties in probability go to the lower expert id, so the result is deterministic.
+
+    Mass is compared with a slack of `MASS_TOLERANCE`, so score <= 0 (delta = 1) takes the experts
+    that carry all of the mass, not every zero-probability expert behind them.
+
+    A row that is all zeros carries no information (an empty store answers with zero maps): it
+    selects nothing, not `top_k` arbitrary experts. The authors' code does the same
+    (`ExpertMapMatcher._select_by_cumsum`, `has_pos`).
+
+    Where the paper and the authors' code differ: the code keeps the experts whose cumulative sum
+    stays at or below delta (`k = (csum <= th).sum()`), one short of reaching delta; this follows
+    the paper's constraint 7 (the selected mass reaches delta).
+
+    Args:
+      probs: router probabilities of one layer [J], or of several layers or rows [B, J]; >= 0.
+      score: similarity of the match that produced `probs`; one per row, or one for all rows.
+      top_k: experts the model activates per layer (K); 1 <= top_k <= J.
+
+    Returns:
+      For [J] input, int64 expert ids [n] in selection order (descending probability).
+      For [B, J] input, a list of B such arrays.
+    """
+    probs = np.asarray(probs, dtype=np.float64)
+    if probs.ndim not in (1, 2):
+        raise ValueError(f"probs must be [J] or [B, J], got shape {probs.shape}.")
+    rows = probs.reshape(-1, probs.shape[-1])  # [B, J]
+    num_experts = rows.shape[1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, J={num_experts}], got {top_k}.")
+    if not np.all(np.isfinite(rows)) or np.any(rows < 0):
+        raise ValueError("probs must be finite and non-negative (router probabilities).")
+    delta = np.broadcast_to(selection_threshold(score), (rows.shape[0],))  # [B]
+
+    order = np.argsort(-rows, axis=1, kind="stable")  # [B, J]; stable: ties keep the lower id first
+    csum = np.cumsum(np.take_along_axis(rows, order, axis=1), axis=1)  # [B, J]
+    reached = csum >= (delta - MASS_TOLERANCE)[:, None]
+    # First position where the mass reaches delta; a row that never reaches it takes all J.
+    count = np.where(reached.any(axis=1), reached.argmax(axis=1) + 1, num_experts)
+    count = np.maximum(count, top_k)
+    count = np.where(rows.any(axis=1), count, 0)
+    ids = [order[b, : count[b]].astype(np.int64) for b in range(rows.shape[0])]
+    return ids[0] if probs.ndim == 1 else ids
+
+
+def prefetch_priority(
+    p: float | np.ndarray,  # [...]
+    layer: int | np.ndarray,  # broadcasts with p
+    current_layer: int,
+) -> np.ndarray:
+    """PRI_prefetch = p / (layer - current_layer) (section 4.5); higher is prefetched first.
+
+    Likely experts and experts of nearby layers go first. Only layers strictly ahead of the
+    current one can be prefetched: the current layer's misses are loaded on demand, ahead of every
+    prefetch, so `layer <= current_layer` is a caller error and raises.
+
+    The authors' code orders prefetches by p times a linear decay over the target band of layers
+    (`ExpertMapMatcher._layer_decay_weights`); this follows the paper's equation.
+
+    Args:
+      p: expert probabilities from the matched map, >= 0.
+      layer: target layer of each expert (0-based, like `current_layer`).
+      current_layer: layer the forward pass is at.
+
+    Returns:
+      float64 priorities, the broadcast shape of `p` and `layer`.
+    """
+    p = np.asarray(p, dtype=np.float64)
+    distance = np.asarray(layer, dtype=np.int64) - current_layer
+    if np.any(distance <= 0):
+        raise ValueError(
+            f"prefetch_priority needs target layers after current_layer={current_layer}, got layer(s) "
+            f"{np.asarray(layer).ravel().tolist()}; experts of the current layer are loaded on demand."
+        )
+    if not np.all(p >= 0):
+        raise ValueError("prefetch_priority needs probabilities >= 0, got NaN or < 0.")
+    return p / distance
+
+
+def eviction_priority(
+    p: float | np.ndarray,  # [...]
+    freq: float | np.ndarray,  # broadcasts with p
+) -> np.ndarray:
+    """PRI_evict = 1 / (p * freq) (section 4.5); the expert with the HIGHEST value is evicted first.
+
+    Equivalently, the lowest p * freq goes first: experts rarely hit in the cache and unlikely in
+    the matched map. p * freq = 0 gives +inf (evicted before any expert with p * freq > 0), computed
+    without a division warning. The authors' cache sorts by p * incache_visit_count ascending and
+    evicts from the front (`ArcherTaskPool::RemoveCachedSparseNode`), the same order.
+
+    Args:
+      p: probability of the cached expert in the matched map, >= 0 (0 if the map does not know it).
+      freq: cache visit count of the expert, >= 0.
+
+    Returns:
+      float64 priorities in (0, +inf], the broadcast shape of `p` and `freq`.
+    """
+    p = np.asarray(p, dtype=np.float64)
+    freq = np.asarray(freq, dtype=np.float64)
+    if not (np.all(p >= 0) and np.all(freq >= 0)):
+        raise ValueError("eviction_priority needs probabilities and visit counts >= 0 (not NaN).")
+    product = p * freq
+    out = np.full(product.shape, np.inf)
+    np.divide(1.0, product, out=out, where=product > 0)
+    return out

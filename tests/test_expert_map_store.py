@@ -1,0 +1,378 @@
+"""Tests of the fMoE expert map store (search, deduplication, persistence) and of selection/priorities."""
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+from fmoe_jax.offload.expert_map_store import ExpertMapStore
+from fmoe_jax.offload.fmoe_select import (
+    MASS_TOLERANCE,
+    eviction_priority,
+    prefetch_priority,
+    select_experts,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+# Cosines are float32 dot products of short vectors: a few ulp of error.
+COS_ATOL = 1e-5
+L, J, H = 4, 6, 32
+
+
+def _probs(rng, rows, layers=L, experts=J):
+    logits = rng.standard_normal((rows, layers, experts)) * 2.0
+    p = np.exp(logits)
+    return (p / p.sum(-1, keepdims=True)).astype(np.float32)
+
+
+def _data(seed, rows, embed_dim=H):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((rows, embed_dim)).astype(np.float32), _probs(rng, rows)
+
+
+def _store(capacity=8, prefetch_distance=1, **kw):
+    return ExpertMapStore(
+        capacity=capacity, num_layers=L, num_experts=J, embed_dim=H, prefetch_distance=prefetch_distance, **kw
+    )
+
+
+def _cos(a, b):  # [B, D] x [C, D] -> [B, C], float64 reference
+    a = a.astype(np.float64)
+    b = b.astype(np.float64)
+    return (a @ b.T) / np.linalg.norm(a, axis=1)[:, None] / np.linalg.norm(b, axis=1)[None, :]
+
+
+# One store per search mode: exact, and sketch shortlist + exact rerank (rerank < capacity).
+SEARCH_MODES = [dict(sketch_dim=None), dict(sketch_dim=8, rerank=4)]
+
+
+@pytest.mark.parametrize("mode", SEARCH_MODES, ids=["exact", "sketch"])
+def test_identical_context_finds_its_own_map(mode):
+    embeds, maps = _data(0, 20)
+    store = _store(capacity=20, **mode)
+    store.add(embeds, maps)
+    scores, found = store.match_embed(embeds)
+    np.testing.assert_allclose(scores, 1.0, rtol=0, atol=COS_ATOL)
+    np.testing.assert_array_equal(found, maps)
+    for observed in range(1, L + 1):
+        scores, found = store.match_traj(maps[:, :observed])
+        np.testing.assert_allclose(scores, 1.0, rtol=0, atol=COS_ATOL)
+        np.testing.assert_array_equal(found, maps)
+
+
+@pytest.mark.parametrize("mode", SEARCH_MODES, ids=["exact", "sketch"])
+def test_match_scores_are_exact_cosines(mode):
+    embeds, maps = _data(1, 30)
+    queries, query_maps = _data(2, 5)
+    store = _store(capacity=30, **mode)
+    store.add(embeds, maps)
+
+    scores, found = store.match_embed(queries)
+    ref = _cos(queries, embeds)
+    best = np.array([np.flatnonzero((found[b] == maps).all(axis=(1, 2)))[0] for b in range(len(found))])
+    # Whichever map is returned, its score is the exact cosine of its embedding.
+    np.testing.assert_allclose(scores, ref[np.arange(5), best], rtol=0, atol=COS_ATOL)
+    if mode["sketch_dim"] is None:
+        np.testing.assert_allclose(scores, ref.max(axis=1), rtol=0, atol=COS_ATOL)
+
+    for observed in (1, 2, L):
+        scores, found = store.match_traj(query_maps[:, :observed])
+        ref = _cos(query_maps[:, :observed].reshape(5, -1), maps[:, :observed].reshape(30, -1))
+        np.testing.assert_allclose(scores, ref.max(axis=1), rtol=0, atol=COS_ATOL)
+        np.testing.assert_array_equal(found, maps[ref.argmax(axis=1)])
+
+
+def test_sketch_finds_a_clear_best_among_many():
+    rng = np.random.default_rng(3)
+    embeds = rng.standard_normal((500, H)).astype(np.float32)
+    maps = _probs(rng, 500)
+    store = _store(capacity=500, sketch_dim=16, rerank=32)
+    store.add(embeds, maps)
+    target = [7, 123, 499]
+    noisy = embeds[target] + 0.1 * rng.standard_normal((3, H)).astype(np.float32)
+    scores, found = store.match_embed(noisy)
+    np.testing.assert_array_equal(found, maps[target])
+    np.testing.assert_allclose(scores, _cos(noisy, embeds).max(axis=1), rtol=0, atol=COS_ATOL)
+
+
+def test_empty_store_matches_with_zero_scores_and_zero_maps():
+    store = _store()
+    scores, found = store.match_embed(np.ones((2, H), np.float32))
+    np.testing.assert_array_equal(scores, np.zeros(2))
+    np.testing.assert_array_equal(found, np.zeros((2, L, J)))
+    scores, found = store.match_traj(np.ones((3, 2, J), np.float32))
+    np.testing.assert_array_equal(scores, np.zeros(3))
+    assert found.shape == (3, L, J) and not found.any()
+    assert select_experts(found[0, 0], scores[0], top_k=2).size == 0
+
+
+def _one_hot_maps(expert):  # [1, L, J]: every layer routes all mass to `expert`
+    m = np.zeros((1, L, J), np.float32)
+    m[..., expert] = 1.0
+    return m
+
+
+def _unit(i):  # [1, H]
+    e = np.zeros((1, H), np.float32)
+    e[0, i] = 1.0
+    return e
+
+
+@pytest.mark.parametrize(
+    ("prefetch_distance", "replaced"),
+    # RDY = (d/L) cos_sem + (1 - d/L) cos_traj. Slot 0 shares the embedding, slot 1 the map.
+    [(1, 1), (3, 0)],
+)
+def test_full_store_replaces_the_most_redundant_map(prefetch_distance, replaced):
+    store = _store(capacity=3, prefetch_distance=prefetch_distance)
+    store.add(_unit(0), _one_hot_maps(0))  # slot 0: same embedding, orthogonal map
+    store.add(_unit(1), _one_hot_maps(1))  # slot 1: orthogonal embedding, same map
+    store.add(_unit(2), _one_hot_maps(2))  # slot 2: nothing shared
+    new_embed, new_map = _unit(0), _one_hot_maps(1)
+    slots = store.add(new_embed, new_map)
+    np.testing.assert_array_equal(slots, [replaced])
+    assert len(store) == 3
+    np.testing.assert_array_equal(store.maps[replaced], new_map[0])
+    np.testing.assert_array_equal(store.embeds[replaced], new_embed[0])
+    # The new entry now matches itself exactly, under both searches.
+    scores, found = store.match_traj(new_map[:, :2])
+    np.testing.assert_allclose(scores, [1.0], rtol=0, atol=COS_ATOL)
+    np.testing.assert_array_equal(found, new_map)
+
+
+def test_batch_fills_then_replaces_within_one_call():
+    store = _store(capacity=2)
+    embeds = np.concatenate([_unit(0), _unit(1), _unit(1)])
+    maps = np.concatenate([_one_hot_maps(0), _one_hot_maps(1), _one_hot_maps(1)])
+    slots = store.add(embeds, maps)
+    # The third row is a duplicate of the second, stored by the same call: it replaces it.
+    np.testing.assert_array_equal(slots, [0, 1, 1])
+    assert len(store) == 2
+
+
+def test_batch_rows_do_not_collide_on_one_old_slot():
+    # Old slots: A (slot 0), B (slot 1). Both new rows are closest to A, but X2 is closer to B
+    # than to X1. Sequentially: X1 replaces A; then X2 sees X1 instead of A and replaces B.
+    store = _store(capacity=2, prefetch_distance=0)  # trajectory similarity only
+    a = np.full((1, L, J), 1.0 / J, np.float32)
+    b = _one_hot_maps(3)
+    store.add(np.ones((2, H), np.float32), np.concatenate([a, b]))
+    x1 = _one_hot_maps(0) * 0.5 + a * 0.5
+    x2 = _one_hot_maps(3) * 0.2 + a * 0.8
+    old = np.concatenate([a, b]).reshape(2, -1)
+    new = np.concatenate([x1, x2]).reshape(2, -1)
+    np.testing.assert_array_equal(_cos(new, old).argmax(axis=1), [0, 0])  # both closest to A
+    assert _cos(new[1:], new[:1])[0, 0] < _cos(new[1:], old[1:])[0, 0]  # X2 is closer to B than to X1
+    slots = store.add(np.ones((2, H), np.float32), np.concatenate([x1, x2]))
+    np.testing.assert_array_equal(slots, [0, 1])
+    np.testing.assert_array_equal(store.maps, np.concatenate([x1, x2]))
+
+
+@pytest.mark.parametrize("mode", SEARCH_MODES, ids=["exact", "sketch"])
+def test_batch_add_equals_single_adds_in_order(mode):
+    embeds, maps = _data(4, 40)
+    batched, single = _store(capacity=12, **mode), _store(capacity=12, **mode)
+    batched.add(embeds[:5], maps[:5])
+    single.add(embeds[:5], maps[:5])
+    slots = batched.add(embeds[5:], maps[5:])
+    singles = np.concatenate([single.add(embeds[i : i + 1], maps[i : i + 1]) for i in range(5, 40)])
+    np.testing.assert_array_equal(slots, singles)
+    np.testing.assert_array_equal(batched.maps, single.maps)
+    np.testing.assert_array_equal(batched.embeds, single.embeds)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    capacity=st.integers(1, 6),
+    batches=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_capacity_is_never_exceeded(capacity, batches, seed):
+    store = _store(capacity=capacity)
+    added = 0
+    for i, rows in enumerate(batches):
+        embeds, maps = _data(seed + i, rows)
+        slots = store.add(embeds, maps)
+        added += rows
+        assert len(store) == min(added, capacity)
+        assert slots.shape == (rows,) and np.all((0 <= slots) & (slots < capacity))
+        assert store.maps.shape == (len(store), L, J)
+
+
+def test_save_load_round_trip(tmp_path):
+    embeds, maps = _data(5, 10)
+    store = _store(capacity=16, prefetch_distance=2)
+    store.add(embeds, maps)
+    path = tmp_path / "store.npz"
+    meta = {"model": "tiny-mixtral"}
+    store.save(path, meta)
+    store.save(path, meta)  # overwriting goes through the same rename
+    assert sorted(os.listdir(tmp_path)) == ["store.npz"]
+
+    expected = dict(meta, num_layers=L, num_experts=J, embed_dim=H, prefetch_distance=np.int64(2))
+    loaded = ExpertMapStore.load(path, expected)
+    assert len(loaded) == 10 and loaded.capacity == 16
+    np.testing.assert_array_equal(loaded.maps, store.maps)
+    np.testing.assert_array_equal(loaded.embeds, store.embeds)
+    for a, b in zip(loaded.match_embed(embeds[:3]), store.match_embed(embeds[:3]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert ExpertMapStore.load(path, expected, capacity=40).capacity == 40
+    with pytest.raises(ValueError, match="capacity >= 10"):
+        ExpertMapStore.load(path, expected, capacity=5)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("model", "qwen"),
+        ("num_layers", L + 1),
+        ("num_experts", J * 2),
+        ("embed_dim", 8),
+        ("prefetch_distance", 3),
+    ],
+)
+def test_load_refuses_another_model(tmp_path, field, value):
+    store = _store(prefetch_distance=2)
+    store.add(*_data(6, 3))
+    path = tmp_path / "store.npz"
+    store.save(path, {"model": "tiny-mixtral"})
+    expected = dict(model="tiny-mixtral", num_layers=L, num_experts=J, embed_dim=H, prefetch_distance=2)
+    expected[field] = value
+    with pytest.raises(ValueError, match=rf"{field}: file has .*, expected {value!r}"):
+        ExpertMapStore.load(path, expected)
+
+
+def test_load_needs_the_shape_fields(tmp_path):
+    path = tmp_path / "store.npz"
+    _store().save(path, {"model": "m"})
+    with pytest.raises(ValueError, match="embed_dim"):
+        ExpertMapStore.load(path, {"model": "m", "num_layers": L, "num_experts": J, "prefetch_distance": 1})
+
+
+def test_failed_save_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "store.npz"
+    store = _store()
+    store.add(*_data(7, 2))
+    store.save(path, {"model": "m"})
+    before = path.read_bytes()
+
+    def broken_savez(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", broken_savez)
+    store.add(*_data(8, 2))
+    with pytest.raises(OSError, match="disk full"):
+        store.save(path, {"model": "m"})
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["store.npz"]
+
+
+def test_bad_inputs_are_refused():
+    store = _store()
+    with pytest.raises(ValueError, match="embeds must be"):
+        store.add(np.ones((H,), np.float32), np.ones((1, L, J), np.float32))
+    with pytest.raises(ValueError, match="one map per embedding"):
+        store.add(np.ones((2, H), np.float32), np.ones((1, L, J), np.float32))
+    with pytest.raises(ValueError, match="trajs must be"):
+        store.match_traj(np.ones((1, L + 1, J), np.float32))
+    with pytest.raises(ValueError, match="NaN"):
+        store.match_embed(np.full((1, H), np.nan, np.float32))
+
+
+# Selection (equations 6-8).
+
+
+def test_full_confidence_selects_exactly_top_k():
+    probs = np.array([0.1, 0.4, 0.05, 0.3, 0.15])
+    np.testing.assert_array_equal(select_experts(probs, 1.0, top_k=2), [1, 3])
+    np.testing.assert_array_equal(select_experts(probs, 1.7, top_k=1), [1])
+
+
+def test_no_confidence_covers_all_mass_but_not_zero_experts():
+    probs = np.array([0.2, 0.0, 0.5, 0.0, 0.3])
+    np.testing.assert_array_equal(select_experts(probs, 0.0, top_k=1), [2, 4, 0])
+    # Negative similarity: delta = 1 - score > 1 is clipped to 1, the same set.
+    np.testing.assert_array_equal(select_experts(probs, -0.8, top_k=1), [2, 4, 0])
+
+
+def test_partial_confidence_takes_the_smallest_prefix_reaching_delta():
+    probs = np.array([0.5, 0.3, 0.2])
+    # delta = 0.6: 0.5 alone falls short, 0.5 + 0.3 reaches it.
+    np.testing.assert_array_equal(select_experts(probs, 0.4, top_k=1), [0, 1])
+    # delta = 0.5: the first expert reaches it exactly.
+    np.testing.assert_array_equal(select_experts(probs, 0.5, top_k=1), [0])
+    # top_k wins over a smaller delta set.
+    np.testing.assert_array_equal(select_experts(probs, 0.5, top_k=3), [0, 1, 2])
+
+
+def test_ties_go_to_the_lower_expert_id():
+    np.testing.assert_array_equal(select_experts(np.full(4, 0.25), 0.5, top_k=1), [0, 1])
+    np.testing.assert_array_equal(select_experts(np.array([0.1, 0.45, 0.45]), 1.0, top_k=1), [1])
+
+
+def test_rows_take_their_own_scores():
+    probs = np.array([[0.5, 0.3, 0.2], [0.6, 0.4, 0.0], [0.0, 0.0, 0.0]])
+    ids = select_experts(probs, np.array([1.0, 0.0, 0.0]), top_k=1)
+    assert [i.tolist() for i in ids] == [[0], [0, 1], []]
+
+
+def test_selection_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="top_k"):
+        select_experts(np.full(4, 0.25), 0.5, top_k=5)
+    with pytest.raises(ValueError, match="non-negative"):
+        select_experts(np.array([0.5, -0.1, 0.6]), 0.5, top_k=1)
+    with pytest.raises(ValueError, match="finite"):
+        select_experts(np.full(4, 0.25), np.nan, top_k=1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    weights=st.lists(st.integers(0, 20), min_size=1, max_size=12).filter(any),
+    score=st.floats(-1.0, 1.0),
+    top_k=st.integers(1, 12),
+)
+def test_selected_set_is_the_smallest_reaching_delta(weights, score, top_k):
+    probs = np.array(weights, np.float64) / sum(weights)
+    top_k = min(top_k, len(probs))
+    delta = min(max(1.0 - score, 0.0), 1.0)
+    ids = select_experts(probs, score, top_k=top_k)
+    assert len(set(ids.tolist())) == len(ids) >= top_k
+    assert probs[ids].sum() >= delta - MASS_TOLERANCE
+    # Every selected expert is at least as likely as every unselected one.
+    rest = np.setdiff1d(np.arange(len(probs)), ids)
+    if rest.size:
+        assert probs[ids].min() >= probs[rest].max()
+    # Minimal: one fewer expert would miss delta, unless top_k forces the size.
+    if len(ids) > top_k:
+        assert probs[ids[:-1]].sum() < delta - MASS_TOLERANCE
+
+
+# Priorities (section 4.5).
+
+
+def test_prefetch_priority_prefers_likely_and_near_experts():
+    pri = prefetch_priority(np.array([0.6, 0.6, 0.2]), np.array([3, 5, 3]), current_layer=2)
+    np.testing.assert_allclose(pri, [0.6, 0.2, 0.2], rtol=1e-12, atol=0)
+    assert prefetch_priority(0.9, 4, 0) > prefetch_priority(0.3, 4, 0)
+
+
+@pytest.mark.parametrize("layer", [2, 1])
+def test_prefetch_priority_refuses_layers_not_ahead(layer):
+    with pytest.raises(ValueError, match="current_layer=2"):
+        prefetch_priority(0.5, layer, current_layer=2)
+
+
+def test_eviction_priority_evicts_lowest_p_times_freq_first():
+    p = np.array([0.5, 0.1, 0.9, 0.0, 0.4])
+    freq = np.array([4.0, 10.0, 1.0, 7.0, 0.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pri = eviction_priority(p, freq)
+    np.testing.assert_allclose(pri[:3], [0.5, 1.0, 1 / 0.9], rtol=1e-12, atol=0)
+    assert np.isinf(pri[3]) and np.isinf(pri[4])
+    # Highest priority goes first: zero p*freq, then 0.9 (p*freq 0.9), then 1.0, then 2.0.
+    order = np.argsort(-pri, kind="stable")
+    np.testing.assert_array_equal(order, [3, 4, 2, 1, 0])
+    with pytest.raises(ValueError, match=">= 0"):
+        eviction_priority(-0.1, 1.0)
