@@ -31,18 +31,24 @@ def bytes_per_token(cfg, dtype_bytes: int, context: int) -> int:
 
 def run_fmoe(path: Path, prompt: list[int], new_tokens: int, repeats: int) -> dict:
     import fmoe_jax as fj
+    from fmoe_jax.resident import TRACE_COUNTS
 
     model = fj.load_model(path)
     fj.generate(model, [prompt], max_new_tokens=new_tokens, stop_at_eos=False)  # compile
-    traces_before = sum(model.engine.trace_counts.values())
+    traces_before = sum(TRACE_COUNTS.values())
     ttft, steps = [], []
     for _ in range(repeats):
         out = fj.generate(model, [prompt], max_new_tokens=new_tokens, stop_at_eos=False)
         ttft.append(out.stats.ttft_s)
         steps.extend(out.stats.decode_step_s)
-    recompiles = sum(model.engine.trace_counts.values()) - traces_before
-    return dict(ttft_ms=float(np.median(ttft) * 1e3), tpot_ms=float(np.median(steps) * 1e3),
-                tpot_mean_ms=float(np.mean(steps) * 1e3), recompilations=recompiles, config=model.config)
+    recompiles = sum(TRACE_COUNTS.values()) - traces_before
+    return dict(
+        ttft_ms=float(np.median(ttft) * 1e3),
+        tpot_ms=float(np.median(steps) * 1e3),
+        tpot_mean_ms=float(np.mean(steps) * 1e3),
+        recompilations=recompiles,
+        config=model.config,
+    )
 
 
 def run_transformers(path: Path, prompt: list[int], new_tokens: int, repeats: int) -> dict:
@@ -50,8 +56,9 @@ def run_transformers(path: Path, prompt: list[int], new_tokens: int, repeats: in
     import transformers
 
     torch.set_num_threads(os.cpu_count() or 1)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     ids = torch.tensor([prompt])
 
     def once():
@@ -75,12 +82,17 @@ def run_transformers(path: Path, prompt: list[int], new_tokens: int, repeats: in
         t, s = once()
         ttft.append(t)
         steps.extend(s)
-    return dict(ttft_ms=float(np.median(ttft) * 1e3), tpot_ms=float(np.median(steps) * 1e3),
-                tpot_mean_ms=float(np.mean(steps) * 1e3))
+    return dict(
+        ttft_ms=float(np.median(ttft) * 1e3),
+        tpot_ms=float(np.median(steps) * 1e3),
+        tpot_mean_ms=float(np.mean(steps) * 1e3),
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--checkpoint", type=Path, help="HF directory (default: bench-s in /tmp/fmoe-bench)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -105,19 +117,37 @@ def main() -> None:
         hf = run_transformers(path, prompt, args.new_tokens, args.repeats)
         rows.append(dict(system="transformers eager", **hf))
     rows.append(dict(system="bandwidth floor", ttft_ms="", tpot_ms=floor_ms))
-    print(f"\nbench-s, prompt {args.prompt_len}, {args.new_tokens} new tokens, batch 1; "
-          f"{touched / 1e6:.0f} MB read per token; read bandwidth {bandwidth['best']:.1f} GB/s")
+    print(
+        f"\nbench-s, prompt {args.prompt_len}, {args.new_tokens} new tokens, batch 1; "
+        f"{touched / 1e6:.0f} MB read per token; read bandwidth {bandwidth['best']:.1f} GB/s"
+    )
     print_table(rows, ["system", "ttft_ms", "tpot_ms", "tpot_mean_ms", "recompilations"])
     ratios = dict(tpot_vs_floor=ours["tpot_ms"] / floor_ms)
     if hf:
-        ratios.update(tpot_vs_transformers=ours["tpot_ms"] / hf["tpot_ms"],
-                      ttft_vs_transformers=ours["ttft_ms"] / hf["ttft_ms"])
+        ratios.update(
+            tpot_vs_transformers=ours["tpot_ms"] / hf["tpot_ms"],
+            ttft_vs_transformers=ours["ttft_ms"] / hf["ttft_ms"],
+        )
     print("ratios:", {k: round(v, 3) for k, v in ratios.items()})
     print("targets: tpot_vs_transformers <= 0.8, tpot_vs_floor <= 1.3, ttft_vs_transformers <= 1.0")
-    save("decode_speed", dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, bytes_per_token=touched,
-                              bandwidth_gbs=bandwidth, fmoe=ours, transformers=hf, floor_ms=floor_ms,
-                              ratios=ratios), args.out)
-    groups = {"TPOT (ms)": {"fmoe_jax": ours["tpot_ms"], "floor": floor_ms}, "TTFT (ms)": {"fmoe_jax": ours["ttft_ms"]}}
+    save(
+        "decode_speed",
+        dict(
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            bytes_per_token=touched,
+            bandwidth_gbs=bandwidth,
+            fmoe=ours,
+            transformers=hf,
+            floor_ms=floor_ms,
+            ratios=ratios,
+        ),
+        args.out,
+    )
+    groups = {
+        "TPOT (ms)": {"fmoe_jax": ours["tpot_ms"], "floor": floor_ms},
+        "TTFT (ms)": {"fmoe_jax": ours["ttft_ms"]},
+    }
     if hf:
         groups["TPOT (ms)"]["transformers"] = hf["tpot_ms"]
         groups["TTFT (ms)"]["transformers"] = hf["ttft_ms"]

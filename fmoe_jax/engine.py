@@ -26,7 +26,7 @@ from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.policies import PolicyContext, make_policy
 from fmoe_jax.offload.transfer import DeviceExpertCache, JaxMover
 
-from .resident import StepOutput
+from .resident import TRACE_COUNTS, StepOutput
 from .sampling import Sampling
 
 
@@ -46,7 +46,6 @@ class OffloadEngine:
         self.config = cfg
         self.offload = offload
         self.kernel = kernel
-        self.trace_counts: collections.Counter[str] = collections.Counter()
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layer_ids)}
         self.embed_split = nnx.split(module.embed)
         self.head_split = nnx.split((module.final_norm, module.output_projection))
@@ -81,62 +80,10 @@ class OffloadEngine:
         if self.policy.preload_all:
             self.cache.preload([(m, e) for m in range(cfg.num_moe_layers) for e in range(cfg.num_experts)])
         self.overhead = collections.defaultdict(float)
-        self._jits()
 
     def _host_expert(self, key: tuple[int, int]) -> ExpertWeights:
         layer = self.config.moe_layer_ids[key[0]]
         return self.module.experts[layer][key[1]].weights()
-
-    # -- jitted steps -----------------------------------------------------------------------------------
-    def _jits(self) -> None:
-        cfg, kernel, counts = self.config, self.kernel, self.trace_counts
-
-        @functools.partial(jax.jit, static_argnums=0)
-        def embed(graphdef, state, tokens, layout):
-            counts["embed"] += 1
-            x = nnx.merge(graphdef, state)(tokens)
-            rope = MoECausalLM.rope_for(cfg, layout, x.dtype)
-            return x, rope
-
-        @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-        def attention_and_router(graphdef, state, x, kv, layout, rope):
-            counts[f"attention_and_router_T{x.shape[1]}"] += 1
-            layer = nnx.merge(graphdef, state)
-            h, z, kv = layer.attention_block(x, rope, kv, layout)
-            z = z.reshape(-1, z.shape[-1])
-            return h, z, layer.route(z), kv
-
-        @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-        def dense_layer(graphdef, state, x, kv, layout, rope):
-            counts[f"dense_layer_T{x.shape[1]}"] += 1
-            layer = nnx.merge(graphdef, state)
-            h, z, kv = layer.attention_block(x, rope, kv, layout)
-            return h + layer.dense_output(z).astype(h.dtype), kv
-
-        @functools.partial(jax.jit, static_argnums=0)
-        def experts_finish(graphdef, state, h, z, routing, experts, slots, valid, acc):
-            counts[f"experts_finish_T{h.shape[1]}_n{len(experts)}"] += 1
-            layer = nnx.merge(graphdef, state)
-            y = layer.moe_output(z, routing, experts, slots, valid, kernel=kernel)
-            y = y.astype(jnp.float32) + acc
-            return h + y.reshape(h.shape).astype(h.dtype)
-
-        @jax.jit
-        def experts_partial(z, routing, experts, slots, valid, acc):
-            counts[f"experts_partial_N{z.shape[0]}_n{len(experts)}"] += 1
-            return acc + expert_mixture(z, routing, experts, slots, valid, kernel=kernel).astype(jnp.float32)
-
-        @functools.partial(jax.jit, static_argnums=(0, 4), static_argnames="all_positions")
-        def head(graphdef, state, x, key, sampling, all_positions=False):
-            counts[f"head_all{all_positions}"] += 1
-            norm, projection = nnx.merge(graphdef, state)
-            if all_positions:
-                return output_logits(norm, projection, x)
-            logits = output_logits(norm, projection, x[:, -1])
-            return sampling(logits, key), logits
-
-        self._embed, self._attention_and_router, self._dense_layer = embed, attention_and_router, dense_layer
-        self._experts_finish, self._experts_partial, self._head = experts_finish, experts_partial, head
 
     # -- the generation loop's interface ----------------------------------------------------------------
     def init_cache(self, batch: int, length: int) -> list[LayerKV]:
@@ -186,7 +133,7 @@ class OffloadEngine:
         record: bool = False,
     ) -> tuple[StepOutput, list[LayerKV]]:
         x, kv, extra = self._layers(tokens, kv, layout, record)
-        next_tokens, logits = self._head(*self.head_split, x, key, sampling)
+        next_tokens, logits = _head(*self.head_split, x, key, sampling)
         out = StepOutput(next_tokens, logits)
         if record:
             out.embeds, out.probs, out.ids = extra
@@ -197,7 +144,7 @@ class OffloadEngine:
         kv = self.init_cache(b, t)
         layout = Layout(jnp.int32(0), jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), t)
         x, _, (_, probs, ids) = self._layers(tokens, kv, layout, True)
-        logits = self._head(*self.head_split, x, None, None, all_positions=True)
+        logits = _head(*self.head_split, x, None, None, all_positions=True)
         probs = probs.reshape(b * t, probs.shape[2], -1)
         ids = ids.reshape(b * t, ids.shape[2], -1)
         routings = [
@@ -213,7 +160,7 @@ class OffloadEngine:
         valid_bt = np.asarray(layout.token_valid)  # [B, T] (layout arrays are small host-made inputs)
         valid = valid_bt.reshape(b * t)
         valid_dev = jnp.asarray(valid)
-        x, rope = self._embed(*self.embed_split, tokens, layout)
+        x, rope = _embed(self.embed_split[0], self.config, self.embed_split[1], tokens, layout)
 
         start = time.perf_counter()
         embeds = np.asarray(x, np.float32).reshape(b * t, -1) if (policy.needs_semantic or record) else None
@@ -224,10 +171,10 @@ class OffloadEngine:
         probs_all, ids_all = [], []
         for layer_id, (graphdef, state) in enumerate(self.layer_splits):
             if layer_id not in self.moe_index:
-                x, kv[layer_id] = self._dense_layer(graphdef, state, x, kv[layer_id], layout, rope)
+                x, kv[layer_id] = _dense_layer(graphdef, state, x, kv[layer_id], layout, rope)
                 continue
             moe = self.moe_index[layer_id]
-            h, z, routing, kv[layer_id] = self._attention_and_router(
+            h, z, routing, kv[layer_id] = _attention_and_router(
                 graphdef, state, x, kv[layer_id], layout, rope
             )
             start = time.perf_counter()
@@ -255,8 +202,9 @@ class OffloadEngine:
         capacity = self.cache.book.capacity
         acc = jnp.zeros(z.shape, jnp.float32)
         if not needed:  # only padding or finished rows: the shared expert and the residual remain
-            return self._experts_finish(
+            return _experts_finish(
                 graphdef,
+                self.kernel,
                 state,
                 h,
                 z,
@@ -278,12 +226,76 @@ class OffloadEngine:
             padded = _pad_pow2(len(experts), capacity)
             experts += [experts[0]] * (padded - len(experts))
             if i == len(chunks) - 1:
-                out = self._experts_finish(
-                    graphdef, state, h, z, routing, tuple(experts), jnp.asarray(slots), valid, acc
+                out = _experts_finish(
+                    graphdef,
+                    self.kernel,
+                    state,
+                    h,
+                    z,
+                    routing,
+                    tuple(experts),
+                    jnp.asarray(slots),
+                    valid,
+                    acc,
                 )
             else:
-                acc = self._experts_partial(z, routing, tuple(experts), jnp.asarray(slots), valid, acc)
+                acc = _experts_partial(
+                    self.kernel, z, routing, tuple(experts), jnp.asarray(slots), valid, acc
+                )
                 acc.block_until_ready()  # the next chunk evicts these experts: let the computation finish
                 out = None
             self.cache.release(chunk)
         return out
+
+
+# -- jitted steps (module level: engines of the same architecture share compilations) ------------------------
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _embed(graphdef, cfg, state, tokens, layout):
+    TRACE_COUNTS[f"embed_T{tokens.shape[1]}"] += 1
+    x = nnx.merge(graphdef, state)(tokens)
+    return x, MoECausalLM.rope_for(cfg, layout, x.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def _attention_and_router(graphdef, state, x, kv, layout, rope):
+    TRACE_COUNTS[f"attention_and_router_T{x.shape[1]}"] += 1
+    layer = nnx.merge(graphdef, state)
+    h, z, kv = layer.attention_block(x, rope, kv, layout)
+    z = z.reshape(-1, z.shape[-1])
+    return h, z, layer.route(z), kv
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def _dense_layer(graphdef, state, x, kv, layout, rope):
+    TRACE_COUNTS[f"dense_layer_T{x.shape[1]}"] += 1
+    layer = nnx.merge(graphdef, state)
+    h, z, kv = layer.attention_block(x, rope, kv, layout)
+    return h + layer.dense_output(z).astype(h.dtype), kv
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _experts_finish(graphdef, kernel, state, h, z, routing, experts, slots, valid, acc):
+    """The last (usually only) chunk of a layer's experts, plus the shared expert and the residual."""
+    TRACE_COUNTS[f"experts_finish_T{h.shape[1]}_n{len(experts)}"] += 1
+    layer = nnx.merge(graphdef, state)
+    y = layer.moe_output(z, routing, experts, slots, valid, kernel=kernel).astype(jnp.float32) + acc
+    return h + y.reshape(h.shape).astype(h.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _experts_partial(kernel, z, routing, experts, slots, valid, acc):
+    """An earlier chunk of a layer that needs more experts than the cache holds."""
+    TRACE_COUNTS[f"experts_partial_N{z.shape[0]}_n{len(experts)}"] += 1
+    return acc + expert_mixture(z, routing, experts, slots, valid, kernel=kernel).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), static_argnames="all_positions")
+def _head(graphdef, state, x, key, sampling, all_positions=False):
+    TRACE_COUNTS[f"head_all{all_positions}"] += 1
+    norm, projection = nnx.merge(graphdef, state)
+    if all_positions:
+        return output_logits(norm, projection, x)
+    logits = output_logits(norm, projection, x[:, -1])
+    return sampling(logits, key), logits

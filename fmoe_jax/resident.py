@@ -1,7 +1,9 @@
 """The resident engine: every weight on the device, one jitted program per prefill and per decode step.
 
-`fmoe_jax.generate` drives an engine through `prefill` / `decode`; the offload engine
-(`fmoe_jax/engine.py`) implements the same two methods layer by layer.
+`fmoe_jax.generate` drives an engine through `step` (prefill when T > 1, decode when T = 1); the offload
+engine (`fmoe_jax/engine.py`) implements the same interface layer by layer. Jitted functions are module
+level with the model's graph as a static argument, so every engine of the same architecture shares their
+compilations; `TRACE_COUNTS` counts traces (compilations) by name, which tests and benchmarks read.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from fmoe_jax.models import LayerKV, Layout, MoECausalLM, init_kv_cache
 from fmoe_jax.models.moe import Kernel
 
 from .sampling import Sampling
+
+TRACE_COUNTS: collections.Counter[str] = collections.Counter()
 
 
 class StepOutput:
@@ -40,24 +44,9 @@ class ResidentEngine:
         self.config = module.config
         self.graphdef, self.state = nnx.split(module)
         self.kernel = kernel
-        self.trace_counts: collections.Counter[str] = collections.Counter()
-        self._step = jax.jit(self._step_impl, static_argnames=("sampling", "record"), donate_argnums=(2,))
 
     def init_cache(self, batch: int, length: int) -> list[LayerKV]:
         return init_kv_cache(self.config, batch, length, self.module.dtype)
-
-    def _step_impl(self, state, tokens, cache, layout, key, *, sampling: Sampling, record: bool):
-        self.trace_counts[f"step_T{tokens.shape[1]}_S{cache[0].k.shape[1]}_B{tokens.shape[0]}"] += 1
-        model = nnx.merge(self.graphdef, state)
-        logits, cache, routings = model(tokens, cache, layout, kernel=self.kernel, last_only=True)
-        next_tokens = sampling(logits, key)
-        if not record:
-            return next_tokens, logits, cache, None
-        b, t = tokens.shape
-        probs = jnp.stack([r.probs for r in routings], axis=1).reshape(b, t, len(routings), -1)
-        ids = jnp.stack([r.ids for r in routings], axis=1).reshape(b, t, len(routings), -1)
-        embeds = model.embed_tokens(tokens)
-        return next_tokens, logits, cache, (embeds, probs, ids)
 
     def step(
         self,
@@ -69,8 +58,8 @@ class ResidentEngine:
         record: bool = False,
     ) -> tuple[StepOutput, list[LayerKV]]:
         """Runs prefill (T > 1) or one decode step (T = 1) and samples the next token of each row."""
-        next_tokens, logits, cache, extra = self._step(
-            self.state, tokens, cache, layout, key, sampling=sampling, record=record
+        next_tokens, logits, cache, extra = _resident_step(
+            self.graphdef, self.kernel, self.state, tokens, cache, layout, key, sampling=sampling, record=record
         )
         out = StepOutput(next_tokens, logits)
         if extra is not None:
@@ -82,8 +71,26 @@ class ResidentEngine:
         return _full_forward(self.graphdef, self.state, tokens, self.kernel)
 
 
+@functools.partial(
+    jax.jit, static_argnums=(0, 1), static_argnames=("sampling", "record"), donate_argnums=(4,)
+)
+def _resident_step(graphdef, kernel, state, tokens, cache, layout, key, *, sampling: Sampling, record: bool):
+    TRACE_COUNTS[f"resident_step_T{tokens.shape[1]}_S{cache[0].k.shape[1]}_B{tokens.shape[0]}"] += 1
+    model = nnx.merge(graphdef, state)
+    logits, cache, routings = model(tokens, cache, layout, kernel=kernel, last_only=True)
+    next_tokens = sampling(logits, key)
+    if not record:
+        return next_tokens, logits, cache, None
+    b, t = tokens.shape
+    probs = jnp.stack([r.probs for r in routings], axis=1).reshape(b, t, len(routings), -1)
+    ids = jnp.stack([r.ids for r in routings], axis=1).reshape(b, t, len(routings), -1)
+    embeds = model.embed_tokens(tokens)
+    return next_tokens, logits, cache, (embeds, probs, ids)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _full_forward(graphdef, state, tokens, kernel):
+    TRACE_COUNTS[f"full_forward_T{tokens.shape[1]}"] += 1
     model = nnx.merge(graphdef, state)
     b, t = tokens.shape
     cache = init_kv_cache(model.config, b, t, model.dtype)

@@ -91,7 +91,8 @@ class CacheBook:
             raise KeyError(f"expert {key} is already cached")
         if self.free_slots <= 0:
             raise RuntimeError(f"cache full ({self.capacity} slots): evict before adding {key}")
-        entry = Entry(prefetched=prefetched, arrived=self.tick())
+        now = self.tick()
+        entry = Entry(prefetched=prefetched, last_use=now, arrived=now)  # arrival counts as a use for LRU
         self.entries[key] = entry
         self.stats.loads += 1
         self.stats.bytes_to_device += self.expert_bytes

@@ -113,9 +113,12 @@ def test_greedy_batch_matches_hf_generate(name, hf_dirs, original_longrope):
 
 
 def test_decode_loop_does_not_recompile(hf_dirs):
+    from fmoe_jax.resident import TRACE_COUNTS
+
     model = fj.load_model(hf_dirs["mixtral"])
-    fj.generate(model, [[5, 6, 7, 8]], max_new_tokens=20, stop_at_eos=False)
-    counts = dict(model.engine.trace_counts)
-    assert sum(counts.values()) == 2, counts  # one prefill program, one decode program
+    before = sum(TRACE_COUNTS.values())
+    fj.generate(model, [[5, 6, 7, 8, 1]], max_new_tokens=21, stop_at_eos=False)
+    assert sum(TRACE_COUNTS.values()) - before <= 2  # at most one prefill and one decode program
+    counts = dict(TRACE_COUNTS)
     fj.generate(model, [[9, 10, 11]], max_new_tokens=20, stop_at_eos=False)
-    assert dict(model.engine.trace_counts) == counts  # same buckets: nothing new is compiled
+    assert dict(TRACE_COUNTS) == counts  # same buckets: nothing new is compiled

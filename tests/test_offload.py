@@ -1,0 +1,254 @@
+"""The offload engine is lossless under every policy and budget, respects its budget, and is thread safe."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fmoe_jax as fj
+from fmoe_jax.models import Layout
+from fmoe_jax.offload.cache import CacheBook
+from fmoe_jax.offload.config import OffloadConfig
+from fmoe_jax.offload.policies import POLICIES
+from fmoe_jax.offload.transfer import DeviceExpertCache
+
+FAMILIES = ["mixtral", "qwen2_moe", "phimoe"]
+BASE_POLICIES = ["resident", "on_demand_lru", "on_demand_lfu"]
+
+
+def budgets(cfg) -> dict[str, int]:
+    total = cfg.num_moe_layers * cfg.num_experts
+    return {"one_slot": 1, "top_k": cfg.top_k, "quarter": max(1, total // 4), "all": total}
+
+
+def run_steps(model, prompts: list[list[int]], new_tokens: int):
+    """Prefill + greedy decode driving the engine directly; returns the tokens and each step's logits."""
+    engine = model.engine
+    b = len(prompts)
+    t_pad = max(len(p) for p in prompts)
+    tokens = np.zeros((b, t_pad), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, t_pad - len(p):] = p
+    key_start = jnp.asarray([t_pad - len(p) for p in prompts], jnp.int32)
+    active = jnp.ones((b,), bool)
+    cache = engine.init_cache(b, t_pad + new_tokens)
+    key = jax.random.key(0)
+    out, cache = engine.step(jnp.asarray(tokens), cache, Layout(jnp.int32(0), key_start, active, t_pad), key,
+                             fj.Greedy())
+    logits, generated = [np.asarray(out.logits)], [np.asarray(out.tokens)]
+    for step in range(new_tokens - 1):
+        layout = Layout(jnp.int32(t_pad + step), key_start, active, 1)
+        out, cache = engine.step(out.tokens[:, None], cache, layout, key, fj.Greedy())
+        logits.append(np.asarray(out.logits))
+        generated.append(np.asarray(out.tokens))
+    return np.stack(generated, 1), np.stack(logits, 1)
+
+
+@pytest.fixture(scope="module")
+def resident_runs(hf_dirs):
+    """Reference tokens and logits of the resident engine, per family and batch size."""
+    out = {}
+    for family in FAMILIES:
+        model = fj.load_model(hf_dirs[family])
+        for batch, prompts in PROMPTS.items():
+            out[family, batch] = run_steps(model, prompts, 6)
+    return out
+
+
+PROMPTS = {1: [[3, 14, 15, 92, 65, 35, 89, 79]], 3: [[3, 14, 15], list(range(20, 60)), [7, 7, 7, 7, 7, 7]]}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("policy", BASE_POLICIES)
+def test_lossless_for_every_budget(family, policy, hf_dirs, resident_runs):
+    cfg = fj.load_model(hf_dirs[family]).config
+    for name, slots in budgets(cfg).items():
+        model = fj.load_model(hf_dirs[family], offload=OffloadConfig(policy=policy, cache_experts=slots))
+        for batch, prompts in PROMPTS.items():
+            tokens, logits = run_steps(model, prompts, 6)
+            ref_tokens, ref_logits = resident_runs[family, batch]
+            np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"{family} {policy} {name} batch {batch}")
+            np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-6,
+                                       err_msg=f"{family} {policy} {name} batch {batch}")
+            book = model.engine.cache.book
+            assert book.stats.peak_bytes <= book.capacity * book.expert_bytes
+            assert book.capacity == (slots if policy != "resident" else budgets(cfg)["all"])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(slots=st.integers(1, 8), policy=st.sampled_from(sorted(POLICIES)), data=st.data())
+def test_random_budgets_policies_and_prompts(slots, policy, data, hf_dirs):
+    prompts = data.draw(st.lists(st.lists(st.integers(3, 255), min_size=1, max_size=30), min_size=1, max_size=3))
+    new_tokens = data.draw(st.integers(1, 6))
+    resident = fj.load_model(hf_dirs["mixtral"])
+    ref = fj.generate(resident, prompts, max_new_tokens=new_tokens, stop_at_eos=False)
+    model = fj.load_model(hf_dirs["mixtral"], offload=OffloadConfig(policy=policy, cache_experts=slots))
+    out = fj.generate(model, prompts, max_new_tokens=new_tokens, stop_at_eos=False)
+    assert out.tokens == ref.tokens
+    assert out.stats.peak_cache_bytes <= out.stats.extra["cache_slots"] * out.stats.extra["expert_bytes"]
+    assert out.stats.hits + out.stats.misses > 0
+
+
+def test_statistics_are_consistent(hf_dirs):
+    model = fj.load_model(hf_dirs["mixtral"], offload=OffloadConfig(policy="on_demand_lru", cache_experts=3))
+    out = fj.generate(model, [[5, 6, 7], [8, 9, 10, 11]], max_new_tokens=8, stop_at_eos=False)
+    s = out.stats
+    expert_bytes = s.extra["expert_bytes"]
+    assert s.bytes_to_device == s.misses * expert_bytes  # no prefetching: every load is a miss
+    assert s.prefetches == 0 and s.wasted_prefetches == 0
+    assert s.hit_rate == pytest.approx(s.hits / (s.hits + s.misses))
+    assert len(s.layer_hit_rate) == model.config.num_moe_layers
+    assert 0 < s.peak_cache_bytes <= 3 * expert_bytes
+    assert {"context_collection", "prefetch_issue", "on_demand_wait"} <= set(s.overhead_s)
+    assert s.ttft_s > 0 and s.tpot_s > 0
+    resident = fj.load_model(hf_dirs["mixtral"], offload=OffloadConfig(policy="resident"))
+    warm = fj.generate(resident, [[5, 6, 7]], max_new_tokens=4).stats
+    assert warm.hit_rate == 1.0 and warm.misses == 0 and warm.bytes_to_device == 0
+
+
+def test_experts_live_in_pinned_host_and_cache_on_device(hf_dirs):
+    model = fj.load_model(hf_dirs["qwen2_moe"], offload=OffloadConfig(cache_experts=2))
+    for layer in model.config.moe_layer_ids:
+        for expert in model.module.experts[layer]:
+            assert expert.gate[...].sharding.memory_kind == "pinned_host"
+    assert model.module.layers[0].attn.q_proj.kernel[...].sharding.memory_kind == "device"
+    assert model.module.layers[0].shared_expert.gate[...].sharding.memory_kind == "device"
+    fj.generate(model, [[1, 2, 3]], max_new_tokens=2)
+    for arrays in model.engine.cache.arrays.values():
+        assert all(a.sharding.memory_kind == "device" for a in arrays)
+
+
+def test_budget_errors(hf_dirs):
+    with pytest.raises(ValueError, match="at least 1 expert slot"):
+        OffloadConfig(cache_experts=0)
+    with pytest.raises(ValueError, match="below the size of one expert"):
+        fj.load_model(hf_dirs["mixtral"], offload=OffloadConfig(cache_bytes=100))
+    with pytest.raises(ValueError, match="unknown offload policy 'nope'"):
+        fj.load_model(hf_dirs["mixtral"], offload=OffloadConfig(policy="nope"))
+    model = fj.load_model(hf_dirs["mixtral"], offload=OffloadConfig(cache_bytes=10**9))
+    assert model.engine.cache.book.capacity == model.config.num_moe_layers * model.config.num_experts
+
+
+class FakeMover:
+    """Copies that finish when the test says so."""
+
+    def __init__(self):
+        self.done: set = set()
+
+    def start(self, key):
+        return key
+
+    def is_ready(self, handle):
+        return handle in self.done
+
+    def wait(self, handles):
+        self.done.update(handles)
+
+
+class LRU:
+    def keep_score(self, key, entry):
+        return entry.last_use
+
+    def admit_prefetch(self, key, priority, victim):
+        return True
+
+
+def test_cache_bookkeeping_hits_late_and_wasted():
+    mover = FakeMover()
+    cache = DeviceExpertCache(mover, capacity=2, expert_bytes=10, policy=LRU(), max_inflight=2)
+    cache.request_prefetch([((0, 1), 1.0), ((0, 2), 0.5)])
+    assert set(cache.arrays) == {(0, 1), (0, 2)}  # both started (two slots, two in flight)
+    mover.done.add((0, 1))
+    cache.ensure(0, [(0, 1), (0, 2)])  # (0,1) landed: hit; (0,2) still in flight: late prefetch
+    cache.release([(0, 1), (0, 2)])
+    s = cache.book.stats
+    assert (s.hits, s.misses, s.late_prefetches, s.prefetches) == (1, 1, 1, 2)
+    cache.request_prefetch([((1, 3), 1.0)])  # evicts the least recently used, (0,1): it was used, not wasted
+    mover.done.add((1, 3))
+    cache.request_prefetch([((1, 4), 1.0)])  # evicts (0,2) (used too), then nothing is wasted yet
+    mover.done.add((1, 4))
+    cache.ensure(1, [(1, 5)])  # miss: evicts the LRU prefetched-but-unused expert -> wasted
+    assert cache.book.stats.wasted_prefetches == 1
+    assert len(cache.book) <= 2
+
+
+def test_pinned_experts_survive_concurrent_prefetch_storms():
+    """While a layer holds its experts, prefetches from another thread never evict them."""
+    mover = FakeMover()
+    mover.wait = lambda handles: mover.done.update(handles)
+    mover.start = lambda key: (mover.done.add(key), key)[1]  # copies land at once
+    cache = DeviceExpertCache(mover, capacity=4, expert_bytes=1, policy=LRU(), max_inflight=3)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def storm():
+        rng = np.random.default_rng(0)
+        while not stop.is_set():
+            try:
+                items = [((int(rng.integers(4)), int(rng.integers(8))), float(rng.random())) for _ in range(5)]
+                cache.request_prefetch(items)
+            except BaseException as err:  # surfaced below
+                errors.append(err)
+                return
+
+    thread = threading.Thread(target=storm)
+    thread.start()
+    try:
+        rng = np.random.default_rng(1)
+        for _ in range(300):
+            layer = int(rng.integers(4))
+            needed = [(layer, int(e)) for e in rng.choice(8, size=2, replace=False)]
+            arrays = cache.ensure(layer, needed)
+            for _ in range(20):  # the storm runs while we "compute"
+                assert all(k in cache.book and cache.book.entries[k].pins for k in needed)
+                assert len(cache.book) <= 4
+            assert set(arrays) == set(needed)
+            cache.release(needed)
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+
+
+def test_concurrent_prefetch_stress_stays_lossless(hf_dirs):
+    """Real device_put copies: a thread floods the cache with random prefetches during generation."""
+    resident = fj.load_model(hf_dirs["mixtral"])
+    prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26]]
+    ref = fj.generate(resident, prompts, max_new_tokens=10, stop_at_eos=False)
+    model = fj.load_model(hf_dirs["mixtral"], offload=OffloadConfig(cache_experts=3, max_inflight=2))
+    cache = model.engine.cache
+    stop = threading.Event()
+
+    def storm():
+        rng = np.random.default_rng(0)
+        while not stop.is_set():
+            cache.request_prefetch([((int(rng.integers(2)), int(rng.integers(4))), float(rng.random()))])
+
+    thread = threading.Thread(target=storm)
+    thread.start()
+    try:
+        out = fj.generate(model, prompts, max_new_tokens=10, stop_at_eos=False)
+    finally:
+        stop.set()
+        thread.join()
+    assert out.tokens == ref.tokens
+    assert out.stats.prefetches > 0
+    assert cache.book.stats.peak_bytes <= 3 * cache.book.expert_bytes
+
+
+def test_cachebook_refuses_overfill_and_pinned_eviction():
+    book = CacheBook(1, 8)
+    book.add((0, 0), prefetched=False)
+    with pytest.raises(RuntimeError, match="cache full"):
+        book.add((0, 1), prefetched=False)
+    book.pin([(0, 0)])
+    with pytest.raises(RuntimeError, match="pinned"):
+        book.remove((0, 0))
+    with pytest.raises(ValueError, match="at least one slot"):
+        CacheBook(0, 8)
