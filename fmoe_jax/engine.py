@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import hashlib
+import json
 import time
 
 import jax
@@ -28,6 +30,12 @@ from fmoe_jax.offload.transfer import DeviceExpertCache, JaxMover
 
 from .resident import TRACE_COUNTS, StepOutput
 from .sampling import Sampling
+
+
+def model_identity(cfg) -> str:
+    """Names a model architecture for saved policy state (e.g. an fMoE store): family plus a config hash."""
+    digest = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+    return f"{cfg.family}-{digest[:16]}"
 
 
 def _pad_pow2(n: int, cap: int) -> int:
@@ -73,8 +81,8 @@ class OffloadEngine:
             embed_dim=cfg.hidden_size,
             prefetch_distance=offload.prefetch_distance,
             capacity=slots,
-            model_id=cfg.family,
-            options=dict(offload.policy_options),
+            model_id=model_identity(cfg),
+            options={"store_path": offload.store_path, "store_capacity": offload.store_capacity},
         )
         self.policy.bind(ctx, self.cache)
         if self.policy.preload_all:
@@ -92,7 +100,7 @@ class OffloadEngine:
     def begin(self, batch: int) -> None:
         """Starts a `generate` call: statistics count from here."""
         book = self.cache.book
-        self._start = (copy.deepcopy(book.stats), dict(self.cache.timers))
+        self._start = (copy.deepcopy(book.stats), {**self.cache.timers, **self.policy.timers})
         self.overhead.clear()
         self.policy.on_request_start(batch)
 
@@ -113,7 +121,7 @@ class OffloadEngine:
         needed = [now.layer_needed.get(i, 0) - before.layer_needed.get(i, 0) for i in range(layers)]
         stats.layer_hit_rate = [h / n if n else 1.0 for h, n in zip(hits, needed, strict=True)]
         overhead = dict(self.overhead)
-        for name, value in self.cache.timers.items():
+        for name, value in {**self.cache.timers, **self.policy.timers}.items():
             overhead[name] = overhead.get(name, 0.0) + value - timers.get(name, 0.0)
         stats.overhead_s = overhead
         stats.extra.update(self.policy.stats())
@@ -162,10 +170,15 @@ class OffloadEngine:
         valid_dev = jnp.asarray(valid)
         x, rope = _embed(self.embed_split[0], self.config, self.embed_split[1], tokens, layout)
 
+        embeds = None
+        if policy.needs_semantic or record:
+            x.block_until_ready()  # the embedding's compute is not overhead; copying it out is
+            start = time.perf_counter()
+            embeds = np.asarray(x, np.float32).reshape(b * t, -1)
+            self.overhead["context_collection"] += time.perf_counter() - start
         start = time.perf_counter()
-        embeds = np.asarray(x, np.float32).reshape(b * t, -1) if (policy.needs_semantic or record) else None
-        policy.on_iteration_start(embeds if policy.needs_semantic else None, valid)
-        self.overhead["context_collection"] += time.perf_counter() - start
+        policy.on_iteration_start(embeds if policy.needs_semantic else None, valid_bt)
+        self.overhead["policy_events"] += time.perf_counter() - start
 
         kv = list(kv)
         probs_all, ids_all = [], []
@@ -177,17 +190,22 @@ class OffloadEngine:
             h, z, routing, kv[layer_id] = _attention_and_router(
                 graphdef, state, x, kv[layer_id], layout, rope
             )
+            routing.ids.block_until_ready()  # the one sync point of the layer: attention and router done
             start = time.perf_counter()
-            ids = np.asarray(routing.ids)  # [N, k]: the one sync point of the layer
+            ids = np.asarray(routing.ids)  # [N, k]
             probs = np.asarray(routing.probs) if (policy.needs_probs or record) else None
-            policy.on_layer_routed(moe, probs if policy.needs_probs else None, ids, valid)
             self.overhead["context_collection"] += time.perf_counter() - start
+            start = time.perf_counter()
+            policy.on_layer_routed(moe, probs if policy.needs_probs else None, ids, valid_bt)
+            self.overhead["policy_events"] += time.perf_counter() - start
             if record:
                 probs_all.append(probs)
                 ids_all.append(ids)
             needed = sorted({int(e) for e in ids[valid].ravel()})
             x = self._run_experts(moe, graphdef, state, h, z, routing, valid_dev, needed)
+        start = time.perf_counter()
         policy.on_iteration_end()
+        self.overhead["policy_events"] += time.perf_counter() - start
         extra = None
         if record:
             extra = (

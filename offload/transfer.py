@@ -125,15 +125,33 @@ class DeviceExpertCache:
                 self.book.mark_ready(key)
 
     # -- prefetch --------------------------------------------------------------------------------------
-    def request_prefetch(self, items: Iterable[tuple[Key, float]], *, replace: bool = True) -> None:
-        """Queues prefetches `(key, priority)` (higher first). With `replace`, requests still waiting are
-        dropped first: they are no longer wanted."""
+    def request_prefetch(
+        self,
+        items: Iterable[tuple[Key, float]],
+        *,
+        replace: bool | Iterable[int] = True,
+        stale_before: int | None = None,
+    ) -> None:
+        """Queues prefetches `(key, priority)` (higher first), dropping waiting requests that are no longer
+        wanted first: all of them (`replace=True`), those of the given layers (`replace=layers`), and those
+        of layers before `stale_before` (already computed)."""
         start = time.perf_counter()
         with self.lock:
-            if replace:
-                self.book.stats.dropped_prefetches += len(self.queued)
-                self.queue.clear()
-                self.queued.clear()
+            if replace is not False or stale_before is not None:
+                layers = None if replace is True or replace is False else set(replace)
+
+                def unwanted(key: Key) -> bool:
+                    return (
+                        replace is True
+                        or (layers is not None and key[0] in layers)
+                        or (stale_before is not None and key[0] < stale_before)
+                    )
+
+                kept = [entry for entry in self.queue if not unwanted(entry[2])]
+                self.book.stats.dropped_prefetches += len(self.queue) - len(kept)
+                heapq.heapify(kept)
+                self.queue = kept
+                self.queued = {entry[2] for entry in kept}
             for key, priority in items:
                 if key in self.book or key in self.queued:
                     continue

@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Policy, PolicyContext
+from .fmoe import FMoE, store_from_traces
 from .on_demand import OnDemandLFU, OnDemandLRU, Resident
 
 POLICIES: dict[str, type[Policy]] = {
     "resident": Resident,
     "on_demand_lru": OnDemandLRU,
     "on_demand_lfu": OnDemandLFU,
+    "fmoe": FMoE,
 }
 
 
@@ -23,4 +25,14 @@ def make_policy(policy: str | Policy, **options: Any) -> Policy:
     return POLICIES[policy](**options)
 
 
-__all__ = ["POLICIES", "OnDemandLFU", "OnDemandLRU", "Policy", "PolicyContext", "Resident", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "FMoE",
+    "OnDemandLFU",
+    "OnDemandLRU",
+    "Policy",
+    "PolicyContext",
+    "Resident",
+    "make_policy",
+    "store_from_traces",
+]

@@ -19,7 +19,7 @@ from ..cache import Entry, Key
 class PolicyContext:
     """What a policy learns about the model and the cache when the engine starts it."""
 
-    num_layers: int  # MoE layers (an expert map has this many rows)
+    num_layers: int  # MoE layers (an expert map has this many rows); "layer" in policies means MoE layer
     num_experts: int  # J
     top_k: int
     embed_dim: int  # H, width of the semantic context
@@ -50,12 +50,14 @@ class Policy:
         """A new batch of requests begins (a `generate` call)."""
 
     def on_iteration_start(self, embeds: np.ndarray | None, valid: np.ndarray) -> None:
-        """embeds `[N, H]` float32 (None unless `needs_semantic`), valid `[N]`, for the N new tokens."""
+        """An iteration over N = B * T new tokens starts: embeds `[N, H]` float32 (the semantic context;
+        None unless `needs_semantic`), valid `[B, T]` (False for padding and finished rows)."""
 
     def on_layer_routed(
         self, layer: int, probs: np.ndarray | None, ids: np.ndarray, valid: np.ndarray
     ) -> None:
-        """MoE layer `layer` has routed: probs `[N, J]` (None unless `needs_probs`), ids `[N, k]`."""
+        """MoE layer `layer` has routed (the trajectory context): probs `[N, J]` float32 (None unless
+        `needs_probs`), ids `[N, k]`, valid `[B, T]`."""
 
     def on_iteration_end(self) -> None:
         """Every layer of the iteration has run."""
@@ -66,6 +68,10 @@ class Policy:
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         return True
+
+    timers: dict[
+        str, float
+    ] = {}  # seconds by stage ("matching", "store_update"), added to out.stats.overhead_s
 
     def stats(self) -> dict[str, Any]:
         """Policy-specific statistics merged into `out.stats.extra`."""

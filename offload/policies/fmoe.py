@@ -1,0 +1,333 @@
+"""fMoE: fine-grained expert offloading guided by expert maps (paper section 4, `seeds/000_*`).
+
+The engine publishes contexts; a matcher thread subscribes to them, searches the `ExpertMapStore`
+(semantic search at iteration start for layers [0, d), trajectory search after each layer for the layers
+d ahead), picks experts by similarity-aware selection, and queues prefetches by priority p / (l - l_now).
+Eviction keeps the experts with the highest p * freq. The engine never waits for matching.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import threading
+import time
+from typing import Any, Literal
+
+import numpy as np
+
+from ..cache import Entry, Key
+from ..expert_map_store import ExpertMapStore
+from ..fmoe_select import select_experts
+from .base import Policy, PolicyContext
+
+
+@dataclasses.dataclass
+class _Context:
+    kind: Literal["semantic", "trajectory", "update"]
+    layer: int = -1
+    data: Any = None
+    extra: Any = None
+
+
+class FMoE(Policy):
+    """The fMoE policy, with the paper's ablation switches.
+
+    Args:
+      semantic: semantic (embedding) search guides layers [0, d) at each iteration start.
+      trajectory: trajectory search after each layer guides the layers d ahead.
+      dynamic_delta: similarity-aware selection (delta = 1 - score); off: exactly top-k per layer.
+      eviction: "fmoe" (keep the highest p * freq), "lfu", or "lru".
+      traj_target: "band" guides every layer from l + d on after layer l (as the authors' code);
+        "single" guides layer l + d only (as the paper's text). Measured in benchmarks/ablations.
+      asynchronous: match on a thread of its own (the paper's publisher/subscriber); off: inline,
+        deterministic (tests, and the simulator's comparison with the live engine).
+      learn: add every iteration's expert maps to the store (online mode); off: the store is fixed
+        (offline mode, e.g. built from traces with `store_from_traces`).
+      store: a prebuilt `ExpertMapStore` to start from (else empty, or loaded from `store_path`).
+      queue_size: contexts waiting for the matcher at most; the oldest is dropped beyond that.
+      blas_threads: NumPy BLAS threads while the policy runs (the matcher's products are small; extra
+        BLAS threads only contend with XLA's for the cores). None leaves BLAS alone.
+    """
+
+    name = "fmoe"
+    needs_semantic = True
+    needs_probs = True
+
+    def __init__(
+        self,
+        *,
+        semantic: bool = True,
+        trajectory: bool = True,
+        dynamic_delta: bool = True,
+        eviction: Literal["fmoe", "lfu", "lru"] = "fmoe",
+        traj_target: Literal["band", "single"] = "band",
+        asynchronous: bool = True,
+        learn: bool = True,
+        store: ExpertMapStore | None = None,
+        queue_size: int = 64,
+        blas_threads: int | None = 1,
+    ):
+        if eviction not in ("fmoe", "lfu", "lru"):
+            raise ValueError(f"eviction must be 'fmoe', 'lfu' or 'lru', got {eviction!r}")
+        if traj_target not in ("band", "single"):
+            raise ValueError(f"traj_target must be 'band' or 'single', got {traj_target!r}")
+        self.semantic, self.trajectory, self.dynamic_delta = semantic, trajectory, dynamic_delta
+        self.eviction, self.traj_target = eviction, traj_target
+        self.asynchronous, self.learn = asynchronous, learn
+        self.store = store
+        self.queue_size = queue_size
+        self.blas_threads = blas_threads
+        self.guide_prob: dict[Key, float] = {}  # p of each expert in the map guiding its layer now
+        self.timers = {"matching": 0.0, "store_update": 0.0}
+        self.counts = collections.Counter()
+        self.scores: dict[str, list[float]] = {"semantic": [], "trajectory": []}
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._pending: collections.deque[_Context] = collections.deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._blas = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def bind(self, ctx: PolicyContext, cache: Any) -> None:
+        super().bind(ctx, cache)
+        self.meta = {"model": ctx.model_id}
+        path = ctx.options.get("store_path")
+        if self.store is None and path and os.path.exists(path):
+            self.store = ExpertMapStore.load(
+                path, self._expected_meta(), capacity=ctx.options.get("store_capacity")
+            )
+        if self.store is None:
+            self.store = ExpertMapStore(
+                capacity=ctx.options.get("store_capacity", 1000),
+                num_layers=ctx.num_layers,
+                num_experts=ctx.num_experts,
+                embed_dim=ctx.embed_dim,
+                prefetch_distance=ctx.prefetch_distance,
+            )
+        if (self.store.num_layers, self.store.num_experts, self.store.embed_dim) != (
+            ctx.num_layers,
+            ctx.num_experts,
+            ctx.embed_dim,
+        ):
+            raise ValueError(
+                f"expert-map store has L={self.store.num_layers}, J={self.store.num_experts}, "
+                f"H={self.store.embed_dim}; the model needs L={ctx.num_layers}, J={ctx.num_experts}, "
+                f"H={ctx.embed_dim}"
+            )
+        if self.blas_threads is not None:
+            self._limit_blas(self.blas_threads)
+        if self.asynchronous:
+            self._thread = threading.Thread(target=self._run, name="fmoe-matcher", daemon=True)
+            self._thread.start()
+
+    def _expected_meta(self) -> dict[str, Any]:
+        ctx = self.ctx
+        return {
+            "model": ctx.model_id,
+            "num_layers": ctx.num_layers,
+            "num_experts": ctx.num_experts,
+            "embed_dim": ctx.embed_dim,
+            "prefetch_distance": ctx.prefetch_distance,
+        }
+
+    def _limit_blas(self, threads: int) -> None:
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:  # optional: without it BLAS keeps its own thread count
+            return
+        self._blas = ThreadpoolController().limit(limits=threads, user_api="blas")
+
+    def close(self) -> None:
+        """Stops the matcher (after the contexts it has), saves the store when `store_path` is set, and
+        re-raises an error of the matcher thread."""
+        if self._thread is not None:
+            with self._cv:
+                self._stop = True
+                self._cv.notify()
+            self._thread.join()
+            self._thread = None
+        if self._blas is not None:
+            self._blas.restore_original_limits()
+            self._blas = None
+        path = self.ctx.options.get("store_path") if hasattr(self, "ctx") else None
+        if path and self.store is not None and self._error is None:
+            self.store.save(path, self.meta)
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the fmoe matcher thread failed: {self._error!r}") from self._error
+
+    # -- events from the engine (engine thread: cheap, never waits for matching) -------------------------
+    def on_iteration_start(self, embeds: np.ndarray | None, valid: np.ndarray) -> None:
+        self._raise_if_failed()
+        rows, tokens = valid.shape
+        self._valid = valid.reshape(-1)
+        self._last = (
+            np.where(valid.any(1), tokens - 1, -1) + np.arange(rows) * tokens
+        )  # each row's last token
+        self._embeds = embeds[self._valid]
+        self._maps = np.zeros((rows * tokens, self.ctx.num_layers, self.ctx.num_experts), np.float32)
+        if self.semantic and self._embeds.shape[0]:
+            self._publish(_Context("semantic", data=self._embeds))
+
+    def on_layer_routed(
+        self, layer: int, probs: np.ndarray | None, ids: np.ndarray, valid: np.ndarray
+    ) -> None:
+        self._raise_if_failed()
+        self._maps[:, layer] = probs
+        if not self.trajectory or layer + self.ctx.prefetch_distance >= self.ctx.num_layers:
+            return
+        active = self._last[valid.any(1)]
+        if active.size:
+            self._publish(_Context("trajectory", layer=layer, data=self._maps[active, : layer + 1].copy()))
+
+    def on_iteration_end(self) -> None:
+        self._raise_if_failed()
+        if self.learn and self._embeds.shape[0]:
+            self._publish(_Context("update", data=self._embeds, extra=self._maps[self._valid]))
+
+    def _publish(self, context: _Context) -> None:
+        if not self.asynchronous:
+            self._process(context)
+            return
+        with self._cv:
+            if len(self._pending) >= self.queue_size:
+                self._pending.popleft()
+                self.counts["dropped_contexts"] += 1
+            self._pending.append(context)
+            self._cv.notify()
+
+    # -- the matcher -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._stop:
+                    self._cv.wait()
+                if not self._pending:
+                    return
+                context = self._pending.popleft()
+                superseded = (
+                    self.traj_target == "band"
+                    and context.kind != "update"
+                    and any(c.kind != "update" for c in self._pending)
+                )
+            if superseded:  # a newer prediction replaces this one's prefetches anyway
+                self.counts["skipped_contexts"] += 1
+                continue
+            try:
+                self._process(context)
+            except BaseException as err:  # surfaced to the engine at its next event, and by close()
+                self._error = err
+                return
+
+    def wait_idle(self) -> None:
+        """Blocks until the matcher has processed every published context (tests, benchmarks)."""
+        while True:
+            with self._cv:
+                if not self._pending:
+                    break
+            time.sleep(0.001)
+
+    def _process(self, context: _Context) -> None:
+        if context.kind == "update":
+            start = time.perf_counter()
+            self.store.add(context.data, context.extra)
+            self.timers["store_update"] += time.perf_counter() - start
+            return
+        start = time.perf_counter()
+        if context.kind == "semantic":
+            scores, maps = self.store.match_embed(context.data)
+            targets, current = range(0, min(self.ctx.prefetch_distance, self.ctx.num_layers)), -1
+        else:
+            scores, maps = self.store.match_traj(context.data)
+            current = context.layer
+            first = current + self.ctx.prefetch_distance
+            targets = (
+                range(first, self.ctx.num_layers) if self.traj_target == "band" else range(first, first + 1)
+            )
+        self.counts[f"{context.kind}_matches"] += 1
+        if len(self.scores[context.kind]) < 100_000:
+            self.scores[context.kind].extend(scores.tolist())
+        items = self._select(scores, maps, targets, current)
+        self.timers["matching"] += time.perf_counter() - start
+        replace = True if self.traj_target == "band" or context.kind == "semantic" else targets
+        self.cache.request_prefetch(items, replace=replace, stale_before=current + 1)
+
+    def _select(
+        self, scores: np.ndarray, maps: np.ndarray, targets: range, current: int
+    ) -> list[tuple[Key, float]]:
+        """Similarity-aware selection per matched map and target layer; a batch's wishes are merged,
+        keeping each expert's highest probability. Returns prefetches `(key, p / (layer - current))`."""
+        if not len(targets):
+            return []
+        j = self.ctx.num_experts
+        layers = np.asarray(targets)
+        probs = maps[:, layers, :].reshape(-1, j)  # [B * n_targets, J]
+        score = np.repeat(scores if self.dynamic_delta else np.ones_like(scores), len(layers))
+        best = np.zeros((len(layers), j))
+        for row, ids in enumerate(select_experts(probs, score, self.ctx.top_k)):
+            layer_pos = row % len(layers)
+            best[layer_pos, ids] = np.maximum(best[layer_pos, ids], probs[row, ids])
+        guide = maps[:, layers, :].max(axis=0)  # [n_targets, J]
+        for pos, layer in enumerate(layers):
+            for expert in range(j):
+                self.guide_prob[(int(layer), expert)] = float(guide[pos, expert])
+        items = []
+        for pos, layer in enumerate(layers):
+            for expert in np.flatnonzero(best[pos]):
+                items.append(((int(layer), int(expert)), float(best[pos, expert]) / (int(layer) - current)))
+        return items
+
+    # -- eviction ----------------------------------------------------------------------------------------
+    def keep_score(self, key: Key, entry: Entry) -> float:
+        """fMoE keeps the highest p * freq (equivalently evicts the highest 1 / (p * freq)); freq counts
+        the arrival as one visit so a freshly prefetched expert is not the first to go."""
+        if self.eviction == "lru":
+            return float(entry.last_use)
+        freq = self.cache.book.freq.get(key, 0)
+        if self.eviction == "lfu":
+            return float(freq)
+        return self.guide_prob.get(key, 0.0) * (freq + 1)
+
+    def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
+        """A prefetch evicts only an expert worth less than the one it brings (same p * freq measure)."""
+        if self.eviction != "fmoe":
+            return True
+        incoming = self.guide_prob.get(key, 0.0) * (self.cache.book.freq.get(key, 0) + 1)
+        return self.keep_score(victim, self.cache.book.entries[victim]) < incoming
+
+    def stats(self) -> dict[str, Any]:
+        out = {"store_size": len(self.store) if self.store is not None else 0, **dict(self.counts)}
+        for kind, values in self.scores.items():
+            if values:
+                out[f"mean_{kind}_score"] = float(np.mean(values))
+        return out
+
+
+def store_from_traces(traces, *, capacity: int, prefetch_distance: int) -> ExpertMapStore:
+    """Offline mode: an expert-map store built from recorded routing traces (`RoutingTrace`s).
+
+    Every token of every iteration contributes its embedding and its expert map, in trace order.
+    """
+    traces = list(traces)
+    meta = traces[0].meta
+    store = ExpertMapStore(
+        capacity=capacity,
+        num_layers=meta["num_layers"],
+        num_experts=meta["num_experts"],
+        embed_dim=meta["embed_dim"],
+        prefetch_distance=prefetch_distance,
+    )
+    for trace in traces:
+        for request in trace.requests:
+            for it in request.iterations:
+                if it.embeds is None or it.probs is None:
+                    raise ValueError(
+                        "store_from_traces needs traces with embeddings and router probabilities"
+                    )
+                store.add(it.embeds, it.probs)
+    return store
