@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
-from fmoe_jax.models import config_from_hf
+from fmoe_jax.models import UnsupportedConfigError, config_from_hf
 from fmoe_jax.models.config import MoEConfig
 
 from .keys import HFTensor, Target, apply_transform, detect_layout, hf_tensors
@@ -120,7 +120,14 @@ class HFCheckpoint:
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir}: not a directory")
         self.hf_config = read_json(self.dir / "config.json", "config.json")
-        self.config: MoEConfig = config_from_hf(self.hf_config)
+        try:
+            self.config: MoEConfig = config_from_hf(self.hf_config)
+        except UnsupportedConfigError as err:
+            raise UnsupportedConfigError(f"{self.dir}/config.json: {err}") from None
+        except KeyError as err:
+            raise CheckpointError(f"{self.dir}/config.json: required attribute {err} is missing") from None
+        except (TypeError, ValueError, AttributeError) as err:
+            raise CheckpointError(f"{self.dir}/config.json: invalid config: {err}") from None
         index_path = self.dir / "model.safetensors.index.json"
         if index_path.exists():
             weight_map = read_json(index_path, "safetensors index").get("weight_map")
@@ -192,14 +199,21 @@ class HFCheckpoint:
         return self.location[key].read(key)
 
     def params(
-        self, dtype: np.dtype | None = None, *, layers: range | None = None
+        self,
+        dtype: np.dtype | None = None,
+        *,
+        layers: range | None = None,
+        where: Callable[[HFTensor], bool] | None = None,
     ) -> Iterator[tuple[HFTensor, Target, np.ndarray]]:
         """Streams our parameters one HF tensor at a time, in the table's (layer by layer) order.
 
-        Yields (source tensor, target, array in our layout and `dtype` or the stored dtype).
+        Yields (source tensor, target, array in our layout and `dtype` or the stored dtype); `where`
+        selects tensors (e.g. the conversion reads one layer at a time).
         """
         for tensor in self.tensors:
             if layers is not None and tensor.layer >= 0 and tensor.layer not in layers:
+                continue
+            if where is not None and not where(tensor):
                 continue
             raw = self.read(tensor.key)
             for target in tensor.targets:

@@ -159,19 +159,30 @@ def detect_layout(keys: Iterable[str]) -> HFLayout:
     return "fused" if any(key.endswith("experts.gate_up_proj") for key in keys) else "hub"
 
 
+def transpose(array: np.ndarray, rows: int = 64) -> np.ndarray:
+    """`array.T` as a new contiguous array, copied a block of rows at a time: NumPy's one strided copy
+    thrashes the cache (measured 140-350 MB/s on expert matrices, 2-5x slower than this)."""
+    if array.ndim != 2:
+        return np.ascontiguousarray(array.T)
+    out = np.empty(array.shape[::-1], array.dtype)
+    for i in range(0, array.shape[0], rows):
+        out[:, i : i + rows] = array[i : i + rows].T
+    return out
+
+
 def apply_transform(array: np.ndarray, target: Target) -> np.ndarray:
     """HF tensor -> our parameter (a new contiguous array)."""
     if target.transform == "copy":
         return np.ascontiguousarray(array)
     if target.transform == "transpose":
-        return np.ascontiguousarray(array.T)
+        return transpose(array)
     f = target.shape[-1] if target.transform != "fused_down" else target.shape[0]
     sliced = {
         "fused_gate": lambda: array[target.expert, :f, :],
         "fused_up": lambda: array[target.expert, f:, :],
         "fused_down": lambda: array[target.expert],
     }[target.transform]()
-    return np.ascontiguousarray(sliced.T)
+    return transpose(sliced)
 
 
 def to_hf(cfg: MoEConfig, params: Mapping[Path, np.ndarray]) -> dict[str, np.ndarray]:
