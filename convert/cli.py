@@ -1,0 +1,482 @@
+"""`fmoe-convert`: Hugging Face safetensors -> fmoe_jax orbax checkpoint (streaming, atomic), and `verify`.
+
+The console script and `python -m fmoe_jax.convert` call `main`; `convert` and `verify` are the same
+steps as functions that raise instead of printing (tests, notebooks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from fmoe_jax.models import UnsupportedConfigError
+from tqdm import tqdm
+
+import fmoe_jax
+
+from . import orbax_io
+from .hf import CheckpointError, HFCheckpoint
+from .manifest import MANIFEST_NAME, FileRecord, Interrupted, Manifest, check_files, files_under, hash_file
+
+PROG = "fmoe-convert"
+DTYPES = ("bfloat16", "float16", "float32")
+# Files copied next to the weights when the source has them (config.json is required and always copied).
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+TMP_TAG, OLD_TAG = ".fmoe-tmp-", ".fmoe-old-"
+SPACE_MARGIN_BYTES = 64 << 20  # orbax metadata, OCDBT indices, copied side files
+
+
+class ConvertError(Exception):
+    """The conversion cannot start or finish for a reason the user can fix (the message says which)."""
+
+
+def _bar(total: int, desc: str, enabled: bool) -> tqdm:
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        disable=not enabled,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        smoothing=0.1,
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_tree(path: Path) -> None:
+    """Removes a directory, retrying briefly: writer threads of an aborted save may still create files."""
+    for _ in range(5):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            return
+        time.sleep(0.1)
+
+
+def _remove_stale(parent: Path, name: str) -> None:
+    """Removes work directories of earlier conversions to the same OUT_DIR whose process is gone."""
+    for tag in (TMP_TAG, OLD_TAG):
+        for path in parent.glob(f".{name}{tag}*"):
+            pid = path.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                _remove_tree(path)
+
+
+def _check_destination(out_dir: Path, overwrite: bool) -> None:
+    parent = out_dir.parent
+    if not parent.is_dir():
+        raise ConvertError(f"{parent}: not an existing directory (the parent of OUT_DIR must exist)")
+    if not (out_dir.exists() or out_dir.is_symlink()):
+        return
+    if not overwrite:
+        raise ConvertError(f"{out_dir}: already exists; pass --overwrite to replace it")
+    if not out_dir.is_dir() or out_dir.is_symlink():
+        raise ConvertError(f"{out_dir}: exists and is not a directory; refusing to replace it")
+    if any(out_dir.iterdir()) and not orbax_io.is_converted(out_dir):
+        raise ConvertError(
+            f"{out_dir}: exists and is not an fmoe-convert checkpoint; refusing to delete it even with "
+            "--overwrite (remove it yourself or choose another OUT_DIR)"
+        )
+
+
+def _check_space(parent: Path, needed: int) -> None:
+    free = shutil.disk_usage(parent).free
+    if free < needed + SPACE_MARGIN_BYTES:
+        raise ConvertError(
+            f"{parent}: not enough free disk space: the checkpoint needs about "
+            f"{(needed + SPACE_MARGIN_BYTES) / 1e9:.2f} GB, {free / 1e9:.2f} GB are free"
+        )
+
+
+def _install(tmp: Path, out_dir: Path) -> None:
+    """Moves the finished checkpoint into place; an existing OUT_DIR is swapped out, then deleted."""
+    if not out_dir.exists():
+        os.rename(tmp, out_dir)
+        return
+    old = out_dir.parent / f".{out_dir.name}{OLD_TAG}{os.getpid()}"
+    os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except BaseException:
+        os.rename(old, out_dir)
+        raise
+    _remove_tree(old)
+
+
+class _Hasher:
+    """sha256 of files on one background thread, overlapping the conversion (hashlib releases the GIL)."""
+
+    def __init__(self) -> None:
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fmoe-hash")
+        self._stop = threading.Event()
+        self._futures: dict[str, tuple[Path, cf.Future]] = {}
+        self._done_bytes = 0
+        self._lock = threading.Lock()
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self._done_bytes += n
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._futures
+
+    def add(self, name: str, path: Path) -> None:
+        self._futures[name] = (
+            path,
+            self._pool.submit(hash_file, path, on_bytes=self._count, stop=self._stop),
+        )
+
+    def results(self, names: Sequence[str], bar: tqdm, poll: Callable[[], None]) -> dict[str, FileRecord]:
+        """Waits for the given files' hashes, advancing `bar` by the bytes hashed meanwhile."""
+        out = {}
+        with self._lock:
+            seen = self._done_bytes
+        for name in names:
+            future = self._futures[name][1]
+            while not cf.wait([future], timeout=0.2).done:
+                poll()
+                with self._lock:
+                    bar.update(self._done_bytes - seen)
+                    seen = self._done_bytes
+            out[name] = future.result()
+        with self._lock:
+            bar.update(self._done_bytes - seen)
+        return out
+
+    def pending_bytes(self) -> int:
+        with self._lock:
+            done = self._done_bytes
+        return sum(path.stat().st_size for path, _ in self._futures.values()) - done
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def convert(
+    hf_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    poll: Callable[[], None] = lambda: None,
+) -> tuple[Manifest, float]:
+    """Converts a Hugging Face checkpoint directory into an fmoe_jax checkpoint at `out_dir`.
+
+    Everything is checked before anything is written. Weights stream one layer at a time into a
+    hidden directory beside `out_dir`, which is renamed to `out_dir` only once complete; on any failure
+    or interruption it is removed. `poll` is called at every safe point (between tensors, after each
+    item); raising from it abandons the conversion. Returns the manifest and the seconds it took.
+
+    Raises:
+      CheckpointError, UnsupportedConfigError: the source is incomplete, corrupt or not supported.
+      ConvertError, OSError: the destination exists, lacks space or cannot be written.
+    """
+    start = time.perf_counter()
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
+    ckpt = HFCheckpoint(hf_dir)
+    if dtype is not None and dtype not in DTYPES:
+        raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    np_dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(ckpt.stored_dtype())
+    cfg = ckpt.config
+    param_count = sum(int(np.prod(t.shape)) for tensor in ckpt.tensors for t in tensor.targets)
+    _check_destination(out_dir, overwrite)
+    parent = out_dir.parent
+    _remove_stale(parent, out_dir.name)
+    _check_space(parent, param_count * np_dtype.itemsize)
+    tmp = parent / f".{out_dir.name}{TMP_TAG}{os.getpid()}"
+    try:
+        tmp.mkdir()
+    except OSError as err:
+        raise ConvertError(f"{parent}: cannot create the output there ({err.strerror})") from None
+
+    hasher = _Hasher()
+    try:
+        side = [name for name in SIDE_FILES if (hf_dir / name).is_file()]
+        sources = sorted({*(s.path.name for s in ckpt.shards.values()), *side})
+        if (hf_dir / "model.safetensors.index.json").is_file():
+            sources.append("model.safetensors.index.json")
+        for name in sources:
+            hasher.add(f"source/{name}", hf_dir / name)
+        for name in side:
+            shutil.copyfile(hf_dir / name, tmp / name)
+            hasher.add(name, tmp / name)
+
+        def item_written(item: str) -> None:
+            for path in files_under(tmp / item):
+                hasher.add(path.relative_to(tmp).as_posix(), path)
+
+        with _bar(ckpt.total_bytes, "converting", progress) as bar:
+            items = orbax_io.write_items(
+                ckpt, tmp, np_dtype, on_bytes=_polling(bar.update, poll), on_item=_polling(item_written, poll)
+            )
+        outputs = [p.relative_to(tmp).as_posix() for p in files_under(tmp)]
+        for name in outputs:
+            if name not in hasher:
+                hasher.add(name, tmp / name)
+        with _bar(hasher.pending_bytes(), "hashing", progress) as bar:
+            source_files = hasher.results([f"source/{n}" for n in sources], bar, poll)
+            files = hasher.results(outputs, bar, poll)
+        manifest = Manifest(
+            family=cfg.family,
+            dtype=str(jnp.dtype(np_dtype)),
+            num_layers=cfg.num_layers,
+            num_experts=cfg.num_experts,
+            moe_layers=list(cfg.moe_layer_ids),
+            bytes_per_expert=3 * cfg.hidden_size * cfg.expert_intermediate_size * np_dtype.itemsize,
+            param_bytes=param_count * np_dtype.itemsize,
+            items=items,
+            source_dir=str(hf_dir.absolute()),
+            source_layout=ckpt.layout,
+            source_dtype=str(jnp.dtype(ckpt.stored_dtype())),
+            source_files={k.removeprefix("source/"): v for k, v in source_files.items()},
+            files=files,
+            converter=f"fmoe-jax {fmoe_jax.__version__}",
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        )
+        manifest.write(tmp)
+        _install(tmp, out_dir)
+    except BaseException:
+        hasher.close()
+        _remove_tree(tmp)
+        raise
+    hasher.close()
+    return manifest, time.perf_counter() - start
+
+
+def verify(
+    out_dir: str | os.PathLike,
+    *,
+    against: str | os.PathLike | None = None,
+    progress: bool = False,
+    poll: Callable[[], None] = lambda: None,
+) -> str:
+    """Checks a converted checkpoint: every file's size and sha256 against the manifest, every item
+    restorable with the shapes the config implies and, with `against`, every tensor equal to the Hugging
+    Face source cast to the checkpoint's dtype. Returns a one-line summary; raises `CheckpointError`.
+    """
+    out_dir = Path(out_dir)
+    if not orbax_io.is_converted(out_dir):
+        raise CheckpointError(f"{out_dir}: no {MANIFEST_NAME}; not a checkpoint written by {PROG}")
+    manifest = Manifest.read(out_dir)
+    with _bar(sum(r.size for r in manifest.files.values()), "hashing", progress) as bar:
+        problems = check_files(out_dir, manifest.files, on_bytes=_polling(bar.update, poll))
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise CheckpointError(problems[0] + more)
+    _, cfg, expected = orbax_io.open_converted(out_dir)
+    hf = None
+    if against is not None:
+        hf = HFCheckpoint(against)
+        if hf.config != cfg:
+            raise CheckpointError(f"{against}: its config.json describes a different model than {out_dir}")
+    dtype = np.dtype(jnp.dtype(manifest.dtype))
+    compared = 0
+    with _bar(manifest.param_bytes, "restoring" if hf is None else "comparing", progress) as bar:
+        for name, arrays in orbax_io.read_items(out_dir, expected):
+            poll()
+            bar.update(sum(a.nbytes for a in arrays.values()))
+            if hf is None:
+                continue
+            stream = hf.params(dtype, where=lambda t, name=name: orbax_io.item_of_tensor(t) == name)
+            for tensor, target, value in stream:
+                ours = arrays[target.path]
+                if (
+                    ours.dtype != value.dtype
+                    or ours.shape != value.shape
+                    or ours.tobytes() != value.tobytes()
+                ):
+                    diff = np.max(np.abs(ours.astype(np.float32) - value.astype(np.float32)))
+                    raise CheckpointError(
+                        f"{out_dir / name}: {'/'.join(map(str, target.path))} differs from {tensor.key} in "
+                        f"{against} (max |difference| {diff:.3g} in {manifest.dtype})"
+                    )
+                compared += 1
+    summary = (
+        f"{out_dir}: OK: {len(manifest.files)} files match the manifest, "
+        f"{len(expected)} items restore ({manifest.family}, {manifest.dtype})"
+    )
+    if hf is not None:
+        summary += f", all {compared} tensors equal {against} in {manifest.dtype}"
+    return summary
+
+
+def _convert_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        usage=f"{PROG} HF_DIR OUT_DIR [--dtype {{{','.join(DTYPES)}}}] [--overwrite] [--quiet]\n"
+        f"       {PROG} verify OUT_DIR [--against HF_DIR] [--quiet]",
+        description="Convert a Hugging Face Mixture-of-Experts checkpoint (safetensors; model_type mixtral, "
+        "qwen2_moe or phimoe) into an fmoe_jax orbax checkpoint that `fmoe_jax.load_model(OUT_DIR, "
+        "offload=...)` restores with routed experts straight into pinned host memory. The weights stream "
+        "one MoE layer at a time, so the conversion needs about one layer's experts of RAM, not the "
+        "model's size. The result appears at OUT_DIR only when complete; a failed or interrupted "
+        "conversion leaves nothing behind.",
+        epilog=f"Run `{PROG} verify --help` for checking a converted checkpoint.",
+    )
+    parser.add_argument(
+        "hf_dir",
+        metavar="HF_DIR",
+        help="Hugging Face model directory: config.json plus model.safetensors, or sharded safetensors "
+        "with model.safetensors.index.json (hub layout or transformers-5 fused expert layout). "
+        "Tokenizer files and generation_config.json are copied when present.",
+    )
+    parser.add_argument(
+        "out_dir",
+        metavar="OUT_DIR",
+        help="where to write the checkpoint; its parent directory must exist and have room for the "
+        "weights in the chosen dtype",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="dtype of the stored weights (default: the dtype most of the source's bytes are stored in); "
+        "casting float32 to bfloat16 rounds to nearest even, as torch does",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT_DIR if it exists (only an earlier fmoe-convert checkpoint or an empty directory; "
+        "the old one is removed only after the new one is complete)",
+    )
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bar and no summary line (errors still print)"
+    )
+    return parser
+
+
+def _verify_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} verify",
+        description="Check a checkpoint written by fmoe-convert: the size and sha256 of every file against "
+        "its manifest, and that every orbax item restores with the shapes config.json implies. Exits "
+        "non-zero with one line naming the first problem.",
+    )
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="the converted checkpoint directory")
+    parser.add_argument(
+        "--against",
+        metavar="HF_DIR",
+        default=None,
+        help="also compare every tensor, streamed one layer at a time, with this Hugging Face directory "
+        "cast to the checkpoint's dtype (they must be bit-identical)",
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary line")
+    return parser
+
+
+def _message(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror and err.filename:
+        return f"{err.filename}: {err.strerror}"
+    return str(err)
+
+
+def _polling(fn: Callable, poll: Callable[[], None]) -> Callable:
+    def wrapped(*args):
+        fn(*args)
+        poll()
+
+    return wrapped
+
+
+class _Signals:
+    """SIGINT and SIGTERM become a request honoured at the next safe point (`poll`), between tensors or
+    items: orbax writes each item on a thread of its own, and tearing the directory down under it would
+    spray its errors over the terminal. A second signal interrupts at once."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def poll(self) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `fmoe-convert`; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    is_verify = bool(argv) and argv[0] == "verify"
+    parser = _verify_parser() if is_verify else _convert_parser()
+    try:
+        args = parser.parse_args(argv[1:] if is_verify else argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    progress = not args.quiet and sys.stderr.isatty()
+    try:
+        with _Signals() as signals:
+            if is_verify:
+                summary = verify(args.out_dir, against=args.against, progress=progress, poll=signals.poll)
+            else:
+                manifest, seconds = convert(
+                    args.hf_dir,
+                    args.out_dir,
+                    dtype=args.dtype,
+                    overwrite=args.overwrite,
+                    progress=progress,
+                    poll=signals.poll,
+                )
+                source_bytes = sum(r.size for r in manifest.source_files.values())
+                summary = (
+                    f"{args.out_dir}: {manifest.family}, {manifest.num_layers} layers x "
+                    f"{manifest.num_experts} experts, {manifest.dtype}, {manifest.param_bytes / 1e9:.2f} GB "
+                    f"written in {seconds:.1f} s ({source_bytes / 1e6 / seconds:.0f} MB/s of source)"
+                )
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted" + ("" if is_verify else "; nothing was written"), file=sys.stderr)
+        return 130
+    except (CheckpointError, UnsupportedConfigError, ConvertError, Interrupted, OSError) as err:
+        print(f"{PROG}: error: {_message(err)}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print(summary)
+    return 0

@@ -1,0 +1,146 @@
+"""The manifest of a converted checkpoint (`fmoe_manifest.json`): what it holds, where it came from, and
+the size and sha256 of every file, so that `fmoe-convert verify` can tell an intact checkpoint from one
+whose files were altered or truncated. Written by `fmoe_jax.convert.cli`, read by `orbax_io` and `verify`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .hf import CheckpointError
+
+MANIFEST_NAME = "fmoe_manifest.json"
+FORMAT_NAME = "fmoe-jax-orbax"
+FORMAT_VERSION = 1
+HASH_CHUNK_BYTES = 8 << 20
+
+
+class Interrupted(Exception):
+    """Hashing was stopped because the conversion is being abandoned."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    """Size in bytes and sha256 (hex) of one file."""
+
+    size: int
+    sha256: str
+
+
+@dataclasses.dataclass
+class Manifest:
+    """Everything `load_model` and `verify` need to know about a converted checkpoint besides its config.
+
+    `items` maps an orbax item (a subdirectory) to what it holds: `{"kind": "dense"}` or
+    `{"kind": "experts", "layer": l}`, with its parameter bytes. `files` lists every output file (relative
+    to the checkpoint directory, the manifest itself excepted); `source_files` the Hugging Face files read.
+    """
+
+    family: str
+    dtype: str
+    num_layers: int
+    num_experts: int
+    moe_layers: list[int]
+    bytes_per_expert: int
+    param_bytes: int
+    items: dict[str, dict[str, Any]]
+    source_dir: str
+    source_layout: str
+    source_dtype: str
+    source_files: dict[str, FileRecord]
+    files: dict[str, FileRecord]
+    converter: str
+    created: str
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    def write(self, directory: Path) -> Path:
+        path = Path(directory) / MANIFEST_NAME
+        with open(path, "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return path
+
+    @classmethod
+    def read(cls, directory: Path) -> Manifest:
+        path = Path(directory) / MANIFEST_NAME
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{path}: missing; {directory} is not a checkpoint written by fmoe-convert"
+            ) from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{path}: corrupt manifest ({err}); re-run fmoe-convert") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+            raise CheckpointError(f"{path}: not an fmoe-jax manifest (format {raw.get('format')!r})")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path}: format version {raw.get('format_version')!r}, this fmoe-jax reads version "
+                f"{FORMAT_VERSION}; convert the model again with this version"
+            )
+        try:
+            raw["files"] = {k: FileRecord(**v) for k, v in raw["files"].items()}
+            raw["source_files"] = {k: FileRecord(**v) for k, v in raw["source_files"].items()}
+            return cls(**raw)
+        except (KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{path}: corrupt manifest ({err!r}); re-run fmoe-convert") from None
+
+    def item_dirs(self, directory: Path) -> list[Path]:
+        return [Path(directory) / name for name in self.items]
+
+
+def hash_file(
+    path: Path, *, on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None
+) -> FileRecord:
+    """Size and sha256 of a file, read in chunks (hashlib releases the GIL, so this overlaps other work).
+
+    `stop` being set aborts with `Interrupted` between chunks.
+    """
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            if stop is not None and stop.is_set():
+                raise Interrupted(str(path))
+            digest.update(chunk)
+            size += len(chunk)
+            if on_bytes is not None:
+                on_bytes(len(chunk))
+    return FileRecord(size, digest.hexdigest())
+
+
+def files_under(directory: Path) -> list[Path]:
+    """Every regular file below `directory`, sorted (symlinks are not followed)."""
+    return sorted(p for p in Path(directory).rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def check_files(
+    directory: Path, files: dict[str, FileRecord], *, on_bytes: Callable[[int], None] | None = None
+) -> list[str]:
+    """Compares files against their records; returns one line per problem (empty when all match)."""
+    problems = []
+    for name, record in files.items():
+        path = Path(directory) / name
+        if not path.is_file():
+            problems.append(f"{path}: missing (the manifest lists it with {record.size} bytes)")
+            continue
+        size = path.stat().st_size
+        if size != record.size:
+            problems.append(f"{path}: {size} bytes, the manifest says {record.size} (truncated or altered)")
+            if on_bytes is not None:
+                on_bytes(record.size)
+            continue
+        actual = hash_file(path, on_bytes=on_bytes)
+        if actual.sha256 != record.sha256:
+            problems.append(f"{path}: sha256 {actual.sha256[:16]}... differs from the manifest's (altered)")
+    return problems

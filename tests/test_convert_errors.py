@@ -1,0 +1,235 @@
+"""`fmoe-convert` on bad input: one clear line, a non-zero exit, no traceback and no output left behind.
+
+Sources are random tiny checkpoints written without torch (`write_random_checkpoint`), then damaged.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+from fmoe_jax.convert import cli, orbax_io
+from fmoe_jax.convert.cli import main
+from fmoe_jax.convert.hf import SafetensorsFile, write_safetensors
+
+from fmoe_jax.testing import PRESETS, write_random_checkpoint
+
+TINY = dict(
+    PRESETS["tiny-mixtral"], vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2
+)
+LAYER0_W1 = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+
+
+@pytest.fixture
+def source(tmp_path) -> Path:
+    """A valid sharded checkpoint (several safetensors files and an index) to damage."""
+    return write_random_checkpoint(tmp_path / "hf", TINY, shard_bytes=64 << 10)
+
+
+def shard_of(directory: Path, key: str) -> Path:
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    return directory / index["weight_map"][key]
+
+
+def rewrite_shard(directory: Path, key: str, edit) -> None:
+    """Rewrites the shard holding `key` with `edit(tensors)` applied, and updates the index to match."""
+    path = shard_of(directory, key)
+    header = SafetensorsFile(path)
+    tensors = {k: header.read(k) for k in header.entries}
+    edit(tensors)
+    write_safetensors(path, tensors)
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != path.name}
+    index["weight_map"].update({k: path.name for k in tensors})
+    index_path.write_text(json.dumps(index))
+
+
+def edit_config(directory: Path, **changes) -> None:
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def assert_failed_cleanly(capsys, rc: int, out_dir: Path, *fragments: str) -> str:
+    """One `fmoe-convert: error:` line containing every fragment; neither OUT_DIR nor a work dir remains."""
+    err = capsys.readouterr().err.strip()
+    assert rc != 0
+    assert err.startswith("fmoe-convert: ") and "\n" not in err and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+    assert not out_dir.exists()
+    assert not [p.name for p in out_dir.parent.glob(f".{out_dir.name}.fmoe-*")]
+    return err
+
+
+def convert(src: Path, out: Path, *extra: str) -> int:
+    return main([str(src), str(out), "--quiet", *extra])
+
+
+def test_missing_shard(source, tmp_path, capsys):
+    shard = shard_of(source, LAYER0_W1)
+    shard.unlink()
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", "missing", shard.name)
+
+
+def test_truncated_safetensors(source, tmp_path, capsys):
+    shard = shard_of(source, LAYER0_W1)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 1000)
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", "truncated", shard.name)
+
+
+def test_corrupt_safetensors_header(source, tmp_path, capsys):
+    shard = shard_of(source, LAYER0_W1)
+    data = bytearray(shard.read_bytes())
+    data[8:16] = b"\x00garbage"
+    shard.write_bytes(bytes(data))
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", "corrupt safetensors header", shard.name)
+
+
+def test_missing_tensor(source, tmp_path, capsys):
+    rewrite_shard(source, LAYER0_W1, lambda tensors: tensors.pop(LAYER0_W1))
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", "missing", LAYER0_W1)
+
+
+def test_unexpected_tensor(source, tmp_path, capsys):
+    extra = "model.layers.0.block_sparse_moe.experts.9.w1.weight"
+    rewrite_shard(source, LAYER0_W1, lambda tensors: tensors.update({extra: tensors[LAYER0_W1]}))
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", "unexpected", extra)
+
+
+def test_shape_mismatch_names_both_shapes(source, tmp_path, capsys):
+    rewrite_shard(source, LAYER0_W1, lambda tensors: tensors.update({LAYER0_W1: tensors[LAYER0_W1][:40]}))
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", LAYER0_W1, "(40, 32)", "(48, 32)")
+
+
+def test_unsupported_model_type(source, tmp_path, capsys):
+    edit_config(source, model_type="llama")
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", "model_type 'llama' is not supported", "mixtral")
+
+
+def test_unsupported_config_attribute(source, tmp_path, capsys):
+    edit_config(source, hidden_act="gelu")
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", "hidden_act='gelu'")
+
+
+def test_missing_config_attribute(source, tmp_path, capsys):
+    config = json.loads((source / "config.json").read_text())
+    del config["num_local_experts"]
+    (source / "config.json").write_text(json.dumps(config))
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", "config.json", "'num_local_experts'")
+
+
+def test_output_parent_is_not_a_directory(source, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    rc = convert(source, tmp_path / "file" / "out")
+    err = capsys.readouterr().err
+    assert rc == 1 and "not an existing directory" in err and "\n" not in err.strip()
+
+
+def test_unwritable_output_directory(source, tmp_path, capsys):
+    parent = tmp_path / "readonly"
+    parent.mkdir()
+    parent.chmod(0o555)
+    # Root ignores permission bits; an immutable directory refuses root too (needs chattr and ext4/xfs).
+    immutable = (
+        os.geteuid() == 0 and subprocess.run(["chattr", "+i", parent], capture_output=True).returncode == 0
+    )
+    if os.geteuid() == 0 and not immutable:
+        parent.chmod(0o755)
+        pytest.skip("running as root without a working chattr: cannot make a directory unwritable")
+    try:
+        rc = convert(source, parent / "out")
+        assert_failed_cleanly(capsys, rc, parent / "out", "cannot create the output there")
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", parent], check=True)
+        parent.chmod(0o755)
+
+
+def test_not_enough_disk_space(source, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=1000))
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", "not enough free disk space")
+
+
+def failing_save(monkeypatch, exc: BaseException, after: int = 1) -> None:
+    """Makes the (after+1)-th orbax item write fail, after earlier items were written to the work dir."""
+    real, calls = orbax_io._save, []
+
+    def save(ckptr, path, flat):
+        calls.append(path)
+        if len(calls) > after:
+            raise exc
+        real(ckptr, path, flat)
+
+    monkeypatch.setattr(orbax_io, "_save", save)
+
+
+def test_disk_full_while_writing(source, tmp_path, capsys, monkeypatch):
+    failing_save(monkeypatch, OSError(errno.ENOSPC, "No space left on device", "/x/experts_layer_001"))
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", "No space left on device")
+
+
+def test_interrupted_conversion_leaves_nothing(source, tmp_path, capsys, monkeypatch):
+    failing_save(monkeypatch, KeyboardInterrupt())
+    rc = convert(source, tmp_path / "out")
+    assert rc == 130
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", "interrupted")
+
+
+def test_existing_output_is_refused_and_kept(source, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert convert(source, out) == 1
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert convert(source, out, "--overwrite") == 1
+    assert "not an fmoe-convert checkpoint; refusing to delete it" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine" and [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_stale_work_directories_are_removed(source, tmp_path, capsys):
+    stale = tmp_path / ".out.fmoe-tmp-999999999"
+    stale.mkdir()
+    assert convert(source, tmp_path / "out") == 0
+    assert not stale.exists()
+
+
+def test_sigterm_removes_partial_output(tmp_path):
+    """A killed job (SIGTERM) unwinds like Ctrl-C: the work directory is deleted, OUT_DIR never appears."""
+    many_layers = dict(TINY, num_hidden_layers=24)  # ~25 orbax items: long enough to be caught mid-way
+    src = write_random_checkpoint(tmp_path / "hf", many_layers)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fmoe_jax.convert", str(src), str(out), "--quiet"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".out.fmoe-tmp-*/experts_layer_000")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the conversion never started writing"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip() == "fmoe-convert: interrupted; nothing was written"
+    assert not out.exists() and not list(tmp_path.glob(".out.fmoe-*"))
