@@ -8,18 +8,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-import fmoe_jax as fj
 from fmoe_jax.models import Layout
 from fmoe_jax.offload.cache import CacheBook
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.policies import POLICIES
 from fmoe_jax.offload.transfer import DeviceExpertCache
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fmoe_jax as fj
 
 FAMILIES = ["mixtral", "qwen2_moe", "phimoe"]
-BASE_POLICIES = ["resident", "on_demand_lru", "on_demand_lfu"]
+BASE_POLICIES = ["resident", "on_demand_lru", "on_demand_lfu", "fmoe"]
 
 
 def budgets(cfg) -> dict[str, int]:

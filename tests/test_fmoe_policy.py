@@ -1,0 +1,184 @@
+"""The fMoE policy in the engine: selection and priorities, eviction order, the matcher thread, persistence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fmoe_jax.offload.cache import Entry
+from fmoe_jax.offload.config import OffloadConfig
+from fmoe_jax.offload.expert_map_store import ExpertMapStore
+from fmoe_jax.offload.policies import FMoE, PolicyContext, store_from_traces
+
+import fmoe_jax as fj
+
+
+class RecordingCache:
+    """Stands in for the device cache: records prefetch requests."""
+
+    def __init__(self):
+        self.requests = []
+        self.book = type("Book", (), {"freq": {}, "entries": {}})()
+
+    def request_prefetch(self, items, **kwargs):
+        self.requests.append((list(items), kwargs))
+
+
+def bound_policy(store: ExpertMapStore, **options) -> tuple[FMoE, RecordingCache]:
+    ctx = PolicyContext(
+        num_layers=store.num_layers,
+        num_experts=store.num_experts,
+        top_k=1,
+        embed_dim=store.embed_dim,
+        prefetch_distance=store.prefetch_distance,
+        capacity=4,
+    )
+    policy = FMoE(store=store, asynchronous=False, learn=False, **options)
+    cache = RecordingCache()
+    policy.bind(ctx, cache)
+    return policy, cache
+
+
+def one_map_store() -> ExpertMapStore:
+    """L=4, J=4, H=3, d=1, holding one map whose layers prefer experts 0, 1, 2, 3 respectively."""
+    store = ExpertMapStore(capacity=4, num_layers=4, num_experts=4, embed_dim=3, prefetch_distance=1)
+    maps = np.full((1, 4, 4), 0.1, np.float32)
+    for layer in range(4):
+        maps[0, layer, layer] = 0.7
+    store.add(np.array([[1.0, 0.0, 0.0]], np.float32), maps)
+    return store
+
+
+def test_semantic_match_prefetches_first_d_layers_with_priority_p_over_distance():
+    policy, cache = bound_policy(one_map_store())
+    valid = np.ones((1, 1), bool)
+    policy.on_iteration_start(np.array([[2.0, 0.0, 0.0]], np.float32), valid)  # same direction: score 1
+    ((items, kwargs),) = cache.requests
+    assert items == [((0, 0), pytest.approx(0.7 / 1))]  # score 1 -> delta 0 -> top-1 only, layer 0 (d=1)
+    assert kwargs["replace"] is True
+
+
+def test_trajectory_match_guides_layers_d_ahead_and_low_scores_take_more_experts():
+    policy, cache = bound_policy(one_map_store())
+    valid = np.ones((1, 1), bool)
+    policy.on_iteration_start(np.array([[0.0, 1.0, 0.0]], np.float32), valid)  # orthogonal: score 0
+    ((items, _),) = cache.requests
+    assert {key for key, _ in items} == {(0, 0), (0, 1), (0, 2), (0, 3)}  # delta 1: all the mass
+    cache.requests.clear()
+    probs = np.array([[0.7, 0.1, 0.1, 0.1]], np.float32)  # equals the stored layer 0: trajectory score 1
+    policy.on_layer_routed(0, probs, np.array([[0]]), valid)
+    ((items, kwargs),) = cache.requests
+    # band mode: layers 1..3 (l + d onwards), top-1 each, priority p / (layer - 0)
+    assert items == [
+        ((1, 1), pytest.approx(0.7)),
+        ((2, 2), pytest.approx(0.35)),
+        ((3, 3), pytest.approx(0.7 / 3)),
+    ]
+    assert kwargs["stale_before"] == 1
+
+
+def test_single_target_mode_and_fixed_top_k():
+    policy, cache = bound_policy(one_map_store(), traj_target="single", dynamic_delta=False, semantic=False)
+    valid = np.ones((1, 1), bool)
+    policy.on_iteration_start(np.zeros((1, 3), np.float32), valid)
+    assert cache.requests == []  # semantic search switched off
+    probs = np.array([[0.1, 0.1, 0.1, 0.7]], np.float32)  # unlike the stored map: low score
+    policy.on_layer_routed(1, probs, np.array([[3]]), valid)  # observed layers 0..1 (layer 0 all zeros)
+    ((items, kwargs),) = cache.requests
+    assert [key for key, _ in items] == [(2, 2)]  # only layer l + d = 2, and only top-1 without dynamic delta
+    assert list(kwargs["replace"]) == [2]
+
+
+def test_eviction_keeps_highest_p_times_freq():
+    policy, cache = bound_policy(one_map_store())
+    policy.guide_prob.update({(1, 0): 0.9, (1, 1): 0.1, (1, 2): 0.5})
+    cache.book.freq.update({(1, 0): 1, (1, 1): 10, (1, 2): 0})
+    scores = {key: policy.keep_score(key, Entry()) for key in [(1, 0), (1, 1), (1, 2), (1, 3)]}
+    assert scores[(1, 3)] == 0.0  # not in any map: evicted first
+    assert scores[(1, 2)] == pytest.approx(0.5)  # freq 0 counts its arrival as one visit
+    assert scores[(1, 1)] == pytest.approx(1.1) and scores[(1, 0)] == pytest.approx(1.8)
+    lru, _ = bound_policy(one_map_store(), eviction="lru")
+    assert lru.keep_score((1, 0), Entry(last_use=7)) == 7
+
+
+def test_matcher_thread_surfaces_errors_and_shuts_down():
+    class Broken(ExpertMapStore):
+        def match_embed(self, embeds):
+            raise ZeroDivisionError("boom")
+
+    store = Broken(capacity=4, num_layers=4, num_experts=4, embed_dim=3, prefetch_distance=1)
+    ctx = PolicyContext(num_layers=4, num_experts=4, top_k=1, embed_dim=3, prefetch_distance=1, capacity=4)
+    policy = FMoE(store=store)
+    policy.bind(ctx, RecordingCache())
+    policy.on_iteration_start(np.ones((1, 3), np.float32), np.ones((1, 1), bool))
+    policy._thread.join(timeout=10)  # the thread ends on the error
+    assert not policy._thread.is_alive()
+    with pytest.raises(RuntimeError, match="matcher thread failed"):
+        policy.on_layer_routed(0, np.full((1, 4), 0.25, np.float32), np.array([[0]]), np.ones((1, 1), bool))
+    with pytest.raises(RuntimeError, match="matcher thread failed"):
+        policy.close()
+
+    healthy = FMoE()
+    healthy.bind(ctx, RecordingCache())
+    healthy.on_iteration_start(np.ones((1, 3), np.float32), np.ones((1, 1), bool))
+    healthy.close()
+    assert healthy._thread is None
+
+
+def test_lossless_and_learns_online(hf_dirs):
+    resident = fj.load_model(hf_dirs["qwen2_moe"])
+    prompts = [[5, 9, 13, 17, 21, 25], [7, 7, 8, 8, 9]]
+    ref = fj.generate(resident, prompts, max_new_tokens=8, stop_at_eos=False)
+    cfg = resident.config
+    for slots in (
+        1,
+        cfg.top_k,
+        cfg.num_moe_layers * cfg.num_experts // 4,
+        cfg.num_moe_layers * cfg.num_experts,
+    ):
+        for asynchronous in (False, True):
+            offload = OffloadConfig(
+                policy="fmoe",
+                cache_experts=slots,
+                prefetch_distance=1,
+                policy_options={"asynchronous": asynchronous},
+            )
+            with fj.load_model(hf_dirs["qwen2_moe"], offload=offload) as model:
+                out = fj.generate(model, prompts, max_new_tokens=8, stop_at_eos=False)
+                assert out.tokens == ref.tokens, (slots, asynchronous)
+                model.engine.policy.wait_idle()
+                assert len(model.engine.policy.store) > 0
+                assert out.stats.peak_cache_bytes <= slots * out.stats.extra["expert_bytes"]
+
+
+def test_store_persistence_and_mismatch(hf_dirs, tmp_path):
+    path = str(tmp_path / "maps.npz")
+    offload = OffloadConfig(policy="fmoe", cache_experts=2, prefetch_distance=1, store_path=path)
+    with fj.load_model(hf_dirs["mixtral"], offload=offload) as model:
+        fj.generate(model, [[1, 2, 3, 4]], max_new_tokens=4)
+        stored = len(model.engine.policy.store)
+    with fj.load_model(hf_dirs["mixtral"], offload=offload) as warm:
+        assert len(warm.engine.policy.store) == stored > 0  # warm start
+        warm.engine.policy.learn = False
+    other = OffloadConfig(policy="fmoe", cache_experts=2, prefetch_distance=2, store_path=path)
+    with pytest.raises(ValueError, match="prefetch_distance"):
+        fj.load_model(hf_dirs["mixtral"], offload=other)
+    with pytest.raises(ValueError, match="model"):
+        fj.load_model(hf_dirs["phimoe"], offload=offload)
+
+
+def test_offline_store_from_traces(hf_dirs):
+    resident = fj.load_model(hf_dirs["mixtral"])
+    out = fj.generate(resident, [[3, 4, 5, 6], [9, 8, 7]], max_new_tokens=5, record_trace=True)
+    store = store_from_traces([out.trace], capacity=64, prefetch_distance=1)
+    tokens = sum(it.num_tokens for req in out.trace.requests for it in req.iterations)
+    assert len(store) == min(64, tokens)
+    embeds = out.trace.requests[0].iterations[0].embeds
+    scores, _ = store.match_embed(embeds[:1])
+    np.testing.assert_allclose(scores, [1.0], rtol=0, atol=1e-5)
+    offload = OffloadConfig(
+        policy="fmoe", cache_experts=3, prefetch_distance=1, policy_options={"store": store, "learn": False}
+    )
+    with fj.load_model(hf_dirs["mixtral"], offload=offload) as model:
+        again = fj.generate(model, [[3, 4, 5, 6], [9, 8, 7]], max_new_tokens=5)
+        assert again.tokens == out.tokens
+        assert len(model.engine.policy.store) == len(store)  # offline: the store does not learn
