@@ -1,4 +1,4 @@
-"""The fMoE policy in the engine: selection and priorities, eviction order, the matcher thread, persistence."""
+"""The fMoE policy in the engine: selection, priorities, eviction order, matcher thread, persistence."""
 
 from __future__ import annotations
 

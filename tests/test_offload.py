@@ -34,13 +34,14 @@ def run_steps(model, prompts: list[list[int]], new_tokens: int):
     t_pad = max(len(p) for p in prompts)
     tokens = np.zeros((b, t_pad), np.int32)
     for i, p in enumerate(prompts):
-        tokens[i, t_pad - len(p):] = p
+        tokens[i, t_pad - len(p) :] = p
     key_start = jnp.asarray([t_pad - len(p) for p in prompts], jnp.int32)
     active = jnp.ones((b,), bool)
     cache = engine.init_cache(b, t_pad + new_tokens)
     key = jax.random.key(0)
-    out, cache = engine.step(jnp.asarray(tokens), cache, Layout(jnp.int32(0), key_start, active, t_pad), key,
-                             fj.Greedy())
+    out, cache = engine.step(
+        jnp.asarray(tokens), cache, Layout(jnp.int32(0), key_start, active, t_pad), key, fj.Greedy()
+    )
     logits, generated = [np.asarray(out.logits)], [np.asarray(out.tokens)]
     for step in range(new_tokens - 1):
         layout = Layout(jnp.int32(t_pad + step), key_start, active, 1)
@@ -73,9 +74,12 @@ def test_lossless_for_every_budget(family, policy, hf_dirs, resident_runs):
         for batch, prompts in PROMPTS.items():
             tokens, logits = run_steps(model, prompts, 6)
             ref_tokens, ref_logits = resident_runs[family, batch]
-            np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"{family} {policy} {name} batch {batch}")
-            np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-6,
-                                       err_msg=f"{family} {policy} {name} batch {batch}")
+            np.testing.assert_array_equal(
+                tokens, ref_tokens, err_msg=f"{family} {policy} {name} batch {batch}"
+            )
+            np.testing.assert_allclose(
+                logits, ref_logits, rtol=0, atol=1e-6, err_msg=f"{family} {policy} {name} batch {batch}"
+            )
             book = model.engine.cache.book
             assert book.stats.peak_bytes <= book.capacity * book.expert_bytes
             assert book.capacity == (slots if policy != "resident" else budgets(cfg)["all"])
@@ -84,7 +88,9 @@ def test_lossless_for_every_budget(family, policy, hf_dirs, resident_runs):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(slots=st.integers(1, 8), policy=st.sampled_from(sorted(POLICIES)), data=st.data())
 def test_random_budgets_policies_and_prompts(slots, policy, data, hf_dirs):
-    prompts = data.draw(st.lists(st.lists(st.integers(3, 255), min_size=1, max_size=30), min_size=1, max_size=3))
+    prompts = data.draw(
+        st.lists(st.lists(st.integers(3, 255), min_size=1, max_size=30), min_size=1, max_size=3)
+    )
     new_tokens = data.draw(st.integers(1, 6))
     resident = fj.load_model(hf_dirs["mixtral"])
     ref = fj.generate(resident, prompts, max_new_tokens=new_tokens, stop_at_eos=False)
@@ -191,7 +197,9 @@ def test_pinned_experts_survive_concurrent_prefetch_storms():
         rng = np.random.default_rng(0)
         while not stop.is_set():
             try:
-                items = [((int(rng.integers(4)), int(rng.integers(8))), float(rng.random())) for _ in range(5)]
+                items = [
+                    ((int(rng.integers(4)), int(rng.integers(8))), float(rng.random())) for _ in range(5)
+                ]
                 cache.request_prefetch(items)
             except BaseException as err:  # surfaced below
                 errors.append(err)
