@@ -6,6 +6,8 @@ Public API (see README):
     logits = fmoe_jax.forward(model, token_ids)
 """
 
+from fmoe_jax.offload.config import OffloadConfig
+
 from .generation import GenerateOutput, GenerationStats, forward, generate
 from .loading import Model, from_module, load_model, shipped_models
 from .sampling import Greedy, Sample
