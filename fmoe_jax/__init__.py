@@ -18,6 +18,7 @@ __all__ = [
     "GenerationStats",
     "Greedy",
     "Model",
+    "OffloadConfig",
     "RoutingTrace",
     "Sample",
     "forward",

@@ -59,7 +59,8 @@ class ResidentEngine:
     ) -> tuple[StepOutput, list[LayerKV]]:
         """Runs prefill (T > 1) or one decode step (T = 1) and samples the next token of each row."""
         next_tokens, logits, cache, extra = _resident_step(
-            self.graphdef, self.kernel, self.state, tokens, cache, layout, key, sampling=sampling, record=record
+            self.graphdef, self.kernel, self.state, tokens, cache, layout, key,
+            sampling=sampling, record=record,
         )
         out = StepOutput(next_tokens, logits)
         if extra is not None:
