@@ -15,11 +15,12 @@ import functools
 import hashlib
 import json
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from fmoe_jax.models import LayerKV, Layout, MoECausalLM, init_kv_cache
 from fmoe_jax.models.base import output_logits
@@ -28,7 +29,7 @@ from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.policies import PolicyContext, make_policy
 from fmoe_jax.offload.transfer import DeviceExpertCache, JaxMover
 
-from .resident import TRACE_COUNTS, StepOutput
+from .resident import TRACE_COUNTS, Graph, StepOutput, split
 from .sampling import Sampling
 
 
@@ -55,9 +56,15 @@ class OffloadEngine:
         self.offload = offload
         self.kernel = kernel
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layer_ids)}
-        self.embed_split = nnx.split(module.embed)
-        self.head_split = nnx.split((module.final_norm, module.output_projection))
-        self.layer_splits = [nnx.split(layer) for layer in module.layers]
+        graph, self.embed_params = split(module.embed)
+        self._embed = embed_step(graph, cfg)
+        graph, self.head_params = split((module.final_norm, module.output_projection))
+        self._head = head_step(graph)
+        self.layer_params, self.layer_fns = [], []
+        for layer in module.layers:
+            graph, params = split(layer)
+            self.layer_params.append(params)
+            self.layer_fns.append(layer_steps(graph, kernel))
 
         first = module.experts[cfg.moe_layer_ids[0]][0].weights()
         self.expert_bytes = sum(a.nbytes for a in first)
@@ -141,7 +148,7 @@ class OffloadEngine:
         record: bool = False,
     ) -> tuple[StepOutput, list[LayerKV]]:
         x, kv, extra = self._layers(tokens, kv, layout, record)
-        next_tokens, logits = _head(*self.head_split, x, key, sampling)
+        next_tokens, logits = self._head(self.head_params, x, key, sampling)
         out = StepOutput(next_tokens, logits)
         if record:
             out.embeds, out.probs, out.ids = extra
@@ -152,7 +159,7 @@ class OffloadEngine:
         kv = self.init_cache(b, t)
         layout = Layout(jnp.int32(0), jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), t)
         x, _, (_, probs, ids) = self._layers(tokens, kv, layout, True)
-        logits = _head(*self.head_split, x, None, None, all_positions=True)
+        logits = self._head(self.head_params, x, None, None, all_positions=True)
         probs = probs.reshape(b * t, probs.shape[2], -1)
         ids = ids.reshape(b * t, ids.shape[2], -1)
         routings = [
@@ -168,7 +175,7 @@ class OffloadEngine:
         valid_bt = np.asarray(layout.token_valid)  # [B, T] (layout arrays are small host-made inputs)
         valid = valid_bt.reshape(b * t)
         valid_dev = jnp.asarray(valid)
-        x, rope = _embed(self.embed_split[0], self.config, self.embed_split[1], tokens, layout)
+        x, rope = self._embed(self.embed_params, tokens, layout)
 
         embeds = None
         if policy.needs_semantic or record:
@@ -182,14 +189,12 @@ class OffloadEngine:
 
         kv = list(kv)
         probs_all, ids_all = [], []
-        for layer_id, (graphdef, state) in enumerate(self.layer_splits):
+        for layer_id, (state, fns) in enumerate(zip(self.layer_params, self.layer_fns, strict=True)):
             if layer_id not in self.moe_index:
-                x, kv[layer_id] = _dense_layer(graphdef, state, x, kv[layer_id], layout, rope)
+                x, kv[layer_id] = fns.dense_layer(state, x, kv[layer_id], layout, rope)
                 continue
             moe = self.moe_index[layer_id]
-            h, z, routing, kv[layer_id] = _attention_and_router(
-                graphdef, state, x, kv[layer_id], layout, rope
-            )
+            h, z, routing, kv[layer_id] = fns.attention_and_router(state, x, kv[layer_id], layout, rope)
             routing.ids.block_until_ready()  # the one sync point of the layer: attention and router done
             start = time.perf_counter()
             ids = np.asarray(routing.ids)  # [N, k]
@@ -202,7 +207,7 @@ class OffloadEngine:
                 probs_all.append(probs)
                 ids_all.append(ids)
             needed = sorted({int(e) for e in ids[valid].ravel()})
-            x = self._run_experts(moe, graphdef, state, h, z, routing, valid_dev, needed)
+            x = self._run_experts(moe, fns.experts_finish, state, h, z, routing, valid_dev, needed)
         start = time.perf_counter()
         policy.on_iteration_end()
         self.overhead["policy_events"] += time.perf_counter() - start
@@ -215,23 +220,13 @@ class OffloadEngine:
             )
         return x, kv, extra
 
-    def _run_experts(self, moe, graphdef, state, h, z, routing, valid, needed):
+    def _run_experts(self, moe, experts_finish, state, h, z, routing, valid, needed):
         """Computes a layer's experts with what fits the cache, in chunks when it needs more than that."""
         capacity = self.cache.book.capacity
         acc = jnp.zeros(z.shape, jnp.float32)
         if not needed:  # only padding or finished rows: the shared expert and the residual remain
-            return _experts_finish(
-                graphdef,
-                self.kernel,
-                state,
-                h,
-                z,
-                routing,
-                (),
-                jnp.full((self.config.num_experts,), -1, jnp.int32),
-                valid,
-                acc,
-            )
+            no_slots = jnp.full((self.config.num_experts,), -1, jnp.int32)
+            return experts_finish(state, h, z, routing, (), no_slots, valid, acc)
         keys = [(moe, e) for e in needed]
         if len(keys) > capacity:  # resident ones first: they are hits, and loading the rest evicts them
             keys.sort(key=lambda k: k not in self.cache.book)
@@ -244,18 +239,7 @@ class OffloadEngine:
             padded = _pad_pow2(len(experts), capacity)
             experts += [experts[0]] * (padded - len(experts))
             if i == len(chunks) - 1:
-                out = _experts_finish(
-                    graphdef,
-                    self.kernel,
-                    state,
-                    h,
-                    z,
-                    routing,
-                    tuple(experts),
-                    jnp.asarray(slots),
-                    valid,
-                    acc,
-                )
+                out = experts_finish(state, h, z, routing, tuple(experts), jnp.asarray(slots), valid, acc)
             else:
                 acc = _experts_partial(
                     self.kernel, z, routing, tuple(experts), jnp.asarray(slots), valid, acc
@@ -266,40 +250,68 @@ class OffloadEngine:
         return out
 
 
-# -- jitted steps (module level: engines of the same architecture share compilations) ------------------------
+# -- jitted steps -----------------------------------------------------------------------------------------
+# Built once per model graph (graphs compare by structure, so every layer of a model shares them, and so
+# do engines of the same architecture). Closing over the graph, rather than passing it as a static
+# argument, keeps it from being hashed on every call (~0.15 ms each on this CPU).
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _embed(graphdef, cfg, state, tokens, layout):
-    TRACE_COUNTS[f"embed_T{tokens.shape[1]}"] += 1
-    x = nnx.merge(graphdef, state)(tokens)
-    return x, MoECausalLM.rope_for(cfg, layout, x.dtype)
+class LayerSteps(NamedTuple):
+    attention_and_router: Callable
+    dense_layer: Callable
+    experts_finish: Callable
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def _attention_and_router(graphdef, state, x, kv, layout, rope):
-    TRACE_COUNTS[f"attention_and_router_T{x.shape[1]}"] += 1
-    layer = nnx.merge(graphdef, state)
-    h, z, kv = layer.attention_block(x, rope, kv, layout)
-    z = z.reshape(-1, z.shape[-1])
-    return h, z, layer.route(z), kv
+@functools.cache
+def layer_steps(graph: Graph, kernel: Kernel) -> LayerSteps:
+    def attention_and_router(state, x, kv, layout, rope):
+        TRACE_COUNTS[f"attention_and_router_T{x.shape[1]}"] += 1
+        layer = graph.merge(state)
+        h, z, kv = layer.attention_block(x, rope, kv, layout)
+        z = z.reshape(-1, z.shape[-1])
+        return h, z, layer.route(z), kv
+
+    def dense_layer(state, x, kv, layout, rope):
+        TRACE_COUNTS[f"dense_layer_T{x.shape[1]}"] += 1
+        layer = graph.merge(state)
+        h, z, kv = layer.attention_block(x, rope, kv, layout)
+        return h + layer.dense_output(z).astype(h.dtype), kv
+
+    def experts_finish(state, h, z, routing, experts, slots, valid, acc):
+        """The last (usually only) chunk of a layer's experts, plus the shared expert and the residual."""
+        TRACE_COUNTS[f"experts_finish_T{h.shape[1]}_n{len(experts)}"] += 1
+        layer = graph.merge(state)
+        y = layer.moe_output(z, routing, experts, slots, valid, kernel=kernel).astype(jnp.float32) + acc
+        return h + y.reshape(h.shape).astype(h.dtype)
+
+    return LayerSteps(
+        jax.jit(attention_and_router, donate_argnums=2),
+        jax.jit(dense_layer, donate_argnums=2),
+        jax.jit(experts_finish),
+    )
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def _dense_layer(graphdef, state, x, kv, layout, rope):
-    TRACE_COUNTS[f"dense_layer_T{x.shape[1]}"] += 1
-    layer = nnx.merge(graphdef, state)
-    h, z, kv = layer.attention_block(x, rope, kv, layout)
-    return h + layer.dense_output(z).astype(h.dtype), kv
+@functools.cache
+def embed_step(graph: Graph, cfg) -> Callable:
+    def embed(state, tokens, layout):
+        TRACE_COUNTS[f"embed_T{tokens.shape[1]}"] += 1
+        x = graph.merge(state)(tokens)
+        return x, MoECausalLM.rope_for(cfg, layout, x.dtype)
+
+    return jax.jit(embed)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _experts_finish(graphdef, kernel, state, h, z, routing, experts, slots, valid, acc):
-    """The last (usually only) chunk of a layer's experts, plus the shared expert and the residual."""
-    TRACE_COUNTS[f"experts_finish_T{h.shape[1]}_n{len(experts)}"] += 1
-    layer = nnx.merge(graphdef, state)
-    y = layer.moe_output(z, routing, experts, slots, valid, kernel=kernel).astype(jnp.float32) + acc
-    return h + y.reshape(h.shape).astype(h.dtype)
+@functools.cache
+def head_step(graph: Graph) -> Callable:
+    def head(state, x, key, sampling, all_positions=False):
+        TRACE_COUNTS[f"head_all{all_positions}"] += 1
+        norm, projection = graph.merge(state)
+        if all_positions:
+            return output_logits(norm, projection, x)
+        logits = output_logits(norm, projection, x[:, -1])
+        return sampling(logits, key), logits
+
+    return jax.jit(head, static_argnums=3, static_argnames="all_positions")
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -307,13 +319,3 @@ def _experts_partial(kernel, z, routing, experts, slots, valid, acc):
     """An earlier chunk of a layer that needs more experts than the cache holds."""
     TRACE_COUNTS[f"experts_partial_N{z.shape[0]}_n{len(experts)}"] += 1
     return acc + expert_mixture(z, routing, experts, slots, valid, kernel=kernel).astype(jnp.float32)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4), static_argnames="all_positions")
-def _head(graphdef, state, x, key, sampling, all_positions=False):
-    TRACE_COUNTS[f"head_all{all_positions}"] += 1
-    norm, projection = nnx.merge(graphdef, state)
-    if all_positions:
-        return output_logits(norm, projection, x)
-    logits = output_logits(norm, projection, x[:, -1])
-    return sampling(logits, key), logits
