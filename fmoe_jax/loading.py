@@ -7,6 +7,7 @@ with an `OffloadConfig`, routed experts go to host memory and the offload engine
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -89,9 +90,16 @@ def nest(flat: dict[tuple, Any]) -> dict:
     return out
 
 
+@functools.cache
+def _abstract_split(cfg: MoEConfig, dtype: jnp.dtype) -> tuple[Any, Any]:
+    """Graph and abstract state of a model (tracing the random init takes seconds for large models)."""
+    return nnx.split(abstract_model(cfg, dtype=dtype))
+
+
 def assemble(cfg: MoEConfig, dtype: jnp.dtype, flat: dict[tuple, Any]) -> MoECausalLM:
     """Builds the module from parameters by path (arrays already placed where they should live)."""
-    graphdef, state = nnx.split(abstract_model(cfg, dtype=dtype))
+    graphdef, cached = _abstract_split(cfg, jnp.dtype(dtype))
+    state = jax.tree.map(lambda leaf: leaf, cached)  # a fresh container: the cached one stays abstract
     expected = {tuple(p) for p, _ in nnx.to_flat_state(state)}
     if expected != set(flat):
         missing, extra = (
