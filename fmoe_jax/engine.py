@@ -27,6 +27,7 @@ from fmoe_jax.models.base import output_logits
 from fmoe_jax.models.moe import ExpertWeights, Kernel, Routing, expert_mixture
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.policies import PolicyContext, make_policy
+from fmoe_jax.offload.schedule import needed_experts, serve_layer
 from fmoe_jax.offload.transfer import DeviceExpertCache, JaxMover
 
 from .resident import TRACE_COUNTS, Graph, StepOutput, split
@@ -90,6 +91,11 @@ class OffloadEngine:
             capacity=slots,
             model_id=model_identity(cfg),
             options={"store_path": offload.store_path, "store_capacity": offload.store_capacity},
+            router_weights=tuple(
+                np.asarray(module.layers[i].router.kernel[...], np.float32) for i in cfg.moe_layer_ids
+            )
+            if self.policy.needs_hidden
+            else (),
         )
         self.policy.bind(ctx, self.cache)
         if self.policy.preload_all:
@@ -146,19 +152,20 @@ class OffloadEngine:
         key: jax.Array,
         sampling: Sampling,
         record: bool = False,
+        record_hidden: bool = False,
     ) -> tuple[StepOutput, list[LayerKV]]:
-        x, kv, extra = self._layers(tokens, kv, layout, record)
+        x, kv, extra = self._layers(tokens, kv, layout, record, record and record_hidden)
         next_tokens, logits = self._head(self.head_params, x, key, sampling)
         out = StepOutput(next_tokens, logits)
         if record:
-            out.embeds, out.probs, out.ids = extra
+            out.embeds, out.probs, out.ids, out.hidden = extra
         return out, kv
 
     def forward(self, tokens: jax.Array) -> tuple[jax.Array, list[Routing]]:
         b, t = tokens.shape
         kv = self.init_cache(b, t)
         layout = Layout(jnp.int32(0), jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), t)
-        x, _, (_, probs, ids) = self._layers(tokens, kv, layout, True)
+        x, _, (_, probs, ids, _) = self._layers(tokens, kv, layout, True, False)
         logits = self._head(self.head_params, x, None, None, all_positions=True)
         probs = probs.reshape(b * t, probs.shape[2], -1)
         ids = ids.reshape(b * t, ids.shape[2], -1)
@@ -169,7 +176,7 @@ class OffloadEngine:
         return logits, routings
 
     # -- the per-layer loop -----------------------------------------------------------------------------
-    def _layers(self, tokens, kv, layout, record):
+    def _layers(self, tokens, kv, layout, record, record_hidden):
         policy = self.policy
         b, t = tokens.shape
         valid_bt = np.asarray(layout.token_valid)  # [B, T] (layout arrays are small host-made inputs)
@@ -188,7 +195,8 @@ class OffloadEngine:
         self.overhead["policy_events"] += time.perf_counter() - start
 
         kv = list(kv)
-        probs_all, ids_all = [], []
+        probs_all, ids_all, hidden_all = [], [], []
+        want_hidden = policy.needs_hidden or record_hidden
         for layer_id, (state, fns) in enumerate(zip(self.layer_params, self.layer_fns, strict=True)):
             if layer_id not in self.moe_index:
                 x, kv[layer_id] = fns.dense_layer(state, x, kv[layer_id], layout, rope)
@@ -199,14 +207,22 @@ class OffloadEngine:
             start = time.perf_counter()
             ids = np.asarray(routing.ids)  # [N, k]
             probs = np.asarray(routing.probs) if (policy.needs_probs or record) else None
+            hidden = np.asarray(z, np.float32) if want_hidden else None  # [N, D] router input
             self.overhead["context_collection"] += time.perf_counter() - start
             start = time.perf_counter()
-            policy.on_layer_routed(moe, probs if policy.needs_probs else None, ids, valid_bt)
+            policy.on_layer_routed(
+                moe,
+                probs if policy.needs_probs else None,
+                ids,
+                valid_bt,
+                hidden=hidden if policy.needs_hidden else None,
+            )
             self.overhead["policy_events"] += time.perf_counter() - start
             if record:
                 probs_all.append(probs)
                 ids_all.append(ids)
-            needed = sorted({int(e) for e in ids[valid].ravel()})
+                hidden_all.append(hidden)
+            needed = needed_experts(ids, valid)
             x = self._run_experts(moe, fns.experts_finish, state, h, z, routing, valid_dev, needed)
         start = time.perf_counter()
         policy.on_iteration_end()
@@ -217,37 +233,32 @@ class OffloadEngine:
                 embeds.reshape(b, t, -1),
                 np.stack(probs_all, 1).reshape(b, t, len(probs_all), -1),
                 np.stack(ids_all, 1).reshape(b, t, len(ids_all), -1),
+                np.stack(hidden_all, 1).reshape(b, t, len(ids_all), -1) if record_hidden else None,
             )
         return x, kv, extra
 
     def _run_experts(self, moe, experts_finish, state, h, z, routing, valid, needed):
         """Computes a layer's experts with what fits the cache, in chunks when it needs more than that."""
-        capacity = self.cache.book.capacity
+        capacity, num_experts = self.cache.book.capacity, self.config.num_experts
         acc = jnp.zeros(z.shape, jnp.float32)
         if not needed:  # only padding or finished rows: the shared expert and the residual remain
-            no_slots = jnp.full((self.config.num_experts,), -1, jnp.int32)
+            no_slots = jnp.full((num_experts,), -1, jnp.int32)
             return experts_finish(state, h, z, routing, (), no_slots, valid, acc)
-        keys = [(moe, e) for e in needed]
-        if len(keys) > capacity:  # resident ones first: they are hits, and loading the rest evicts them
-            keys.sort(key=lambda k: k not in self.cache.book)
-        chunks = [keys[i : i + capacity] for i in range(0, len(keys), capacity)]
-        for i, chunk in enumerate(chunks):
-            arrays = self.cache.ensure(moe, chunk)
+
+        def compute(chunk, arrays, is_last):
+            nonlocal acc
             experts = [arrays[k] for k in chunk]
-            slots = np.full((self.config.num_experts,), -1, np.int32)
+            slots = np.full((num_experts,), -1, np.int32)
             slots[[e for _, e in chunk]] = np.arange(len(chunk), dtype=np.int32)
-            padded = _pad_pow2(len(experts), capacity)
-            experts += [experts[0]] * (padded - len(experts))
-            if i == len(chunks) - 1:
-                out = experts_finish(state, h, z, routing, tuple(experts), jnp.asarray(slots), valid, acc)
-            else:
-                acc = _experts_partial(
-                    self.kernel, z, routing, tuple(experts), jnp.asarray(slots), valid, acc
-                )
-                acc.block_until_ready()  # the next chunk evicts these experts: let the computation finish
-                out = None
-            self.cache.release(chunk)
-        return out
+            experts += [experts[0]] * (_pad_pow2(len(experts), capacity) - len(experts))
+            slots = jnp.asarray(slots)
+            if is_last:
+                return experts_finish(state, h, z, routing, tuple(experts), slots, valid, acc)
+            acc = _experts_partial(self.kernel, z, routing, tuple(experts), slots, valid, acc)
+            acc.block_until_ready()  # the next chunk evicts these experts: let the computation finish
+            return None
+
+        return serve_layer(self.cache, moe, needed, compute)
 
 
 # -- jitted steps -----------------------------------------------------------------------------------------

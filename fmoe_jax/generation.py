@@ -110,6 +110,7 @@ def generate(
     *,
     stop_at_eos: bool = True,
     record_trace: bool = False,
+    record_hidden: bool = False,
 ) -> GenerateOutput:
     """Generates up to `max_new_tokens` tokens for each prompt (a batch, left padded).
 
@@ -122,6 +123,7 @@ def generate(
       stop_at_eos: stop a row at the model's EOS token(s).
       record_trace: also return `out.trace`, the routing trace (semantic embeddings, router
         probabilities of every MoE layer and chosen experts, per request and iteration).
+      record_hidden: the trace also keeps every MoE layer's router input (for learned predictors).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -154,7 +156,13 @@ def generate(
     start = time.perf_counter()
     layout = Layout(jnp.int32(0), key_start, jnp.asarray(active), t_pad)
     out, cache = engine.step(
-        jnp.asarray(tokens), cache, layout, jax.random.fold_in(base_key, 0), sampling, record_trace
+        jnp.asarray(tokens),
+        cache,
+        layout,
+        jax.random.fold_in(base_key, 0),
+        sampling,
+        record_trace,
+        record_hidden,
     )
     next_tokens = np.asarray(out.tokens)
     stats.ttft_s = time.perf_counter() - start
@@ -182,6 +190,7 @@ def generate(
             jax.random.fold_in(base_key, step + 1),
             sampling,
             record_trace,
+            record_hidden,
         )
         next_tokens = np.asarray(out.tokens)
         stats.decode_step_s.append(time.perf_counter() - t0)

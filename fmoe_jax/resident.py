@@ -49,14 +49,15 @@ def split(module: Any) -> tuple[Graph, list[jax.Array]]:
 class StepOutput:
     """What one engine call returns to the generation loop."""
 
-    __slots__ = ("tokens", "logits", "embeds", "probs", "ids")
+    __slots__ = ("tokens", "logits", "embeds", "probs", "ids", "hidden")
 
-    def __init__(self, tokens, logits, embeds=None, probs=None, ids=None):
+    def __init__(self, tokens, logits, embeds=None, probs=None, ids=None, hidden=None):
         self.tokens = tokens  # [B] int32, sampled next tokens
         self.logits = logits  # [B, V] float32, logits of the last position
         self.embeds = embeds  # [B, T, D] embedding output of the new tokens (semantic context), if recorded
         self.probs = probs  # [B, T, L_moe, J] router probabilities, if recorded
         self.ids = ids  # [B, T, L_moe, k] chosen experts, if recorded
+        self.hidden = hidden  # [B, T, L_moe, D] router inputs, if recorded with hidden states
 
 
 class ResidentEngine:
@@ -80,14 +81,15 @@ class ResidentEngine:
         key: jax.Array,
         sampling: Sampling,
         record: bool = False,
+        record_hidden: bool = False,
     ) -> tuple[StepOutput, list[LayerKV]]:
         """Runs prefill (T > 1) or one decode step (T = 1) and samples the next token of each row."""
         next_tokens, logits, cache, extra = self._step(
-            self.params, tokens, cache, layout, key, sampling, record
+            self.params, tokens, cache, layout, key, sampling, record, record and record_hidden
         )
         out = StepOutput(next_tokens, logits)
         if extra is not None:
-            out.embeds, out.probs, out.ids = extra
+            out.embeds, out.probs, out.ids, out.hidden = extra
         return out, cache
 
     def forward(self, tokens: jax.Array) -> tuple[jax.Array, list]:
@@ -99,10 +101,13 @@ class ResidentEngine:
 def resident_step(graph: Graph, kernel: Kernel):
     """The jitted whole-model step for one model graph (closing over the graph avoids hashing it per call)."""
 
-    def step(params, tokens, cache, layout, key, sampling: Sampling, record: bool):
+    def step(params, tokens, cache, layout, key, sampling: Sampling, record: bool, record_hidden: bool):
         TRACE_COUNTS[f"resident_step_T{tokens.shape[1]}_S{cache[0].k.shape[1]}_B{tokens.shape[0]}"] += 1
         model = graph.merge(params)
-        logits, cache, routings = model(tokens, cache, layout, kernel=kernel, last_only=True)
+        hidden = [] if record_hidden else None
+        logits, cache, routings = model(
+            tokens, cache, layout, kernel=kernel, last_only=True, moe_inputs=hidden
+        )
         next_tokens = sampling(logits, key)
         if not record:
             return next_tokens, logits, cache, None
@@ -110,9 +115,11 @@ def resident_step(graph: Graph, kernel: Kernel):
         probs = jnp.stack([r.probs for r in routings], axis=1).reshape(b, t, len(routings), -1)
         ids = jnp.stack([r.ids for r in routings], axis=1).reshape(b, t, len(routings), -1)
         embeds = model.embed_tokens(tokens)
-        return next_tokens, logits, cache, (embeds, probs, ids)
+        if hidden is not None:
+            hidden = jnp.stack(hidden, axis=1).reshape(b, t, len(routings), -1)
+        return next_tokens, logits, cache, (embeds, probs, ids, hidden)
 
-    return jax.jit(step, static_argnums=(5, 6), donate_argnums=2)
+    return jax.jit(step, static_argnums=(5, 6, 7), donate_argnums=2)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))

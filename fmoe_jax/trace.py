@@ -27,6 +27,7 @@ class Iteration:
     probs: np.ndarray | None = None  # [t, L, J] float32 router probabilities (the expert maps)
     embeds: np.ndarray | None = None  # [t, H] float32 embedding-layer output (semantic context)
     weights: np.ndarray | None = None  # [t, L, k] float32 mixing weights, when known
+    hidden: np.ndarray | None = None  # [t, L, D] float32 router inputs, when recorded (learned predictors)
 
     @property
     def num_tokens(self) -> int:
@@ -59,17 +60,22 @@ class RoutingTrace:
         return cls(meta, [RequestTrace(list(p)) for p in prompts])
 
     def add_iteration(self, step_out, valid: np.ndarray) -> None:
-        """Appends one engine step's recorded routing; `valid` `[B, T]` marks real (unpadded, active) tokens.
-        """
+        """Appends one engine step's routing; `valid` `[B, T]` marks real (unpadded, active) tokens."""
         embeds = np.asarray(step_out.embeds, np.float32)  # [B, T, H]
         probs = np.asarray(step_out.probs, np.float32)  # [B, T, L, J]
         ids = np.asarray(step_out.ids, np.int32)  # [B, T, L, k]
+        hidden = None if step_out.hidden is None else np.asarray(step_out.hidden, np.float32)  # [B, T, L, D]
         valid = np.broadcast_to(valid, ids.shape[:2])
         for b, request in enumerate(self.requests):
             rows = valid[b]
             if rows.any():
                 request.iterations.append(
-                    Iteration(ids=ids[b, rows], probs=probs[b, rows], embeds=embeds[b, rows])
+                    Iteration(
+                        ids=ids[b, rows],
+                        probs=probs[b, rows],
+                        embeds=embeds[b, rows],
+                        hidden=None if hidden is None else hidden[b, rows],
+                    )
                 )
 
     # -- external data ---------------------------------------------------------------------------------
@@ -143,7 +149,7 @@ class RoutingTrace:
         for r, req in enumerate(self.requests):
             arrays[f"r{r}_prompt"] = np.asarray(req.prompt, np.int32)
             for i, it in enumerate(req.iterations):
-                for name in ("ids", "probs", "embeds", "weights"):
+                for name in ("ids", "probs", "embeds", "weights", "hidden"):
                     value = getattr(it, name)
                     if value is not None:
                         arrays[f"r{r}_i{i}_{name}"] = value
@@ -175,7 +181,9 @@ class RoutingTrace:
                     key = f"r{r}_i{i}_{name}"
                     return data[key] if key in data.files else None
 
-                req.iterations.append(Iteration(get("ids"), get("probs"), get("embeds"), get("weights")))
+                req.iterations.append(
+                    Iteration(get("ids"), get("probs"), get("embeds"), get("weights"), get("hidden"))
+                )
             requests.append(req)
         return cls(header["meta"], requests)
 

@@ -149,6 +149,7 @@ class MoECausalLM(nnx.Module):
         *,
         kernel: Kernel = "auto",
         last_only: bool = False,
+        moe_inputs: list | None = None,
     ) -> tuple[jax.Array, list[LayerKV], list[Routing]]:
         """Resident forward over all layers.
 
@@ -157,6 +158,8 @@ class MoECausalLM(nnx.Module):
           cache: per-layer KV caches `[B, S, K, E]`.
           layout: where the tokens go in the cache.
           last_only: return only the last position's logits `[B, V]` (prefill never needs `[B, T, V]`).
+          moe_inputs: if a list, each MoE layer's router input `[B*T, D]` is appended to it (traces for
+            policies that predict from hidden states).
         Returns:
           logits `[B, T, V]` (or `[B, V]`) float32, the updated cache, and each MoE layer's routing over the
           B*T tokens.
@@ -174,6 +177,8 @@ class MoECausalLM(nnx.Module):
             if layer.is_moe:
                 routing = layer.route(z)
                 routings.append(routing)
+                if moe_inputs is not None:
+                    moe_inputs.append(z)
                 y = layer.moe_output(z, routing, self.layer_experts(i), slots, valid, kernel=kernel)
             else:
                 y = layer.dense_output(z)

@@ -27,6 +27,8 @@ class PolicyContext:
     capacity: int  # cache slots (all devices together)
     model_id: str = ""
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Router kernels `[D, J]` float32 of each MoE layer, for policies that `needs_hidden` (speculation).
+    router_weights: tuple[np.ndarray, ...] = ()
 
 
 class Policy:
@@ -40,6 +42,7 @@ class Policy:
     name = "base"
     needs_semantic = False  # the engine copies the embeddings to the host only for policies that use them
     needs_probs = False  # likewise for the full router probabilities (ids are always given)
+    needs_hidden = False  # likewise for each MoE layer's router input (speculative / learned predictors)
     preload_all = False  # the cache starts with every expert (the resident policy)
 
     def bind(self, ctx: PolicyContext, cache: Any) -> None:
@@ -54,10 +57,17 @@ class Policy:
         None unless `needs_semantic`), valid `[B, T]` (False for padding and finished rows)."""
 
     def on_layer_routed(
-        self, layer: int, probs: np.ndarray | None, ids: np.ndarray, valid: np.ndarray
+        self,
+        layer: int,
+        probs: np.ndarray | None,
+        ids: np.ndarray,
+        valid: np.ndarray,
+        *,
+        hidden: np.ndarray | None = None,
     ) -> None:
         """MoE layer `layer` has routed (the trajectory context): probs `[N, J]` float32 (None unless
-        `needs_probs`), ids `[N, k]`, valid `[B, T]`."""
+        `needs_probs`), ids `[N, k]`, valid `[B, T]`, hidden `[N, D]` float32, the router's input (None
+        unless `needs_hidden`)."""
 
     def on_iteration_end(self) -> None:
         """Every layer of the iteration has run."""

@@ -175,7 +175,13 @@ class FMoE(Policy):
             self._publish(_Context("semantic", data=self._embeds))
 
     def on_layer_routed(
-        self, layer: int, probs: np.ndarray | None, ids: np.ndarray, valid: np.ndarray
+        self,
+        layer: int,
+        probs: np.ndarray | None,
+        ids: np.ndarray,
+        valid: np.ndarray,
+        *,
+        hidden: np.ndarray | None = None,
     ) -> None:
         self._raise_if_failed()
         self._maps[:, layer] = probs
