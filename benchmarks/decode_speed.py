@@ -1,6 +1,6 @@
 """Resident decode speed on "bench-s": fmoe_jax vs transformers eager vs the memory-bandwidth floor.
 
-    python benchmarks/decode_speed.py [--checkpoint DIR] [--prompt-len 128] [--new-tokens 64]
+    python -m benchmarks.decode_speed [--checkpoint DIR] [--prompt-len 128] [--new-tokens 64]
 
 bench-s is a random Mixtral-shaped model (vocab 32000, hidden 1024, intermediate 3584, 8 layers, 8 experts
 top-2, 16 heads, 4 KV heads, float32), written to /tmp/fmoe-bench on first use. The floor is the bytes of
