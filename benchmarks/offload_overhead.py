@@ -91,8 +91,8 @@ def main() -> None:
             )
         )
     print(
-        f"\n{path.name}: prompt {args.prompt_len}, {args.new_tokens} new tokens, batch 1, cache {slots}/{total} "
-        f"experts at {args.budget:.0%}"
+        f"\n{path.name}: prompt {args.prompt_len}, {args.new_tokens} new tokens, batch 1, "
+        f"cache {slots}/{total} experts at {args.budget:.0%}"
     )
     print_table(table)
     per_layer_us = (warm - base) / cfg.num_layers * 1e3
