@@ -16,7 +16,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,7 @@ from fmoe_jax.models import LayerKV, Layout, MoECausalLM, init_kv_cache
 from fmoe_jax.models.base import output_logits
 from fmoe_jax.models.moe import ExpertWeights, Kernel, Routing, expert_mixture
 from fmoe_jax.offload.config import OffloadConfig
+from fmoe_jax.offload.placement import CacheGroup, placement_from
 from fmoe_jax.offload.policies import PolicyContext, make_policy
 from fmoe_jax.offload.schedule import needed_experts, serve_layer
 from fmoe_jax.offload.transfer import DeviceExpertCache, JaxMover
@@ -72,16 +73,17 @@ class OffloadEngine:
         total = cfg.num_moe_layers * cfg.num_experts
         self.policy = make_policy(offload.policy, **offload.policy_options)
         slots = total if self.policy.preload_all else offload.slots(self.expert_bytes, total)
-        self.device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
-        mover = JaxMover(self._host_expert, self.device)
-        self.cache = DeviceExpertCache(
-            mover,
-            slots,
-            self.expert_bytes,
-            self.policy,
-            max_inflight=offload.max_inflight,
-            synchronous=offload.synchronous_transfers,
-        )
+        self.devices = resolve_devices(offload.devices)
+        self.mesh = None
+        if len(self.devices) == 1:
+            self.cache = self._device_cache(self.devices[0], slots)
+        else:
+            self._place_dense_on_mesh()
+            placement = placement_from(offload.placement, cfg.num_experts, len(self.devices))
+            shares = per_device_slots(slots, cfg, placement, len(self.devices), self.policy.preload_all)
+            self.cache = CacheGroup(
+                [self._device_cache(d, n) for d, n in zip(self.devices, shares, strict=True)], placement
+            )
         ctx = PolicyContext(
             num_layers=cfg.num_moe_layers,
             num_experts=cfg.num_experts,
@@ -102,13 +104,35 @@ class OffloadEngine:
             self.cache.preload([(m, e) for m in range(cfg.num_moe_layers) for e in range(cfg.num_experts)])
         self.overhead = collections.defaultdict(float)
 
+    def _device_cache(self, device: jax.Device, slots: int) -> DeviceExpertCache:
+        target = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+        return DeviceExpertCache(
+            JaxMover(self._host_expert, target),
+            slots,
+            self.expert_bytes,
+            self.policy,
+            max_inflight=self.offload.max_inflight,
+            synchronous=self.offload.synchronous_transfers,
+        )
+
+    def _place_dense_on_mesh(self) -> None:
+        """Several devices: dense weights replicated over a 1-D mesh, so attention, router and head run on
+        every device and each device's experts find the router input locally."""
+        self.mesh = jax.sharding.Mesh(np.array(self.devices), ("d",))
+        self.replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        self.stacked = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("d"))
+        self.embed_params = jax.device_put(self.embed_params, self.replicated)
+        self.head_params = jax.device_put(self.head_params, self.replicated)
+        self.layer_params = [jax.device_put(p, self.replicated) for p in self.layer_params]
+
     def _host_expert(self, key: tuple[int, int]) -> ExpertWeights:
         layer = self.config.moe_layer_ids[key[0]]
         return self.module.experts[layer][key[1]].weights()
 
     # -- the generation loop's interface ----------------------------------------------------------------
     def init_cache(self, batch: int, length: int) -> list[LayerKV]:
-        return init_kv_cache(self.config, batch, length, self.module.dtype)
+        kv = init_kv_cache(self.config, batch, length, self.module.dtype)
+        return kv if self.mesh is None else jax.device_put(kv, self.replicated)
 
     def begin(self, batch: int) -> None:
         """Starts a `generate` call: statistics count from here."""
@@ -139,6 +163,9 @@ class OffloadEngine:
         stats.overhead_s = overhead
         stats.extra.update(self.policy.stats())
         stats.extra["cache_slots"] = self.cache.book.capacity
+        if isinstance(self.cache, CacheGroup):
+            stats.extra["devices"] = [str(d) for d in self.devices]
+            stats.extra["per_device"] = self.cache.device_stats()
         stats.extra["expert_bytes"] = self.expert_bytes
 
     def close(self) -> None:
@@ -223,7 +250,10 @@ class OffloadEngine:
                 ids_all.append(ids)
                 hidden_all.append(hidden)
             needed = needed_experts(ids, valid)
-            x = self._run_experts(moe, fns.experts_finish, state, h, z, routing, valid_dev, needed)
+            if self.mesh is None:
+                x = self._run_experts(moe, fns.experts_finish, state, h, z, routing, valid_dev, needed)
+            else:
+                x = self._run_experts_on_devices(moe, fns.combine, state, h, z, routing, valid_dev, needed)
         start = time.perf_counter()
         policy.on_iteration_end()
         self.overhead["policy_events"] += time.perf_counter() - start
@@ -260,6 +290,88 @@ class OffloadEngine:
 
         return serve_layer(self.cache, moe, needed, compute)
 
+    def _run_experts_on_devices(self, moe, combine, state, h, z, routing, valid, needed):
+        """Each device computes the experts it holds (in chunks as needed) on its local copy of the router
+        input; the partial sums meet in one array sharded over the mesh and are added up there."""
+        group, num_experts = self.cache, self.config.num_experts
+        partials = []
+        for index, (device, keys) in enumerate(
+            zip(self.devices, group.split((moe, e) for e in needed), strict=True)
+        ):
+            z_d, routing_d, valid_d = (local_copy(a, device) for a in (z, routing, valid))
+            acc = jax.device_put(jnp.zeros(z.shape, jnp.float32), device)
+            cache = group.caches[index]
+
+            def compute(
+                chunk,
+                arrays,
+                is_last,
+                z_d=z_d,
+                routing_d=routing_d,
+                valid_d=valid_d,
+                cache=cache,
+                device=device,
+            ):
+                nonlocal acc
+                experts = [arrays[k] for k in chunk]
+                slots = np.full((num_experts,), -1, np.int32)
+                slots[[e for _, e in chunk]] = np.arange(len(chunk), dtype=np.int32)
+                experts += [experts[0]] * (_pad_pow2(len(experts), cache.book.capacity) - len(experts))
+                acc = _experts_partial(
+                    self.kernel, z_d, routing_d, tuple(experts), jax.device_put(slots, device), valid_d, acc
+                )
+                if not is_last:
+                    acc.block_until_ready()  # the next chunk evicts these experts
+                return acc
+
+            serve_layer(cache, moe, [e for _, e in keys], compute)
+            partials.append(acc[None])
+        stacked = jax.make_array_from_single_device_arrays((len(partials), *z.shape), self.stacked, partials)
+        return combine(state, h, z, stacked)
+
+
+def resolve_devices(spec: Any) -> list[jax.Device]:
+    """`None` (the default device), a count (the first n devices), devices, or a `Mesh` -> device list."""
+    if spec is None:
+        return [jax.devices()[0]]
+    if isinstance(spec, int):
+        available = jax.devices()
+        if not 1 <= spec <= len(available):
+            raise ValueError(f"devices={spec} but {len(available)} are available ({available})")
+        return available[:spec]
+    if isinstance(spec, jax.sharding.Mesh):
+        return list(spec.devices.flat)
+    devices = list(spec)
+    if not devices:
+        raise ValueError("devices is empty")
+    return devices
+
+
+def per_device_slots(slots: int, cfg, placement, num_devices: int, everything: bool) -> list[int]:
+    """Splits the cache budget over devices: each gets an equal share (at least one slot), or, for a
+    cache that holds everything, exactly the experts placed on it."""
+    if everything:
+        counts = [0] * num_devices
+        for m in range(cfg.num_moe_layers):
+            for e in range(cfg.num_experts):
+                counts[placement((m, e))] += 1
+        return [max(1, c) for c in counts]
+    if slots < num_devices:
+        raise ValueError(f"a budget of {slots} expert slots cannot give each of {num_devices} devices one")
+    return [slots // num_devices + (1 if d < slots % num_devices else 0) for d in range(num_devices)]
+
+
+def local_copy(tree: Any, device: jax.Device) -> Any:
+    """The single-device view of a replicated array (or pytree of them) on `device`, without a copy."""
+
+    def one(array: jax.Array) -> jax.Array:
+        for shard in array.addressable_shards:
+            if shard.device == device:
+                return shard.data
+        return jax.device_put(array, device)
+
+    return jax.tree.map(one, tree)
+
 
 # -- jitted steps -----------------------------------------------------------------------------------------
 # Built once per model graph (graphs compare by structure, so every layer of a model shares them, and so
@@ -271,6 +383,7 @@ class LayerSteps(NamedTuple):
     attention_and_router: Callable
     dense_layer: Callable
     experts_finish: Callable
+    combine: Callable
 
 
 @functools.cache
@@ -295,10 +408,18 @@ def layer_steps(graph: Graph, kernel: Kernel) -> LayerSteps:
         y = layer.moe_output(z, routing, experts, slots, valid, kernel=kernel).astype(jnp.float32) + acc
         return h + y.reshape(h.shape).astype(h.dtype)
 
+    def combine(state, h, z, partials):
+        """Several devices: the per-device partials `[n, N, D]` summed, the shared expert, the residual."""
+        TRACE_COUNTS[f"combine_T{h.shape[1]}"] += 1
+        layer = graph.merge(state)
+        y = jnp.sum(partials, axis=0) + layer.shared_output(z).astype(jnp.float32)
+        return h + y.reshape(h.shape).astype(h.dtype)
+
     return LayerSteps(
         jax.jit(attention_and_router, donate_argnums=2),
         jax.jit(dense_layer, donate_argnums=2),
         jax.jit(experts_finish),
+        jax.jit(combine),
     )
 
 

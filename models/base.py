@@ -68,10 +68,15 @@ class DecoderLayer(nnx.Module):
     ) -> jax.Array:
         """Routed experts (those passed in) plus the always-resident shared expert. z `[N, D]` -> `[N, D]`."""
         out = expert_mixture(z, routing, experts, slot_of_expert, valid, kernel=kernel)
-        if include_shared and hasattr(self, "shared_expert"):
-            gate = jax.nn.sigmoid(self.shared_gate(z))
-            out = out + gate * self.shared_expert(z)
+        if include_shared:
+            out = out + self.shared_output(z).astype(out.dtype)
         return out
+
+    def shared_output(self, z: jax.Array) -> jax.Array:
+        """Qwen's always-on shared expert scaled by its sigmoid gate (zeros for families without one)."""
+        if not hasattr(self, "shared_expert"):
+            return jnp.zeros(z.shape, z.dtype)
+        return jax.nn.sigmoid(self.shared_gate(z)) * self.shared_expert(z)
 
     def dense_output(self, z: jax.Array) -> jax.Array:
         return self.mlp(z)

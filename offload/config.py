@@ -23,7 +23,10 @@ class OffloadConfig:
       prefetch_distance: d, how many layers ahead a policy prefetches.
       store_capacity: expert maps the fMoE store keeps.
       store_path: file of a saved fMoE expert-map store: loaded at start when it exists, saved back at close.
-      devices: devices for expert-parallel placement (None: the default device).
+      devices: devices for expert-parallel serving: None (the default device), a count (the first n), a list
+        of devices, or a `jax.sharding.Mesh`. Dense weights are replicated over them; each device has its
+        own expert cache (the budget is split evenly) and transfer queue.
+      placement: which device holds expert `(layer, expert)`: None (round robin), a mapping, or a callable.
       max_inflight: host-to-device copies in flight at once.
       synchronous_transfers: wait for every copy as it is issued (the simulator's comparison mode).
       policy_options: extra keyword arguments of the policy (ablation switches and the like).
@@ -36,6 +39,7 @@ class OffloadConfig:
     store_capacity: int = 1000
     store_path: str | None = None
     devices: Any = None
+    placement: Any = None
     max_inflight: int = 4
     synchronous_transfers: bool = False
     policy_options: dict[str, Any] = dataclasses.field(default_factory=dict)

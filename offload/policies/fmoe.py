@@ -105,7 +105,7 @@ class FMoE(Policy):
                 num_layers=ctx.num_layers,
                 num_experts=ctx.num_experts,
                 embed_dim=ctx.embed_dim,
-                prefetch_distance=ctx.prefetch_distance,
+                prefetch_distance=min(ctx.prefetch_distance, ctx.num_layers),
             )
         if (self.store.num_layers, self.store.num_experts, self.store.embed_dim) != (
             ctx.num_layers,
@@ -130,7 +130,7 @@ class FMoE(Policy):
             "num_layers": ctx.num_layers,
             "num_experts": ctx.num_experts,
             "embed_dim": ctx.embed_dim,
-            "prefetch_distance": ctx.prefetch_distance,
+            "prefetch_distance": min(ctx.prefetch_distance, ctx.num_layers),
         }
 
     def _limit_blas(self, threads: int) -> None:
@@ -326,7 +326,7 @@ def store_from_traces(traces, *, capacity: int, prefetch_distance: int) -> Exper
         num_layers=meta["num_layers"],
         num_experts=meta["num_experts"],
         embed_dim=meta["embed_dim"],
-        prefetch_distance=prefetch_distance,
+        prefetch_distance=min(prefetch_distance, meta["num_layers"]),
     )
     for trace in traces:
         for request in trace.requests:

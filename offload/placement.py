@@ -1,0 +1,177 @@
+"""Expert-parallel placement: which device holds each routed expert, and one cache per device behind one face.
+
+The engine builds a `CacheGroup` when `OffloadConfig(devices=...)` names several devices; policies keep
+seeing `(layer, expert)` keys and one cache (`request_prefetch`, `book.freq`, `book.entries`), and the
+group routes every call to the cache of the device the placement assigns.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from .cache import CacheStats, Entry, Key
+from .transfer import DeviceExpertCache
+
+Placement = Callable[[Key], int]
+
+
+def round_robin(num_experts: int, num_devices: int) -> Placement:
+    """Expert `(l, e)` on device `(l * J + e) % n`: each layer spreads its experts over every device, as
+    the fMoE paper's implementation assigns them (section 5)."""
+    return lambda key: (key[0] * num_experts + key[1]) % num_devices
+
+
+def placement_from(spec: Any, num_experts: int, num_devices: int) -> Placement:
+    """`None` (round robin), a mapping `{(layer, expert): device}`, or a callable `(layer, expert) -> int`."""
+    if spec is None:
+        return round_robin(num_experts, num_devices)
+    if isinstance(spec, Mapping):
+        table = dict(spec)
+
+        def lookup(key: Key) -> int:
+            if key not in table:
+                raise KeyError(f"the placement map has no device for expert {key}")
+            return table[key]
+
+        return lookup
+    if callable(spec):
+        return spec
+    raise TypeError(f"placement must be None, a mapping or a callable, got {type(spec).__name__}")
+
+
+class _Routed(Mapping):
+    """A read-only mapping over the per-device books' dicts (`freq` or `entries`), routed by placement."""
+
+    def __init__(self, group: CacheGroup, attr: str):
+        self.group, self.attr = group, attr
+
+    def _owner(self, key: Key) -> dict:
+        return getattr(self.group.caches[self.group.placement(key)].book, self.attr)
+
+    def __getitem__(self, key: Key) -> Any:
+        return self._owner(key)[key]
+
+    def get(self, key: Key, default: Any = None) -> Any:
+        return self._owner(key).get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._owner(key)  # type: ignore[arg-type]
+
+    def __iter__(self):
+        for cache in self.group.caches:
+            yield from getattr(cache.book, self.attr)
+
+    def __len__(self) -> int:
+        return sum(len(getattr(c.book, self.attr)) for c in self.group.caches)
+
+
+class _GroupBook:
+    """The part of `CacheBook` policies and the engine read, over all devices."""
+
+    def __init__(self, group: CacheGroup):
+        self.group = group
+        self.freq = _Routed(group, "freq")
+        self.entries = _Routed(group, "entries")
+
+    @property
+    def capacity(self) -> int:
+        return sum(c.book.capacity for c in self.group.caches)
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.group.caches[0].book.expert_bytes
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.group.cache_of(key).book
+
+    def __len__(self) -> int:
+        return sum(len(c.book) for c in self.group.caches)
+
+    @property
+    def stats(self) -> CacheStats:
+        """Totals over devices (peak bytes: the sum of each device's peak)."""
+        total = CacheStats()
+        for cache in self.group.caches:
+            s = cache.book.stats
+            for field in (
+                "hits",
+                "misses",
+                "late_prefetches",
+                "prefetches",
+                "wasted_prefetches",
+                "dropped_prefetches",
+                "loads",
+                "bytes_to_device",
+                "peak_bytes",
+            ):
+                setattr(total, field, getattr(total, field) + getattr(s, field))
+            for layer, value in s.layer_hits.items():
+                total.layer_hits[layer] = total.layer_hits.get(layer, 0) + value
+            for layer, value in s.layer_needed.items():
+                total.layer_needed[layer] = total.layer_needed.get(layer, 0) + value
+        return total
+
+
+class CacheGroup:
+    """One `DeviceExpertCache` per device, addressed by `(layer, expert)` through `placement`."""
+
+    def __init__(self, caches: Sequence[DeviceExpertCache], placement: Placement):
+        self.caches = list(caches)
+        self.placement = placement
+        self.book = _GroupBook(self)
+
+    def cache_of(self, key: Key) -> DeviceExpertCache:
+        device = self.placement(key)
+        if not 0 <= device < len(self.caches):
+            raise ValueError(f"placement put expert {key} on device {device}; there are {len(self.caches)}")
+        return self.caches[device]
+
+    def split(self, keys: Iterable[Key]) -> list[list[Key]]:
+        """Keys grouped by device index."""
+        out: list[list[Key]] = [[] for _ in self.caches]
+        for key in keys:
+            out[self.placement(key)].append(key)
+        return out
+
+    def request_prefetch(
+        self, items: Iterable[tuple[Key, float]], *, replace: Any = True, stale_before: int | None = None
+    ) -> None:
+        items = list(items)
+        by_device: list[list[tuple[Key, float]]] = [[] for _ in self.caches]
+        for key, priority in items:
+            by_device[self.placement(key)].append((key, priority))
+        for cache, wanted in zip(self.caches, by_device, strict=True):
+            cache.request_prefetch(wanted, replace=replace, stale_before=stale_before)
+
+    def preload(self, keys: Iterable[Key]) -> None:
+        for cache, own in zip(self.caches, self.split(keys), strict=True):
+            cache.preload(own)
+
+    @property
+    def timers(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for cache in self.caches:
+            for name, value in cache.timers.items():
+                out[name] = out.get(name, 0.0) + value
+        return out
+
+    def device_stats(self) -> list[dict[str, Any]]:
+        return [
+            dict(
+                hits=c.book.stats.hits,
+                misses=c.book.stats.misses,
+                hit_rate=c.book.stats.hit_rate,
+                bytes_to_device=c.book.stats.bytes_to_device,
+                peak_bytes=c.book.stats.peak_bytes,
+                capacity=c.book.capacity,
+            )
+            for c in self.caches
+        ]
+
+    def snapshot(self) -> list[CacheStats]:
+        return [copy.deepcopy(c.book.stats) for c in self.caches]
+
+
+__all__ = ["CacheGroup", "Entry", "Placement", "placement_from", "round_robin"]
