@@ -8,6 +8,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("FMOE_TEST_CPU_DEVICES"):  # tests/test_multidevice.py re-runs itself with emulated devices
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", int(os.environ["FMOE_TEST_CPU_DEVICES"]))
 
 from pathlib import Path  # noqa: E402
 

@@ -1,0 +1,107 @@
+"""Expert-parallel serving over 4 emulated CPU devices: lossless, placement and per-device budgets.
+
+JAX fixes the number of CPU devices when its backend starts, so under a normal (one-device) test run this
+file re-runs itself in a subprocess with `FMOE_TEST_CPU_DEVICES=4` (read by conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from fmoe_jax.offload.placement import round_robin
+
+import fmoe_jax as fj
+
+DEVICES = 4
+
+if len(jax.devices()) < DEVICES:
+
+    def test_in_subprocess_with_emulated_devices():
+        env = dict(os.environ, FMOE_TEST_CPU_DEVICES=str(DEVICES))
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+            cwd=Path(__file__).parent.parent,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+        assert " passed" in result.stdout
+
+else:
+    PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [3, 3, 3]]
+    POLICY_OPTIONS = {"fmoe": {"asynchronous": False}}
+
+    @pytest.fixture(scope="module")
+    def references(hf_dirs):
+        return {
+            family: fj.generate(
+                fj.load_model(hf_dirs[family]), PROMPTS, max_new_tokens=6, stop_at_eos=False
+            ).tokens
+            for family in ("mixtral", "qwen2_moe", "phimoe")
+        }
+
+    @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "phimoe"])
+    @pytest.mark.parametrize("policy", ["resident", "on_demand_lru", "on_demand_lfu", "fmoe"])
+    def test_lossless_on_four_devices(family, policy, hf_dirs, references):
+        cfg = fj.load_model(hf_dirs[family]).config
+        total = cfg.num_moe_layers * cfg.num_experts
+        for slots in (DEVICES, total // 2, total):
+            offload = fj.OffloadConfig(
+                policy=policy,
+                cache_experts=slots,
+                devices=DEVICES,
+                policy_options=POLICY_OPTIONS.get(policy, {}),
+            )
+            with fj.load_model(hf_dirs[family], offload=offload) as model:
+                out = fj.generate(model, PROMPTS, max_new_tokens=6, stop_at_eos=False)
+            assert out.tokens == references[family], (family, policy, slots)
+            per_device = out.stats.extra["per_device"]
+            assert len(per_device) == DEVICES
+            assert sum(d["hits"] + d["misses"] for d in per_device) == out.stats.hits + out.stats.misses
+
+    def test_placement_and_per_device_budgets(hf_dirs):
+        offload = fj.OffloadConfig(policy="on_demand_lru", cache_experts=6, devices=DEVICES)
+        with fj.load_model(hf_dirs["mixtral"], offload=offload) as model:
+            fj.generate(model, PROMPTS, max_new_tokens=6, stop_at_eos=False)
+            group = model.engine.cache
+            assert [c.book.capacity for c in group.caches] == [2, 2, 1, 1]  # 6 slots over 4 devices
+            place = round_robin(model.config.num_experts, DEVICES)
+            for index, cache in enumerate(group.caches):
+                assert cache.book.stats.peak_bytes <= cache.book.capacity * cache.book.expert_bytes
+                for key, arrays in cache.arrays.items():
+                    assert place(key) == index
+                    assert {a.sharding.device_set.pop() for a in arrays} == {jax.devices()[index]}
+            layer0 = model.module.layers[0].attn.q_proj.kernel[...]
+            assert len(model.engine.layer_params[0][0].sharding.device_set) == DEVICES  # replicated dense
+            assert layer0.sharding.memory_kind == "device"
+
+    def test_custom_placement_map_and_errors(hf_dirs):
+        cfg = fj.load_model(hf_dirs["mixtral"]).config
+        table = {(m, e): 3 for m in range(cfg.num_moe_layers) for e in range(cfg.num_experts)}
+        offload = fj.OffloadConfig(cache_experts=8, devices=DEVICES, placement=table)
+        with fj.load_model(hf_dirs["mixtral"], offload=offload) as model:
+            out = fj.generate(model, PROMPTS, max_new_tokens=4, stop_at_eos=False)
+            loads = [d["bytes_to_device"] for d in out.stats.extra["per_device"]]
+            assert loads[3] > 0 and loads[:3] == [0, 0, 0]
+        with pytest.raises(ValueError, match="cannot give each of 4 devices one"):
+            fj.load_model(hf_dirs["mixtral"], offload=fj.OffloadConfig(cache_experts=3, devices=DEVICES))
+        with pytest.raises(ValueError, match="devices=9"):
+            fj.load_model(hf_dirs["mixtral"], offload=fj.OffloadConfig(devices=9))
+
+    def test_two_devices_match_one(hf_dirs):
+        one = fj.OffloadConfig(policy="on_demand_lfu", cache_experts=4, synchronous_transfers=True)
+        two = fj.OffloadConfig(policy="on_demand_lfu", cache_experts=4, devices=2, synchronous_transfers=True)
+        with (
+            fj.load_model(hf_dirs["qwen2_moe"], offload=one) as a,
+            fj.load_model(hf_dirs["qwen2_moe"], offload=two) as b,
+        ):
+            out_a = fj.generate(a, PROMPTS, max_new_tokens=6, stop_at_eos=False)
+            out_b = fj.generate(b, PROMPTS, max_new_tokens=6, stop_at_eos=False)
+        assert out_a.tokens == out_b.tokens
