@@ -1,0 +1,333 @@
+"""The simulator's hardware cost model: hardware and model-size presets and a roofline time per stage.
+
+Read by `offload/simulator.py` (which advances its simulated clock by these times) and by benchmarks that
+project a routing trace onto real hardware and real model sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HardwarePreset:
+    """One accelerator and its host link, as datasheet (nominal) numbers and achieved fractions.
+
+    Attributes:
+      name: what the preset describes.
+      hbm_bytes_per_s: device-memory bandwidth (HBM or GDDR), nominal.
+      flops_per_s: dense bf16 tensor-core peak (no 2:4 sparsity), nominal.
+      link_bytes_per_s: host-to-device bandwidth of the link, one direction, nominal.
+      memory_bytes: device memory.
+      link_efficiency: fraction of `link_bytes_per_s` a pinned-host copy achieves.
+      hbm_efficiency: fraction of `hbm_bytes_per_s` memory-bound kernels (GEMV, decode) achieve.
+      flops_efficiency: fraction of `flops_per_s` compute-bound kernels (prefill GEMMs) achieve.
+    """
+
+    name: str
+    hbm_bytes_per_s: float
+    flops_per_s: float
+    link_bytes_per_s: float
+    memory_bytes: int
+    link_efficiency: float = 0.8
+    hbm_efficiency: float = 0.8
+    flops_efficiency: float = 0.7
+
+    def __post_init__(self) -> None:
+        for name in ("hbm_bytes_per_s", "flops_per_s", "link_bytes_per_s", "memory_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(
+                    f"hardware {self.name!r}: {name} must be positive, got {getattr(self, name)}"
+                )
+        for name in ("link_efficiency", "hbm_efficiency", "flops_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(
+                    f"hardware {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}"
+                )
+
+    @property
+    def link_effective(self) -> float:
+        """Host-to-device bytes per second the simulator's link moves."""
+        return self.link_bytes_per_s * self.link_efficiency
+
+    def roofline_s(self, bytes_read: float, flops: float) -> float:
+        """Seconds of a kernel that reads `bytes_read` from device memory and does `flops`."""
+        return max(
+            bytes_read / (self.hbm_bytes_per_s * self.hbm_efficiency),
+            flops / (self.flops_per_s * self.flops_efficiency),
+        )
+
+
+# PCIe x16 per direction: PCIe 4.0 runs 16 GT/s per lane, PCIe 5.0 32 GT/s, both with 128b/130b encoding, so
+# 16 lanes carry 31.5 GB/s (Gen4) and 63.0 GB/s (Gen5) each way (PCI-SIG specifications; NVIDIA datasheets
+# quote the two directions together: "PCIe Gen4 64 GB/s", "PCIe Gen5 128 GB/s").
+PCIE4_X16 = 16e9 * 16 * 128 / 130 / 8
+PCIE5_X16 = 32e9 * 16 * 128 / 130 / 8
+# Achieved pinned-host -> device copy rates: ~25 GB/s on Gen4 x16 (CUDA `bandwidthTest`, A100 and RTX 30xx
+# hosts) and ~55 GB/s on Gen5 x16 (NVIDIA `nvbandwidth host_to_device_memcpy_ce` on H100 hosts), i.e. about
+# 80 % and 87 % of the nominal rate. Both depend on the host (CPU, NUMA placement, IOMMU); measure your own.
+PCIE4_EFFICIENCY = 0.8
+PCIE5_EFFICIENCY = 0.87
+
+# NVIDIA H100 Tensor Core GPU datasheet (SXM5 80 GB): HBM3 3.35 TB/s; BF16 tensor core 1,979 TFLOPS *with
+# sparsity*, so 989 TFLOPS dense; PCIe Gen5.
+H100_SXM = HardwarePreset(
+    "H100 SXM5 80GB, PCIe 5.0 x16",
+    hbm_bytes_per_s=3.35e12,
+    flops_per_s=989e12,
+    link_bytes_per_s=PCIE5_X16,
+    memory_bytes=80 * GiB,
+    link_efficiency=PCIE5_EFFICIENCY,
+)
+# Same datasheet, H100 PCIe 80 GB: HBM2e 2.0 TB/s; BF16 1,513 TFLOPS with sparsity, 756 dense; PCIe Gen5.
+H100_PCIE = HardwarePreset(
+    "H100 PCIe 80GB, PCIe 5.0 x16",
+    hbm_bytes_per_s=2.0e12,
+    flops_per_s=756e12,
+    link_bytes_per_s=PCIE5_X16,
+    memory_bytes=80 * GiB,
+    link_efficiency=PCIE5_EFFICIENCY,
+)
+# NVIDIA A100 Tensor Core GPU datasheet (80 GB SXM4): HBM2e 2,039 GB/s; BF16 tensor core 312 TFLOPS dense
+# (624 with sparsity); PCIe Gen4.
+A100_SXM = HardwarePreset(
+    "A100 SXM4 80GB, PCIe 4.0 x16",
+    hbm_bytes_per_s=2.039e12,
+    flops_per_s=312e12,
+    link_bytes_per_s=PCIE4_X16,
+    memory_bytes=80 * GiB,
+    link_efficiency=PCIE4_EFFICIENCY,
+)
+# NVIDIA Ampere GA102 GPU architecture whitepaper, appendix A (GeForce RTX 3090): 24 GB GDDR6X at 936 GB/s;
+# peak BF16 tensor TFLOPS with FP32 accumulate 71 dense (142 with sparsity); PCIe Gen4 x16.
+RTX_3090 = HardwarePreset(
+    "GeForce RTX 3090 24GB, PCIe 4.0 x16",
+    hbm_bytes_per_s=936e9,
+    flops_per_s=71e12,
+    link_bytes_per_s=PCIE4_X16,
+    memory_bytes=24 * GiB,
+    link_efficiency=PCIE4_EFFICIENCY,
+)
+# The efficiency defaults (HBM 0.8, FLOPs 0.7) are assumptions typical of tuned GEMV/GEMM kernels, not
+# datasheet values; pass `dataclasses.replace(preset, hbm_efficiency=1.0, ...)` for the ideal roofline.
+
+HARDWARE: dict[str, HardwarePreset] = {
+    "h100_sxm": H100_SXM,
+    "h100_pcie": H100_PCIE,
+    "a100_sxm": A100_SXM,
+    "rtx_3090": RTX_3090,
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelPreset:
+    """The sizes of a model that the cost model needs (gated-MLP experts; weights of `bytes_per_param`).
+
+    Only byte and FLOP sizes are read by the simulator: the number of MoE layers, experts and top-k of a
+    replay come from the routing trace, so a trace recorded on a small model replays "at real size" with
+    these per-layer and per-expert sizes. `num_layers`, `num_experts` and `top_k` describe the real model.
+    """
+
+    name: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    hidden_size: int  # D
+    expert_intermediate_size: int  # F of one routed expert
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    shared_expert_intermediate_size: int = 0  # Qwen1.5-MoE's always-active shared expert (0: none)
+    tie_word_embeddings: bool = False
+    bytes_per_param: int = 2  # bf16
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+                raise ValueError(f"model {self.name!r}: {field.name} must be >= 0, got {value}")
+        if self.hidden_size <= 0 or self.expert_intermediate_size <= 0:
+            raise ValueError(
+                f"model {self.name!r}: hidden_size ({self.hidden_size}) and expert_intermediate_size "
+                f"({self.expert_intermediate_size}) must be positive"
+            )
+
+    @classmethod
+    def from_config(cls, cfg: Any, name: str | None = None) -> ModelPreset:
+        """The sizes of a `fmoe_jax.models.MoEConfig` (e.g. `model.config`), in bf16."""
+        return cls(
+            name=name or cfg.family,
+            num_layers=cfg.num_moe_layers,
+            num_experts=cfg.num_experts,
+            top_k=cfg.top_k,
+            hidden_size=cfg.hidden_size,
+            expert_intermediate_size=cfg.expert_intermediate_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            vocab_size=cfg.vocab_size,
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+        )
+
+    # -- parameter counts (biases and norms are below 0.1 % and left out) -------------------------------
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.expert_intermediate_size  # gate, up, down
+
+    @property
+    def attention_params(self) -> int:
+        q_and_o = 2 * self.hidden_size * self.num_heads * self.head_dim
+        k_and_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        return q_and_o + k_and_v
+
+    @property
+    def shared_params(self) -> int:
+        if not self.shared_expert_intermediate_size:
+            return 0
+        return 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size  # + its gate
+
+    def router_params(self, num_experts: int) -> int:
+        return self.hidden_size * num_experts
+
+    @property
+    def total_params(self) -> int:
+        """All parameters of the real model (a check of the preset against the published counts)."""
+        per_layer = (
+            self.attention_params
+            + self.router_params(self.num_experts)
+            + self.shared_params
+            + self.num_experts * self.expert_params
+        )
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert: what one host-to-device copy moves."""
+        return self.expert_params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.bytes_per_param
+
+    def resident_bytes(self, num_layers: int, num_experts: int) -> int:
+        """Weights that stay on the device whatever the policy: attention, routers, shared experts,
+        embedding and LM head, for `num_layers` MoE layers of `num_experts` experts."""
+        per_layer = self.attention_params + self.router_params(num_experts) + self.shared_params
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return (num_layers * per_layer + embeddings) * self.bytes_per_param
+
+
+# Sizes from each model's published Hugging Face `config.json`.
+# mistralai/Mixtral-8x7B-v0.1: hidden_size 4096, intermediate_size 14336, num_hidden_layers 32,
+# num_attention_heads 32, num_key_value_heads 8 (head_dim 128), num_local_experts 8, num_experts_per_tok 2,
+# vocab_size 32000, tie_word_embeddings false. 46.7 B parameters (model card).
+MIXTRAL_8X7B = ModelPreset(
+    "Mixtral-8x7B",
+    num_layers=32,
+    num_experts=8,
+    top_k=2,
+    hidden_size=4096,
+    expert_intermediate_size=14336,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    vocab_size=32000,
+)
+# Qwen/Qwen1.5-MoE-A2.7B: hidden_size 2048, moe_intermediate_size 1408, shared_expert_intermediate_size 5632,
+# num_hidden_layers 24 (decoder_sparse_step 1, no mlp_only_layers), num_attention_heads 16,
+# num_key_value_heads 16 (head_dim 128), num_experts 60, num_experts_per_tok 4, vocab_size 151936,
+# tie_word_embeddings false. 14.3 B parameters (model card).
+QWEN15_MOE_A27B = ModelPreset(
+    "Qwen1.5-MoE-A2.7B",
+    num_layers=24,
+    num_experts=60,
+    top_k=4,
+    hidden_size=2048,
+    expert_intermediate_size=1408,
+    num_heads=16,
+    num_kv_heads=16,
+    head_dim=128,
+    vocab_size=151936,
+    shared_expert_intermediate_size=5632,
+)
+# microsoft/Phi-3.5-MoE-instruct: hidden_size 4096, intermediate_size 6400, num_hidden_layers 32,
+# num_attention_heads 32, num_key_value_heads 8 (head_dim 128), num_local_experts 16, num_experts_per_tok 2,
+# vocab_size 32064, tie_word_embeddings false. 41.9 B parameters (model card).
+PHI35_MOE = ModelPreset(
+    "Phi-3.5-MoE",
+    num_layers=32,
+    num_experts=16,
+    top_k=2,
+    hidden_size=4096,
+    expert_intermediate_size=6400,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    vocab_size=32064,
+)
+
+MODELS: dict[str, ModelPreset] = {
+    "mixtral": MIXTRAL_8X7B,
+    "qwen2_moe": QWEN15_MOE_A27B,
+    "phimoe": PHI35_MOE,
+}  # by model family, as `RoutingTrace.meta["family"]` names it
+
+
+class CostModel:
+    """Roofline seconds of each stage of an iteration, for a model preset on a hardware preset.
+
+    Compute counts valid tokens only (no padding). Per MoE layer: the attention block with the router
+    (weights + each row's KV cache read from device memory; projections and scores as FLOPs), then the
+    routed experts (one grouped kernel per chunk: every cached expert's weights read once, 2 * 3 * D * F
+    FLOPs per token routed to it), then the shared expert. Per iteration: the LM head for each active row's
+    last token. Decode is thereby memory-bound and prefill compute-bound where the FLOPs dominate.
+    """
+
+    def __init__(self, model: ModelPreset, hardware: HardwarePreset, num_experts: int):
+        self.model = model
+        self.hardware = hardware
+        self.num_experts = num_experts
+        bp = model.bytes_per_param
+        self._attention_params = model.attention_params + model.router_params(num_experts)
+        self._attention_bytes = self._attention_params * bp
+        self._score_flops = 4 * model.num_heads * model.head_dim  # QK^T and PV per (query, key) pair
+
+    def attention_s(self, new_tokens: np.ndarray, past_tokens: np.ndarray) -> float:
+        """One layer's attention and router: `new_tokens` `[R]` tokens per active row, `past_tokens` `[R]`
+        tokens each row already has in its KV cache."""
+        m = self.model
+        new = np.asarray(new_tokens, np.float64)
+        past = np.asarray(past_tokens, np.float64)
+        keys = float(np.sum(new * past + new * (new + 1) / 2))  # causal: query j sees past + j + 1 keys
+        bytes_read = self._attention_bytes + float(np.sum(past + new)) * m.kv_bytes_per_token
+        flops = 2 * float(new.sum()) * self._attention_params + self._score_flops * keys
+        return self.hardware.roofline_s(bytes_read, flops)
+
+    def experts_s(self, tokens_per_expert: list[int]) -> float:
+        """One chunk of routed experts, each with the given number of tokens routed to it."""
+        m = self.model
+        bytes_read = len(tokens_per_expert) * m.expert_bytes
+        flops = 2.0 * m.expert_params * sum(tokens_per_expert)
+        return self.hardware.roofline_s(bytes_read, flops)
+
+    def shared_s(self, tokens: int) -> float:
+        """One layer's always-active shared expert (zero for models without one)."""
+        m = self.model
+        if not m.shared_params:
+            return 0.0
+        return self.hardware.roofline_s(m.shared_params * m.bytes_per_param, 2.0 * m.shared_params * tokens)
+
+    def head_s(self, rows: int) -> float:
+        """The LM head for `rows` last tokens."""
+        m = self.model
+        params = m.vocab_size * m.hidden_size
+        return self.hardware.roofline_s(params * m.bytes_per_param, 2.0 * params * rows)

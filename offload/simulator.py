@@ -1,0 +1,406 @@
+"""Trace-replay simulator: replays recorded routing traces through any policy and cache budget on a
+simulated clock with a hardware cost model. Called by benchmarks and tests (`simulate`).
+
+It drives the policy with the live engine's event stream (`fmoe_jax/engine.py`) and serves every layer
+through the same `DeviceExpertCache` and `offload/schedule.py` calls, with copies going over a
+`SimulatedLink` instead of `jax.device_put`. So with synchronous transfers its hit and miss counts equal the
+live engine's on the same requests; with asynchronous ones, prefetches overlap the modelled compute.
+
+Routing comes from the trace (layer, expert and top-k counts included); byte and FLOP sizes come from a
+`ModelPreset` (e.g. `MIXTRAL_8X7B`), so a trace of a small model replays at a real model's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from fmoe_jax.trace import RoutingTrace
+
+from .cache import Key
+from .config import OffloadConfig
+from .cost_model import CostModel, HardwarePreset, ModelPreset
+from .policies import Policy, PolicyContext, make_policy
+from .schedule import needed_experts, serve_layer
+from .transfer import DeviceExpertCache
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Copy:
+    """A simulated host-to-device copy (the `SimulatedLink`'s handle)."""
+
+    key: Key
+    done_s: float  # simulated time at which the expert is on the device
+
+
+class SimulatedLink:
+    """A `Mover` over one host-to-device link with a simulated clock.
+
+    Copies are serialized FIFO on the link: a copy starts when the link frees (or now, if idle) and takes
+    `expert_bytes / bytes_per_s` seconds. `wait` advances the clock to the last completion and counts the
+    advance as stall time (compute waiting for experts); `compute` advances it by compute time.
+    """
+
+    def __init__(self, expert_bytes: int, bytes_per_s: float):
+        if bytes_per_s <= 0:
+            raise ValueError(f"link bandwidth must be positive, got {bytes_per_s} bytes/s")
+        self.copy_s = expert_bytes / bytes_per_s
+        self.clock = 0.0
+        self.free_at = 0.0  # when the last queued copy completes
+        self.stall_s = 0.0
+        self.compute_s = 0.0
+        self.busy_s = 0.0
+
+    def start(self, key: Key) -> Copy:
+        begin = max(self.clock, self.free_at)
+        self.free_at = begin + self.copy_s
+        self.busy_s += self.copy_s
+        return Copy(key, self.free_at)
+
+    def is_ready(self, handle: Copy) -> bool:
+        return handle.done_s <= self.clock
+
+    def wait(self, handles: Sequence[Copy]) -> None:
+        until = max((h.done_s for h in handles), default=self.clock)
+        if until > self.clock:
+            self.stall_s += until - self.clock
+            self.clock = until
+
+    def compute(self, seconds: float) -> None:
+        self.compute_s += seconds
+        self.clock += seconds
+
+
+@dataclasses.dataclass
+class SimResult:
+    """What a replay measured. Counts follow `offload/cache.py` (hit, miss, late and wasted prefetch); times
+    are simulated seconds. Per-request lists are in trace order, requests of each trace in their order."""
+
+    hits: int
+    misses: int
+    late_prefetches: int
+    prefetches: int
+    wasted_prefetches: int
+    dropped_prefetches: int
+    bytes_to_device: int
+    layer_hits: list[int]  # [L]
+    layer_needed: list[int]  # [L]
+    stall_s: float  # compute waiting for experts (on-demand loads, late prefetches, synchronous copies)
+    compute_s: float
+    total_s: float  # compute_s + stall_s
+    link_busy_s: float  # time the link spent copying (transfers overlapping compute included)
+    ttft_s: list[float]  # per request: its batch's prefill iteration, LM head included
+    tpot_s: list[float]  # per request: mean decode iteration while it was active (nan without decode)
+    capacity: int  # cache slots
+    expert_bytes: int
+    device_bytes: int  # cache budget + resident weights (no KV cache, no activations)
+    fits_device: bool  # device_bytes within the hardware's memory
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # the policy's `stats()`
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 1.0
+
+    @property
+    def layer_hit_rate(self) -> list[float]:
+        return [h / n if n else 1.0 for h, n in zip(self.layer_hits, self.layer_needed, strict=True)]
+
+    @property
+    def mean_ttft_s(self) -> float:
+        return float(np.mean(self.ttft_s)) if self.ttft_s else float("nan")
+
+    @property
+    def median_ttft_s(self) -> float:
+        return float(np.median(self.ttft_s)) if self.ttft_s else float("nan")
+
+    @property
+    def mean_tpot_s(self) -> float:
+        decoded = [t for t in self.tpot_s if not np.isnan(t)]
+        return float(np.mean(decoded)) if decoded else float("nan")
+
+    @property
+    def median_tpot_s(self) -> float:
+        decoded = [t for t in self.tpot_s if not np.isnan(t)]
+        return float(statistics.median(decoded)) if decoded else float("nan")
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for name in (
+            "hit_rate",
+            "layer_hit_rate",
+            "mean_ttft_s",
+            "median_ttft_s",
+            "mean_tpot_s",
+            "median_tpot_s",
+        ):
+            out[name] = getattr(self, name)
+        return out
+
+
+def simulate(
+    traces: RoutingTrace | Sequence[RoutingTrace],
+    offload: OffloadConfig | None = None,
+    *,
+    model: ModelPreset | Any,
+    hardware: HardwarePreset,
+    router_weights: Sequence[np.ndarray] | None = None,
+) -> SimResult:
+    """Replays routing traces through an offload policy and expert cache on a simulated clock.
+
+    Each `RoutingTrace` is one batch, as one `generate` call records it: the batch starts with
+    `on_request_start(B)`; its first iteration is the prefill (every request's first iteration, left padded
+    to the longest), each later one decodes one token of the requests that have that many iterations
+    (the others finished and are invalid rows). Invalid rows of the arrays handed to the policy are zeros.
+    Batches run one after another on one cache and one policy, as consecutive `generate` calls on a model.
+    Time advances only by the cost model's compute and by waits for copies: the policy's own host work
+    (matching, predictors) takes no simulated time.
+
+    Args:
+      traces: one trace or a list, replayed in order; all of the same layer, expert and top-k counts.
+      offload: the policy and budget exactly as the live engine takes them (`policy`, `policy_options`,
+        `cache_experts` / `cache_bytes` (bytes of `model`'s experts) / neither for 25 %, `prefetch_distance`,
+        `max_inflight`, `synchronous_transfers`, `store_capacity`, `store_path`). A policy that matches on
+        a thread of its own must run inline here (fmoe: `policy_options={"asynchronous": False}`).
+      model: byte and FLOP sizes: a `ModelPreset` (`MIXTRAL_8X7B`, ...) or a model config (`model.config`).
+      hardware: a `HardwarePreset` (`H100_SXM`, `H100_PCIE`, `A100_SXM`, `RTX_3090`, or your own).
+      router_weights: per MoE layer the router kernel `[D, J]` float32, for policies that `needs_hidden`
+        (the trace must then hold hidden states: `generate(..., record_trace=True, record_hidden=True)`).
+
+    Returns:
+      a `SimResult`. The policy is bound to a fresh cache and closed at the end.
+    """
+    traces = [traces] if isinstance(traces, RoutingTrace) else list(traces)
+    if not traces:
+        raise ValueError("simulate needs at least one routing trace")
+    offload = offload or OffloadConfig()
+    if offload.devices not in (None, 1) or offload.placement is not None:
+        raise ValueError(
+            f"the simulator models one device behind one host link; got devices={offload.devices!r}, "
+            f"placement={offload.placement!r}: replay with devices=None and placement=None"
+        )
+    if not isinstance(model, ModelPreset):
+        model = ModelPreset.from_config(model)
+    meta = _common_meta(traces)
+    num_layers, num_experts = meta["num_layers"], meta["num_experts"]
+    policy = make_policy(offload.policy, **offload.policy_options)
+    _check_policy(policy, traces, router_weights, num_layers)
+
+    total = num_layers * num_experts
+    capacity = total if policy.preload_all else offload.slots(model.expert_bytes, total)
+    link = SimulatedLink(model.expert_bytes, hardware.link_effective)
+    cache = DeviceExpertCache(
+        link,
+        capacity,
+        model.expert_bytes,
+        policy,
+        max_inflight=offload.max_inflight,
+        synchronous=offload.synchronous_transfers,
+    )
+    ctx = PolicyContext(
+        num_layers=num_layers,
+        num_experts=num_experts,
+        top_k=meta["top_k"],
+        embed_dim=meta["embed_dim"],
+        prefetch_distance=offload.prefetch_distance,
+        capacity=capacity,
+        model_id=str(meta.get("model_id", "")),
+        options={"store_path": offload.store_path, "store_capacity": offload.store_capacity},
+        router_weights=tuple(np.asarray(w, np.float32) for w in router_weights)
+        if policy.needs_hidden
+        else (),
+    )
+    policy.bind(ctx, cache)
+    try:
+        if policy.preload_all:
+            cache.preload([(m, e) for m in range(num_layers) for e in range(num_experts)])
+        start_clock, start_stall, start_busy = link.clock, link.stall_s, link.busy_s
+        costs = CostModel(model, hardware, num_experts)
+        ttft, tpot = [], []
+        for trace in traces:
+            batch_ttft, batch_tpot = _replay_batch(trace, policy, cache, link, costs)
+            ttft += batch_ttft
+            tpot += batch_tpot
+    finally:
+        policy.close()
+
+    s = cache.book.stats
+    device_bytes = capacity * model.expert_bytes + model.resident_bytes(num_layers, num_experts)
+    return SimResult(
+        hits=s.hits,
+        misses=s.misses,
+        late_prefetches=s.late_prefetches,
+        prefetches=s.prefetches,
+        wasted_prefetches=s.wasted_prefetches,
+        dropped_prefetches=s.dropped_prefetches,
+        bytes_to_device=s.bytes_to_device,
+        layer_hits=[s.layer_hits.get(m, 0) for m in range(num_layers)],
+        layer_needed=[s.layer_needed.get(m, 0) for m in range(num_layers)],
+        stall_s=link.stall_s - start_stall,
+        compute_s=link.compute_s,
+        total_s=link.clock - start_clock,
+        link_busy_s=link.busy_s - start_busy,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        capacity=capacity,
+        expert_bytes=model.expert_bytes,
+        device_bytes=device_bytes,
+        fits_device=device_bytes <= hardware.memory_bytes,
+        extra=policy.stats(),
+    )
+
+
+# -- replay ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Step:
+    """One iteration of a batch in the live engine's layout: N = B * T rows, invalid rows zero."""
+
+    valid: np.ndarray  # [B, T] bool
+    ids: np.ndarray  # [N, L, k] int32
+    probs: np.ndarray | None  # [N, L, J] float32
+    embeds: np.ndarray | None  # [N, H] float32
+    hidden: np.ndarray | None  # [N, L, D] float32
+    new_tokens: np.ndarray  # [R] new tokens of each active row
+    past_tokens: np.ndarray  # [R] tokens each active row had before this iteration
+
+
+def _replay_batch(
+    trace: RoutingTrace, policy: Policy, cache: DeviceExpertCache, link: SimulatedLink, costs: CostModel
+) -> tuple[list[float], list[float]]:
+    """Replays one batch (one `generate` call); returns per-request TTFT and mean decode-iteration time."""
+    requests = trace.requests
+    rows = len(requests)
+    num_iterations = max((len(r.iterations) for r in requests), default=0)
+    start = link.clock
+    ttft = [float("nan")] * rows
+    decode_times: list[list[float]] = [[] for _ in range(rows)]
+    policy.on_request_start(rows)
+    for i in range(num_iterations):
+        step = _layout(trace, i, policy)
+        began = link.clock
+        flat_valid = step.valid.reshape(-1)
+        tokens = int(flat_valid.sum())
+        policy.on_iteration_start(step.embeds, step.valid)
+        attention_s = costs.attention_s(step.new_tokens, step.past_tokens)
+        for m in range(step.ids.shape[1]):
+            ids = step.ids[:, m]  # [N, k]
+            link.compute(attention_s)
+            policy.on_layer_routed(
+                m,
+                None if step.probs is None else step.probs[:, m],
+                ids,
+                step.valid,
+                hidden=None if step.hidden is None else step.hidden[:, m],
+            )
+            routed = np.bincount(ids[flat_valid].ravel(), minlength=costs.num_experts)  # [J]
+
+            def compute(chunk: list[Key], arrays: dict, is_last: bool, routed=routed) -> None:
+                link.compute(costs.experts_s([int(routed[e]) for _, e in chunk]))
+
+            serve_layer(cache, m, needed_experts(ids, flat_valid), compute)
+            link.compute(costs.shared_s(tokens))
+        policy.on_iteration_end()
+        active = step.valid.any(axis=1)
+        link.compute(costs.head_s(int(active.sum())))
+        for b in np.flatnonzero(active):
+            if i == 0:
+                ttft[b] = link.clock - start
+            else:
+                decode_times[b].append(link.clock - began)
+    tpot = [float(np.mean(t)) if t else float("nan") for t in decode_times]
+    return ttft, tpot
+
+
+def _layout(trace: RoutingTrace, i: int, policy: Policy) -> _Step:
+    """Iteration `i` of a batch as the engine lays it out: rows of the requests with an iteration `i`, left
+    padded to the longest of them; only the arrays the policy reads."""
+    requests = trace.requests
+    meta = trace.meta
+    rows = len(requests)
+    active = [b for b, r in enumerate(requests) if len(r.iterations) > i]
+    width = max(requests[b].iterations[i].num_tokens for b in active)  # T
+    layers, top_k, num_experts = meta["num_layers"], meta["top_k"], meta["num_experts"]
+    valid = np.zeros((rows, width), bool)
+    ids = np.zeros((rows, width, layers, top_k), np.int32)
+    probs = np.zeros((rows, width, layers, num_experts), np.float32) if policy.needs_probs else None
+    embeds = np.zeros((rows, width, meta["embed_dim"]), np.float32) if policy.needs_semantic else None
+    hidden = None
+    new_tokens, past_tokens = [], []
+    for b in active:
+        it = requests[b].iterations[i]
+        t = it.num_tokens
+        valid[b, width - t :] = True
+        ids[b, width - t :] = it.ids
+        if probs is not None:
+            probs[b, width - t :] = it.probs
+        if embeds is not None:
+            embeds[b, width - t :] = it.embeds
+        if policy.needs_hidden:
+            if hidden is None:
+                hidden = np.zeros((rows, width, layers, it.hidden.shape[-1]), np.float32)
+            hidden[b, width - t :] = it.hidden
+        new_tokens.append(t)
+        past_tokens.append(sum(requests[b].iterations[j].num_tokens for j in range(i)))
+    n = rows * width
+    return _Step(
+        valid=valid,
+        ids=ids.reshape(n, layers, top_k),
+        probs=None if probs is None else probs.reshape(n, layers, num_experts),
+        embeds=None if embeds is None else embeds.reshape(n, -1),
+        hidden=None if hidden is None else hidden.reshape(n, layers, -1),
+        new_tokens=np.asarray(new_tokens),
+        past_tokens=np.asarray(past_tokens),
+    )
+
+
+# -- checks ---------------------------------------------------------------------------------------------
+def _common_meta(traces: list[RoutingTrace]) -> dict[str, Any]:
+    meta = traces[0].meta
+    for key in ("num_layers", "num_experts", "top_k"):
+        if not meta.get(key):
+            raise ValueError(f"routing trace 0: meta[{key!r}] is missing or zero; the simulator needs it")
+    for t, trace in enumerate(traces[1:], 1):
+        for key in ("num_layers", "num_experts", "top_k", "embed_dim"):
+            if trace.meta.get(key) != meta.get(key):
+                raise ValueError(
+                    f"routing trace {t} has {key}={trace.meta.get(key)} but trace 0 has {meta.get(key)}; "
+                    "replay traces of one model together"
+                )
+    return meta
+
+
+def _check_policy(
+    policy: Policy, traces: list[RoutingTrace], router_weights: Sequence[np.ndarray] | None, num_layers: int
+) -> None:
+    """Refuses a policy the replay cannot drive faithfully, naming what is missing."""
+    if getattr(policy, "asynchronous", False):
+        raise ValueError(
+            f"policy {policy.name!r} matches on a thread of its own (asynchronous=True), whose timing the "
+            "simulated clock cannot follow; pass policy_options={'asynchronous': False} to run it inline"
+        )
+    if policy.needs_hidden and (router_weights is None or len(router_weights) != num_layers):
+        got = "none" if router_weights is None else f"{len(router_weights)}"
+        raise ValueError(
+            f"policy {policy.name!r} needs each MoE layer's router weights [D, J]: pass router_weights with "
+            f"{num_layers} arrays (got {got}), e.g. the router kernels of the model that recorded the trace"
+        )
+    wanted = {
+        "embeds": (policy.needs_semantic, "semantic embeddings"),
+        "probs": (policy.needs_probs, "router probabilities"),
+        "hidden": (policy.needs_hidden, "hidden states (record with generate(..., record_hidden=True))"),
+    }
+    for name, (needed, what) in wanted.items():
+        if not needed:
+            continue
+        for t, trace in enumerate(traces):
+            for r, request in enumerate(trace.requests):
+                for i, it in enumerate(request.iterations):
+                    if getattr(it, name) is None:
+                        raise ValueError(
+                            f"policy {policy.name!r} needs {what}, but routing trace {t} request {r} "
+                            f"iteration {i} has no {name!r}"
+                        )

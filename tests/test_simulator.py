@@ -1,0 +1,401 @@
+"""The trace-replay simulator: equal hit/miss counts to the live engine with synchronous transfers, for every
+policy; the replayed event layout; the cost model on hand-computed cases; presets against published sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fmoe_jax.offload.config import OffloadConfig
+from fmoe_jax.offload.cost_model import (
+    HARDWARE,
+    MIXTRAL_8X7B,
+    MODELS,
+    PHI35_MOE,
+    QWEN15_MOE_A27B,
+    CostModel,
+    HardwarePreset,
+    ModelPreset,
+)
+from fmoe_jax.offload.policies import POLICIES, Policy
+from fmoe_jax.offload.simulator import Copy, SimulatedLink, simulate
+
+import fmoe_jax as fj
+from fmoe_jax.trace import Iteration, RequestTrace, RoutingTrace
+
+# Options that make a policy deterministic (matching inline on the engine thread), or a function of the
+# HF model directory that builds them (for a policy that needs an artifact). A policy registered in POLICIES
+# with a thread of its own or required arguments adds its entry here; the invariant test runs every one.
+DETERMINISTIC_OPTIONS: dict[str, dict | Callable[[Path], dict]] = {"fmoe": {"asynchronous": False}}
+
+
+def policy_options(policy: str, hf_dir: Path) -> dict:
+    options = DETERMINISTIC_OPTIONS.get(policy, {})
+    return options(hf_dir) if callable(options) else options
+
+
+# Two `generate` calls (the policy and cache carry over), rows of different lengths; one prefill bucket
+# (T = 16) and batch size for both, so the live engine compiles few shapes.
+BATCHES = [
+    [[3, 14, 15, 92, 65], [7, 7, 7]],
+    [[9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [100, 101]],
+]
+
+
+def live_and_replayed(hf_dir, policy: str, cache_experts: int | None):
+    """Live generation with synchronous transfers recording traces, then the replay of those traces."""
+    offload = OffloadConfig(
+        policy=policy,
+        cache_experts=cache_experts,
+        synchronous_transfers=True,
+        prefetch_distance=1,
+        policy_options=policy_options(policy, hf_dir),
+    )
+    with fj.load_model(hf_dir, offload=offload) as model:
+        outs = [
+            fj.generate(model, batch, max_new_tokens=5, record_trace=True, record_hidden=True)
+            for batch in BATCHES
+        ]
+        engine = model.engine
+        live = engine.cache.book.stats
+        router_weights = [
+            np.asarray(engine.module.layers[i].router.kernel[...], np.float32)
+            for i in model.config.moe_layer_ids
+        ]
+        preset = ModelPreset.from_config(model.config)
+    sim = simulate(
+        [out.trace for out in outs],
+        offload,
+        model=preset,
+        hardware=HARDWARE["h100_sxm"],
+        router_weights=router_weights,
+    )
+    return outs, live, sim
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_replay_counts_equal_live_engine_for_every_policy(family, hf_dirs):
+    cfg = fj.load_model(hf_dirs[family]).config
+    budgets = {"one_slot": 1, "top_k": cfg.top_k, "quarter": None}
+    for policy, policy_cls in POLICIES.items():
+        for budget, slots in budgets.items():
+            if policy_cls.preload_all and budget != "quarter":
+                continue  # the budget does not apply
+            outs, live, sim = live_and_replayed(hf_dirs[family], policy, slots)
+            where = f"{family} {policy} {budget}"
+            assert sim.hits == live.hits == sum(o.stats.hits for o in outs), where
+            assert sim.misses == live.misses == sum(o.stats.misses for o in outs), where
+            assert sim.hits + sim.misses > 0, where
+            layers = range(cfg.num_moe_layers)
+            assert sim.layer_hits == [live.layer_hits.get(m, 0) for m in layers], where
+            assert sim.layer_needed == [live.layer_needed.get(m, 0) for m in layers], where
+            assert sim.prefetches == live.prefetches, where
+            assert sim.wasted_prefetches == live.wasted_prefetches, where
+            assert sim.bytes_to_device // sim.expert_bytes == live.loads, where
+            assert sim.late_prefetches == 0, where  # synchronous: every copy lands as it is issued
+            if policy == "fmoe" and budget == "quarter":
+                assert sim.prefetches > 0, where  # the comparison covers prefetching, not only misses
+
+
+class Recorder(Policy):
+    """Logs every event with copies of what it was given."""
+
+    name = "recorder"
+    needs_semantic = True
+    needs_probs = True
+
+    def __init__(self):
+        self.events = []
+
+    def on_request_start(self, batch):
+        self.events.append(("request", batch))
+
+    def on_iteration_start(self, embeds, valid):
+        self.events.append(("iteration", embeds.copy(), valid.copy()))
+
+    def on_layer_routed(self, layer, probs, ids, valid, *, hidden=None):
+        self.events.append(("layer", layer, probs.copy(), ids.copy(), valid.copy()))
+
+    def on_iteration_end(self):
+        self.events.append(("end",))
+
+
+def hand_trace(meta_extra=None) -> RoutingTrace:
+    """Two requests of one batch: prompts of 3 and 1 tokens; request 1 finishes after one decode step.
+    L=2 MoE layers, J=4 experts, top-1; embeddings of width 2 hold (request, iteration)."""
+
+    def it(request, index, tokens, experts):
+        ids = np.asarray(experts, np.int32).reshape(tokens, 2, 1)
+        probs = np.zeros((tokens, 2, 4), np.float32)
+        np.put_along_axis(probs, ids, 1.0, axis=-1)
+        embeds = np.tile(np.asarray([request + 1, index + 1], np.float32), (tokens, 1))
+        return Iteration(ids=ids, probs=probs, embeds=embeds)
+
+    r0 = RequestTrace(
+        [1, 2, 3], [it(0, 0, 3, [[0, 1], [0, 1], [2, 3]]), it(0, 1, 1, [1, 2]), it(0, 2, 1, [3, 3])]
+    )
+    r1 = RequestTrace([4], [it(1, 0, 1, [1, 1]), it(1, 1, 1, [2, 0])])
+    meta = dict(num_layers=2, num_experts=4, top_k=1, embed_dim=2, **(meta_extra or {}))
+    return RoutingTrace(meta, [r0, r1])
+
+
+def test_replay_lays_out_iterations_like_the_engine():
+    policy = Recorder()
+    simulate(
+        hand_trace(),
+        OffloadConfig(policy=policy, cache_experts=2),
+        model=MIXTRAL_8X7B,
+        hardware=HARDWARE["rtx_3090"],
+    )
+    kinds = [e[0] for e in policy.events]
+    assert kinds == ["request"] + ["iteration", "layer", "layer", "end"] * 3
+    assert policy.events[0] == ("request", 2)
+    iterations = [e for e in policy.events if e[0] == "iteration"]
+    layers = [e for e in policy.events if e[0] == "layer"]
+    # Prefill: T = 3, request 1 left padded by two invalid (zero) rows.
+    _, embeds, valid = iterations[0]
+    np.testing.assert_array_equal(valid, [[True, True, True], [False, False, True]])
+    np.testing.assert_array_equal(embeds, [[1, 1], [1, 1], [1, 1], [0, 0], [0, 0], [2, 1]])
+    _, layer, probs, ids, _ = layers[1]
+    assert layer == 1
+    np.testing.assert_array_equal(ids[:, 0], [1, 1, 3, 0, 0, 1])
+    np.testing.assert_array_equal(probs.argmax(-1), [1, 1, 3, 0, 0, 1])
+    assert probs[3:5].sum() == 0
+    # Decode step 1: both rows; step 2: request 1 has finished, its row is invalid and zero.
+    np.testing.assert_array_equal(iterations[1][2], [[True], [True]])
+    _, embeds, valid = iterations[2]
+    np.testing.assert_array_equal(valid, [[True], [False]])
+    np.testing.assert_array_equal(embeds, [[1, 3], [0, 0]])
+    np.testing.assert_array_equal(layers[4][3][:, 0], [3, 0])
+
+
+# -- cost model ----------------------------------------------------------------------------------------
+# Round numbers: everything memory-bound (FLOPs never bind), link and device memory at 1 GB/s.
+TOY_HARDWARE = HardwarePreset(
+    "toy",
+    hbm_bytes_per_s=1e9,
+    flops_per_s=1e18,
+    link_bytes_per_s=1e9,
+    memory_bytes=10**9,
+    link_efficiency=1.0,
+    hbm_efficiency=1.0,
+    flops_efficiency=1.0,
+)
+# expert: 3 * 100 * 500 * 2 = 300,000 bytes (300 us on the link, 300 us to read); attention with a router
+# over J=2: (2*100*50 + 2*100*50 + 100*2) * 2 = 40,400 bytes; KV: 200 bytes per token; LM head 200,000 bytes.
+TOY_MODEL = ModelPreset(
+    "toy",
+    num_layers=2,
+    num_experts=2,
+    top_k=1,
+    hidden_size=100,
+    expert_intermediate_size=500,
+    num_heads=1,
+    num_kv_heads=1,
+    head_dim=50,
+    vocab_size=1000,
+)
+
+
+def toy_trace() -> RoutingTrace:
+    """One request, a one-token prompt and one decode step; layer 0 routes to expert 0, layer 1 to 1."""
+    ids = np.asarray([[[0], [1]]], np.int32)  # [t=1, L=2, k=1]
+    return RoutingTrace.from_external([[{"ids": ids}, {"ids": ids}]], num_experts=2)
+
+
+def test_toy_sizes():
+    assert TOY_MODEL.expert_bytes == 300_000
+    assert TOY_MODEL.kv_bytes_per_token == 200
+    costs = CostModel(TOY_MODEL, TOY_HARDWARE, num_experts=2)
+    assert costs.attention_s(np.asarray([1]), np.asarray([0])) == pytest.approx(40_600e-9, rel=1e-12)
+    assert costs.attention_s(np.asarray([1]), np.asarray([1])) == pytest.approx(40_800e-9, rel=1e-12)
+    assert costs.experts_s([1]) == pytest.approx(300e-6, rel=1e-12)
+    assert costs.head_s(1) == pytest.approx(200e-6, rel=1e-12)
+    assert costs.shared_s(1) == 0.0
+
+
+def test_on_demand_stall_and_bytes_by_hand():
+    r = simulate(
+        toy_trace(),
+        OffloadConfig(policy="on_demand_lru", cache_experts=2),
+        model=TOY_MODEL,
+        hardware=TOY_HARDWARE,
+    )
+    # Prefill: per layer attention 40.6 us, a miss (300 us on the idle link), the expert 300 us; head 200.
+    # Decode: attention 40.8 us (one cached token more), two hits, head 200 us.
+    assert (r.hits, r.misses, r.bytes_to_device) == (2, 2, 600_000)
+    assert r.stall_s == pytest.approx(600e-6, rel=1e-9)
+    assert r.ttft_s == [pytest.approx((2 * 40.6 + 2 * 300 + 2 * 300 + 200) * 1e-6, rel=1e-9)]
+    assert r.tpot_s == [pytest.approx((2 * 40.8 + 2 * 300 + 200) * 1e-6, rel=1e-9)]
+    assert r.total_s == pytest.approx(r.compute_s + r.stall_s, rel=1e-12)
+    assert r.total_s == pytest.approx(r.ttft_s[0] + r.tpot_s[0], rel=1e-9)
+    assert r.link_busy_s == pytest.approx(600e-6, rel=1e-9)
+
+
+class NextLayer(Policy):
+    """Prefetches each layer's expert (known in advance) one layer ahead: overlap by hand."""
+
+    name = "next_layer"
+
+    def __init__(self, plan: dict[int, int]):
+        self.plan = plan  # layer -> expert
+
+    def on_iteration_start(self, embeds, valid):
+        self.cache.request_prefetch([((0, self.plan[0]), 1.0)])
+
+    def on_layer_routed(self, layer, probs, ids, valid, *, hidden=None):
+        if layer + 1 in self.plan:
+            self.cache.request_prefetch([((layer + 1, self.plan[layer + 1]), 1.0)])
+
+
+def test_prefetch_overlaps_compute_by_hand():
+    r = simulate(
+        toy_trace(),
+        OffloadConfig(policy=NextLayer({0: 0, 1: 1}), cache_experts=2),
+        model=TOY_MODEL,
+        hardware=TOY_HARDWARE,
+    )
+    # Prefill. t=0: prefetch (0,0) on the link until 300. Attention to 40.6; layer 0 routed: prefetch (1,1)
+    # queues behind it (300 -> 600). Layer 0's expert is still arriving: a late prefetch, stall 259.4 to 300.
+    # Expert 0 computes to 600, (1,1) has landed; attention to 640.6: a hit; expert to 940.6; head to 1140.6.
+    # Decode: the experts are cached (prefetches of cached experts are skipped): two hits.
+    assert (r.hits, r.misses, r.late_prefetches, r.prefetches) == (3, 1, 1, 2)
+    assert r.stall_s == pytest.approx(259.4e-6, rel=1e-9)
+    assert r.ttft_s == [pytest.approx(1140.6e-6, rel=1e-9)]
+
+
+def test_simulated_link_is_fifo_and_counts_stall():
+    link = SimulatedLink(expert_bytes=100, bytes_per_s=1000.0)  # 0.1 s per copy
+    a, b = link.start((0, 0)), link.start((0, 1))
+    assert (a.done_s, b.done_s) == (pytest.approx(0.1), pytest.approx(0.2))
+    link.compute(0.15)
+    assert link.is_ready(a) and not link.is_ready(b)
+    link.wait([a, b])
+    assert link.clock == pytest.approx(0.2) and link.stall_s == pytest.approx(0.05)
+    c = link.start((0, 2))  # the link is idle: starts now
+    assert c == Copy((0, 2), pytest.approx(0.3))
+    link.wait([])
+    assert link.stall_s == pytest.approx(0.05)
+
+
+def random_trace(seed: int, requests: int = 1, decode: int = 40, layers: int = 4, experts: int = 8):
+    """Top-2 routing with a skew towards low expert ids; a one-token prompt per request."""
+    rng = np.random.default_rng(seed)
+    weights = np.linspace(2.0, 1.0, experts)
+    data = []
+    for _ in range(requests):
+        iterations = []
+        for _ in range(decode + 1):
+            ids = np.stack(
+                [rng.choice(experts, 2, replace=False, p=weights / weights.sum()) for _ in range(layers)]
+            )
+            iterations.append({"ids": ids[None]})  # [t=1, L, 2]
+        data.append(iterations)
+    return RoutingTrace.from_external(data, num_experts=experts)
+
+
+def test_faster_link_stalls_less_with_the_same_hits():
+    trace = random_trace(0, requests=2)
+    results = {}
+    for gbps in (10, 50):
+        hardware = dataclasses.replace(HARDWARE["h100_sxm"], link_bytes_per_s=gbps * 1e9)
+        results[gbps] = simulate(
+            trace,
+            OffloadConfig(policy="on_demand_lru", cache_experts=8),
+            model=MIXTRAL_8X7B,
+            hardware=hardware,
+        )
+    slow, fast = results[10], results[50]
+    assert (slow.hits, slow.misses) == (fast.hits, fast.misses)
+    assert slow.misses > 0
+    assert fast.stall_s < slow.stall_s
+    assert fast.mean_tpot_s < slow.mean_tpot_s and fast.mean_ttft_s < slow.mean_ttft_s
+
+
+def test_bigger_cache_never_loses_lru_hits():
+    trace = random_trace(1)
+    hits = [
+        simulate(
+            trace,
+            OffloadConfig(policy="on_demand_lru", cache_experts=c),
+            model=PHI35_MOE,
+            hardware=HARDWARE["a100_sxm"],
+        ).hits
+        for c in range(2, 33)
+    ]
+    assert all(a <= b for a, b in zip(hits, hits[1:], strict=False)), hits
+    assert hits[0] < hits[-1]
+    used = {
+        (m, int(e)) for it in trace.requests[0].iterations for m, row in enumerate(it.ids[0]) for e in row
+    }
+    assert hits[-1] == 41 * 4 * 2 - len(used)  # everything fits: only the first use of each expert misses
+
+
+def test_cache_bytes_budget_uses_the_preset_expert_size():
+    r = simulate(
+        random_trace(2, decode=3),
+        OffloadConfig(cache_bytes=3 * MIXTRAL_8X7B.expert_bytes + 1),
+        model=MIXTRAL_8X7B,
+        hardware=HARDWARE["h100_sxm"],
+    )
+    assert r.capacity == 3
+    assert r.device_bytes == 3 * MIXTRAL_8X7B.expert_bytes + MIXTRAL_8X7B.resident_bytes(4, 8)
+    assert r.fits_device
+
+
+# -- presets and errors --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "preset, published",
+    [(MIXTRAL_8X7B, 46.7e9), (QWEN15_MOE_A27B, 14.3e9), (PHI35_MOE, 41.9e9)],  # model cards
+)
+def test_model_presets_match_published_parameter_counts(preset, published):
+    np.testing.assert_allclose(preset.total_params, published, rtol=0.005)
+
+
+def test_presets_are_registered_and_sane():
+    assert MIXTRAL_8X7B.expert_bytes == 3 * 4096 * 14336 * 2
+    assert set(MODELS) == {"mixtral", "qwen2_moe", "phimoe"}
+    for hardware in HARDWARE.values():
+        assert 20e9 < hardware.link_effective < hardware.link_bytes_per_s < 70e9
+    assert HARDWARE["h100_sxm"].link_effective > 2 * HARDWARE["a100_sxm"].link_effective  # Gen5 vs Gen4
+
+
+def test_actionable_errors():
+    trace = hand_trace()
+    with pytest.raises(ValueError, match="asynchronous.: False"):
+        simulate(trace, OffloadConfig(policy="fmoe"), model=MIXTRAL_8X7B, hardware=HARDWARE["h100_sxm"])
+
+    class Speculative(Policy):
+        name = "speculative"
+        needs_hidden = True
+
+    with pytest.raises(ValueError, match="needs each MoE layer's router weights"):
+        simulate(
+            trace, OffloadConfig(policy=Speculative()), model=MIXTRAL_8X7B, hardware=HARDWARE["h100_sxm"]
+        )
+    weights = [np.zeros((2, 4), np.float32)] * 2
+    with pytest.raises(ValueError, match="trace 0 request 0 iteration 0 has no 'hidden'"):
+        simulate(
+            trace,
+            OffloadConfig(policy=Speculative()),
+            model=MIXTRAL_8X7B,
+            hardware=HARDWARE["h100_sxm"],
+            router_weights=weights,
+        )
+    external = RoutingTrace.from_external([[{"ids": np.zeros((1, 2, 1), np.int32)}]], num_experts=4)
+    with pytest.raises(ValueError, match="needs semantic embeddings"):
+        simulate(
+            external,
+            OffloadConfig(policy="fmoe", policy_options={"asynchronous": False}),
+            model=MIXTRAL_8X7B,
+            hardware=HARDWARE["h100_sxm"],
+        )
+    with pytest.raises(ValueError, match="replay traces of one model together"):
+        simulate([trace, random_trace(0)], model=MIXTRAL_8X7B, hardware=HARDWARE["h100_sxm"])
+    with pytest.raises(ValueError, match="one device behind one host link"):
+        simulate(trace, OffloadConfig(devices=2), model=MIXTRAL_8X7B, hardware=HARDWARE["h100_sxm"])
+    with pytest.raises(ValueError, match="must be in"):
+        dataclasses.replace(HARDWARE["h100_sxm"], link_efficiency=1.5)
