@@ -81,8 +81,13 @@ class OffloadEngine:
             self._place_dense_on_mesh()
             placement = placement_from(offload.placement, cfg.num_experts, len(self.devices))
             shares = per_device_slots(slots, cfg, placement, len(self.devices), self.policy.preload_all)
+            local = jax.process_index()
             self.cache = CacheGroup(
-                [self._device_cache(d, n) for d, n in zip(self.devices, shares, strict=True)], placement
+                [
+                    self._device_cache(d, n) if d.process_index == local else None
+                    for d, n in zip(self.devices, shares, strict=True)
+                ],
+                placement,
             )
         ctx = PolicyContext(
             num_layers=cfg.num_moe_layers,
@@ -121,9 +126,32 @@ class OffloadEngine:
         self.mesh = jax.sharding.Mesh(np.array(self.devices), ("d",))
         self.replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self.stacked = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("d"))
-        self.embed_params = jax.device_put(self.embed_params, self.replicated)
-        self.head_params = jax.device_put(self.head_params, self.replicated)
-        self.layer_params = [jax.device_put(p, self.replicated) for p in self.layer_params]
+        self.embed_params = self._global(self.embed_params)
+        self.head_params = self._global(self.head_params)
+        self.layer_params = [self._global(p) for p in self.layer_params]
+
+    def _global(self, tree: Any) -> Any:
+        """Host or single-device data -> arrays replicated over the mesh (identity on one device).
+
+        Built from this process's copies (every process holds the same values), which avoids the
+        cross-process equality check `jax.device_put` runs on host data."""
+        if self.mesh is None:
+            return tree
+        local = [d for d in self.devices if d.process_index == jax.process_index()]
+
+        def one(x: Any) -> jax.Array:
+            x = np.asarray(x)
+            return jax.make_array_from_single_device_arrays(
+                x.shape, self.replicated, [jax.device_put(x, d) for d in local]
+            )
+
+        return jax.tree.map(one, tree)
+
+    def _host(self, array: jax.Array) -> np.ndarray:
+        """A (replicated) result on the host: this process's copy of it."""
+        if self.mesh is None:
+            return np.asarray(array)
+        return np.asarray(array.addressable_shards[0].data)
 
     def _host_expert(self, key: tuple[int, int]) -> ExpertWeights:
         layer = self.config.moe_layer_ids[key[0]]
@@ -131,11 +159,11 @@ class OffloadEngine:
 
     # -- the generation loop's interface ----------------------------------------------------------------
     def init_cache(self, batch: int, length: int) -> list[LayerKV]:
-        kv = init_kv_cache(self.config, batch, length, self.module.dtype)
-        return kv if self.mesh is None else jax.device_put(kv, self.replicated)
+        return self._global(init_kv_cache(self.config, batch, length, self.module.dtype))
 
     def begin(self, batch: int) -> None:
         """Starts a `generate` call: statistics count from here."""
+        process_barrier("fmoe-generate")
         book = self.cache.book
         self._start = (copy.deepcopy(book.stats), {**self.cache.timers, **self.policy.timers})
         self.overhead.clear()
@@ -181,8 +209,13 @@ class OffloadEngine:
         record: bool = False,
         record_hidden: bool = False,
     ) -> tuple[StepOutput, list[LayerKV]]:
+        if self.mesh is not None:
+            tokens, layout = self._global((tokens, layout))
+            key = jax.random.wrap_key_data(self._global(jax.random.key_data(key)))
         x, kv, extra = self._layers(tokens, kv, layout, record, record and record_hidden)
         next_tokens, logits = self._head(self.head_params, x, key, sampling)
+        if self.mesh is not None:  # the generation loop reads them on this process's host
+            next_tokens, logits = (jnp.asarray(self._host(a)) for a in (next_tokens, logits))
         out = StepOutput(next_tokens, logits)
         if record:
             out.embeds, out.probs, out.ids, out.hidden = extra
@@ -192,8 +225,9 @@ class OffloadEngine:
         b, t = tokens.shape
         kv = self.init_cache(b, t)
         layout = Layout(jnp.int32(0), jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), t)
+        tokens, layout = self._global((tokens, layout))
         x, _, (_, probs, ids, _) = self._layers(tokens, kv, layout, True, False)
-        logits = self._head(self.head_params, x, None, None, all_positions=True)
+        logits = jnp.asarray(self._host(self._head(self.head_params, x, None, None, all_positions=True)))
         probs = probs.reshape(b * t, probs.shape[2], -1)
         ids = ids.reshape(b * t, ids.shape[2], -1)
         routings = [
@@ -206,16 +240,16 @@ class OffloadEngine:
     def _layers(self, tokens, kv, layout, record, record_hidden):
         policy = self.policy
         b, t = tokens.shape
-        valid_bt = np.asarray(layout.token_valid)  # [B, T] (layout arrays are small host-made inputs)
+        valid_bt = self._host(layout.token_valid)  # [B, T] (layout arrays are small host-made inputs)
         valid = valid_bt.reshape(b * t)
-        valid_dev = jnp.asarray(valid)
+        valid_dev = jnp.asarray(valid) if self.mesh is None else self._global(valid)
         x, rope = self._embed(self.embed_params, tokens, layout)
 
         embeds = None
         if policy.needs_semantic or record:
             x.block_until_ready()  # the embedding's compute is not overhead; copying it out is
             start = time.perf_counter()
-            embeds = np.asarray(x, np.float32).reshape(b * t, -1)
+            embeds = self._host(x).astype(np.float32).reshape(b * t, -1)
             self.overhead["context_collection"] += time.perf_counter() - start
         start = time.perf_counter()
         policy.on_iteration_start(embeds if policy.needs_semantic else None, valid_bt)
@@ -232,9 +266,9 @@ class OffloadEngine:
             h, z, routing, kv[layer_id] = fns.attention_and_router(state, x, kv[layer_id], layout, rope)
             routing.ids.block_until_ready()  # the one sync point of the layer: attention and router done
             start = time.perf_counter()
-            ids = np.asarray(routing.ids)  # [N, k]
-            probs = np.asarray(routing.probs) if (policy.needs_probs or record) else None
-            hidden = np.asarray(z, np.float32) if want_hidden else None  # [N, D] router input
+            ids = self._host(routing.ids)  # [N, k]
+            probs = self._host(routing.probs) if (policy.needs_probs or record) else None
+            hidden = self._host(z).astype(np.float32) if want_hidden else None  # [N, D] router input
             self.overhead["context_collection"] += time.perf_counter() - start
             start = time.perf_counter()
             policy.on_layer_routed(
@@ -298,9 +332,11 @@ class OffloadEngine:
         for index, (device, keys) in enumerate(
             zip(self.devices, group.split((moe, e) for e in needed), strict=True)
         ):
+            cache = group.caches[index]
+            if cache is None:  # another process's device
+                continue
             z_d, routing_d, valid_d = (local_copy(a, device) for a in (z, routing, valid))
             acc = jax.device_put(jnp.zeros(z.shape, jnp.float32), device)
-            cache = group.caches[index]
 
             def compute(
                 chunk,
@@ -326,14 +362,33 @@ class OffloadEngine:
 
             serve_layer(cache, moe, [e for _, e in keys], compute)
             partials.append(acc[None])
-        stacked = jax.make_array_from_single_device_arrays((len(partials), *z.shape), self.stacked, partials)
+        stacked = jax.make_array_from_single_device_arrays(
+            (len(self.devices), *z.shape), self.stacked, partials
+        )
         return combine(state, h, z, stacked)
+
+
+_BARRIERS = collections.Counter()
+
+
+def process_barrier(name: str, timeout_s: float = 900.0) -> None:
+    """Multi-host: waits until every process reaches this point (no-op with one process).
+
+    The CPU collectives (gloo) give up if the processes reach their first collective more than 30 s
+    apart, as happens when one loads a model slower; a coordination-service barrier first lines them up.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the coordination client has no public handle in jax 0.10
+
+    _BARRIERS[name] += 1
+    distributed.global_state.client.wait_at_barrier(f"{name}-{_BARRIERS[name]}", int(timeout_s * 1000))
 
 
 def resolve_devices(spec: Any) -> list[jax.Device]:
     """`None` (the default device), a count (the first n devices), devices, or a `Mesh` -> device list."""
     if spec is None:
-        return [jax.devices()[0]]
+        return [jax.local_devices()[0]]
     if isinstance(spec, int):
         available = jax.devices()
         if not 1 <= spec <= len(available):

@@ -190,7 +190,7 @@ def load_model(
 def param_sharding(path: tuple, offload: Any) -> jax.sharding.Sharding:
     """Where a parameter lives: routed experts in pinned host memory when offloading, the rest on device."""
     memory = "pinned_host" if offload is not None and path[0] == "experts" else "device"
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory)
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind=memory)
 
 
 def build(

@@ -7,7 +7,6 @@ group routes every call to the cache of the device the placement assigns.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -48,7 +47,8 @@ class _Routed(Mapping):
         self.group, self.attr = group, attr
 
     def _owner(self, key: Key) -> dict:
-        return getattr(self.group.caches[self.group.placement(key)].book, self.attr)
+        cache = self.group.caches[self.group.placement(key)]
+        return {} if cache is None else getattr(cache.book, self.attr)
 
     def __getitem__(self, key: Key) -> Any:
         return self._owner(key)[key]
@@ -60,11 +60,11 @@ class _Routed(Mapping):
         return key in self._owner(key)  # type: ignore[arg-type]
 
     def __iter__(self):
-        for cache in self.group.caches:
+        for cache in self.group.local:
             yield from getattr(cache.book, self.attr)
 
     def __len__(self) -> int:
-        return sum(len(getattr(c.book, self.attr)) for c in self.group.caches)
+        return sum(len(getattr(c.book, self.attr)) for c in self.group.local)
 
 
 class _GroupBook:
@@ -77,23 +77,24 @@ class _GroupBook:
 
     @property
     def capacity(self) -> int:
-        return sum(c.book.capacity for c in self.group.caches)
+        return sum(c.book.capacity for c in self.group.local)
 
     @property
     def expert_bytes(self) -> int:
-        return self.group.caches[0].book.expert_bytes
+        return self.group.local[0].book.expert_bytes
 
     def __contains__(self, key: Key) -> bool:
-        return key in self.group.cache_of(key).book
+        cache = self.group.cache_of(key)
+        return cache is not None and key in cache.book
 
     def __len__(self) -> int:
-        return sum(len(c.book) for c in self.group.caches)
+        return sum(len(c.book) for c in self.group.local)
 
     @property
     def stats(self) -> CacheStats:
         """Totals over devices (peak bytes: the sum of each device's peak)."""
         total = CacheStats()
-        for cache in self.group.caches:
+        for cache in self.group.local:
             s = cache.book.stats
             for field in (
                 "hits",
@@ -115,14 +116,22 @@ class _GroupBook:
 
 
 class CacheGroup:
-    """One `DeviceExpertCache` per device, addressed by `(layer, expert)` through `placement`."""
+    """One `DeviceExpertCache` per device, addressed by `(layer, expert)` through `placement`.
 
-    def __init__(self, caches: Sequence[DeviceExpertCache], placement: Placement):
+    With several processes (multi-host), `caches[i]` is None for another process's device: requests for
+    its experts are dropped here (that process serves them), and statistics cover this process's devices.
+    """
+
+    def __init__(self, caches: Sequence[DeviceExpertCache | None], placement: Placement):
         self.caches = list(caches)
         self.placement = placement
         self.book = _GroupBook(self)
 
-    def cache_of(self, key: Key) -> DeviceExpertCache:
+    @property
+    def local(self) -> list[DeviceExpertCache]:
+        return [c for c in self.caches if c is not None]
+
+    def cache_of(self, key: Key) -> DeviceExpertCache | None:
         device = self.placement(key)
         if not 0 <= device < len(self.caches):
             raise ValueError(f"placement put expert {key} on device {device}; there are {len(self.caches)}")
@@ -143,21 +152,24 @@ class CacheGroup:
         for key, priority in items:
             by_device[self.placement(key)].append((key, priority))
         for cache, wanted in zip(self.caches, by_device, strict=True):
-            cache.request_prefetch(wanted, replace=replace, stale_before=stale_before)
+            if cache is not None:
+                cache.request_prefetch(wanted, replace=replace, stale_before=stale_before)
 
     def preload(self, keys: Iterable[Key]) -> None:
         for cache, own in zip(self.caches, self.split(keys), strict=True):
-            cache.preload(own)
+            if cache is not None:
+                cache.preload(own)
 
     @property
     def timers(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for cache in self.caches:
+        for cache in self.local:
             for name, value in cache.timers.items():
                 out[name] = out.get(name, 0.0) + value
         return out
 
     def device_stats(self) -> list[dict[str, Any]]:
+        """Per local device."""
         return [
             dict(
                 hits=c.book.stats.hits,
@@ -167,11 +179,8 @@ class CacheGroup:
                 peak_bytes=c.book.stats.peak_bytes,
                 capacity=c.book.capacity,
             )
-            for c in self.caches
+            for c in self.local
         ]
-
-    def snapshot(self) -> list[CacheStats]:
-        return [copy.deepcopy(c.book.stats) for c in self.caches]
 
 
 __all__ = ["CacheGroup", "Entry", "Placement", "placement_from", "round_robin"]
