@@ -41,6 +41,12 @@ def model_identity(cfg) -> str:
     return f"{cfg.family}-{digest[:16]}"
 
 
+def router_weights(module: MoECausalLM) -> tuple[np.ndarray, ...]:
+    """Each MoE layer's router kernel `[D, J]` as float32 host arrays (speculative and learned policies)."""
+    cfg = module.config
+    return tuple(np.asarray(module.layers[i].router.kernel[...], np.float32) for i in cfg.moe_layer_ids)
+
+
 def _pad_pow2(n: int, cap: int) -> int:
     size = 1
     while size < n:
@@ -98,11 +104,7 @@ class OffloadEngine:
             capacity=slots,
             model_id=model_identity(cfg),
             options={"store_path": offload.store_path, "store_capacity": offload.store_capacity},
-            router_weights=tuple(
-                np.asarray(module.layers[i].router.kernel[...], np.float32) for i in cfg.moe_layer_ids
-            )
-            if self.policy.needs_hidden
-            else (),
+            router_weights=router_weights(module) if self.policy.needs_hidden else (),
         )
         self.policy.bind(ctx, self.cache)
         if self.policy.preload_all:

@@ -50,7 +50,10 @@ class RoutingTrace:
 
     @classmethod
     def empty(cls, cfg, prompts: Sequence[list[int]]) -> RoutingTrace:
+        from .engine import model_identity  # the engine module imports heavy JAX code; only needed here
+
         meta = dict(
+            model_id=model_identity(cfg),
             family=cfg.family,
             num_layers=cfg.num_moe_layers,
             num_experts=cfg.num_experts,

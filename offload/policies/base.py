@@ -48,6 +48,8 @@ class Policy:
     def bind(self, ctx: PolicyContext, cache: Any) -> None:
         self.ctx = ctx
         self.cache = cache
+        if "timers" not in vars(self):  # seconds by stage ("matching", ...), added to out.stats.overhead_s
+            self.timers: dict[str, float] = {}
 
     def on_request_start(self, batch: int) -> None:
         """A new batch of requests begins (a `generate` call)."""
@@ -78,10 +80,6 @@ class Policy:
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         return True
-
-    timers: dict[
-        str, float
-    ] = {}  # seconds by stage ("matching", "store_update"), added to out.stats.overhead_s
 
     def stats(self) -> dict[str, Any]:
         """Policy-specific statistics merged into `out.stats.extra`."""
