@@ -1,0 +1,256 @@
+"""The oracle policy: knows every future routing of the requests it serves, evicts by Belady's rule and
+prefetches perfectly; the upper bound every comparison chart shows (DESIGN.md, "Policies").
+
+Built from the routing trace of an earlier run of the very same generation (e.g. the resident model with the
+same prompts, batch and greedy sampling): `OffloadConfig(policy=Oracle(trace))`. The engine and the
+trace-replay simulator drive it through the `Policy` hooks; it follows their event stream and refuses to go
+on when the stream leaves the trace.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..cache import Entry, Key
+from .base import Policy, PolicyContext
+
+
+class Oracle(Policy):
+    """Belady eviction (Belady 1966, "MIN": evict what is needed farthest in the future) and perfect
+    prefetch, driven by the recorded future.
+
+    Timeline. The traces (one per `generate` call, in call order) become a sequence of steps, one per
+    (call, iteration, MoE layer), each with its set of needed experts (the union over the batch's active
+    rows). The policy keeps its position from the events: `on_request_start` opens the next call (an
+    iteration with nothing open, or after the open call's last iteration, opens it implicitly), every
+    `on_iteration_start` checks each row's token count against the trace, and every `on_layer_routed`
+    checks the layer's needed experts; any difference raises, since the future would be wrong from there.
+
+    Eviction. `keep_score` is minus the step of the expert's next use (never again: minus infinity), so the
+    cache evicts the expert needed farthest ahead. An expert the current layer needs and has not served
+    yet counts as needed now (it is served once the engine has used it since the layer routed).
+
+    Prefetch. At iteration start and after each layer routes, the oracle requests the experts needed next,
+    soonest first (priority = minus the step of use): as many as fit beside the current layer's experts
+    (`capacity` at iteration start, and when the layer runs in chunks). `admit_prefetch` lets one in only by
+    evicting an expert needed strictly later, and only if the current layer's experts still to load will
+    find experts needed later still to evict; so a prefetch never costs a hit and is not evicted unused
+    (short of ties). It never requests the experts of the layer that has just routed: that is the current
+    demand, served on demand, not a prediction (with synchronous transfers such a "prefetch" would land
+    before the layer counts its hits and turn every miss into a hit).
+
+    Upper bound. With `OffloadConfig(synchronous_transfers=True)` every copy lands as it is issued, so the
+    hit rate measures prediction and eviction alone: among policies that, like every policy here, prefetch
+    only layers after the one just routed, none gets more hits than the oracle on the same requests and
+    budget (and with `prefetch=False`, Belady's miss count is the optimum of on-demand loading). With
+    asynchronous transfers over a finite link the oracle issues the same requests, but a copy still in
+    flight when its layer asks counts as a miss (a late prefetch), and the cache's in-flight limit and queue
+    order decide what lands in time: the result bounds what perfect knowledge buys under this transfer
+    engine, not the best schedule the link allows (that would also plan issue times against bandwidth).
+
+    Args:
+      traces: the `RoutingTrace` of the generation to serve, or one per `generate` call in order.
+      prefetch: prefetch the future (off: Belady eviction with on-demand loading only).
+    """
+
+    name = "oracle"
+
+    def __init__(self, traces: Any, *, prefetch: bool = True):
+        traces = list(traces) if isinstance(traces, Sequence) else [traces]
+        if not traces:
+            raise ValueError("Oracle needs the RoutingTrace of the generation it serves, got none")
+        meta = traces[0].meta
+        self.num_layers, self.num_experts = int(meta["num_layers"]), int(meta["num_experts"])
+        self.prefetch = prefetch
+        self.timers = {}
+        self.calls: list[_Call] = []
+        self.needs: list[frozenset[Key]] = []  # per step: experts needed
+        self.uses: dict[Key, list[int]] = {}  # per expert: the steps that need it, ascending
+        for c, trace in enumerate(traces):
+            if (int(trace.meta["num_layers"]), int(trace.meta["num_experts"])) != (
+                self.num_layers,
+                self.num_experts,
+            ):
+                raise ValueError(
+                    f"trace {c} has L={trace.meta['num_layers']}, J={trace.meta['num_experts']}; "
+                    f"trace 0 has L={self.num_layers}, J={self.num_experts}"
+                )
+            self._add_call(trace)
+        self._call = -1  # the open call
+        self._iteration = -1  # within it
+        self._layer = -1  # last routed MoE layer of the iteration
+        self._now = -1  # current step (layer just routed; iteration start: the step before layer 0)
+        # The current layer's experts -> their last_use when it routed (empty at iteration start).
+        self._at_routing: dict[Key, int | None] = {}
+
+    def _add_call(self, trace: Any) -> None:
+        iterations = max((len(r.iterations) for r in trace.requests), default=0)
+        tokens = np.zeros((iterations, len(trace.requests)), np.int64)  # [I, B] valid tokens per row
+        offset = len(self.needs)
+        for i in range(iterations):
+            needed: list[set[int]] = [set() for _ in range(self.num_layers)]
+            for b, request in enumerate(trace.requests):
+                if i < len(request.iterations):
+                    ids = np.asarray(request.iterations[i].ids)  # [t, L, k]
+                    tokens[i, b] = ids.shape[0]
+                    for layer in range(self.num_layers):
+                        needed[layer].update(int(e) for e in ids[:, layer].ravel())
+            for layer in range(self.num_layers):
+                step = len(self.needs)
+                self.needs.append(frozenset((layer, e) for e in needed[layer]))
+                for e in sorted(needed[layer]):
+                    self.uses.setdefault((layer, e), []).append(step)
+        self.calls.append(_Call(offset, tokens))
+
+    def bind(self, ctx: PolicyContext, cache: Any) -> None:
+        super().bind(ctx, cache)
+        if (ctx.num_layers, ctx.num_experts) != (self.num_layers, self.num_experts):
+            raise ValueError(
+                f"the oracle's trace has L={self.num_layers} MoE layers and J={self.num_experts} experts; "
+                f"the model has L={ctx.num_layers}, J={ctx.num_experts}: record the trace with this model"
+            )
+
+    # -- following the event stream ----------------------------------------------------------------------
+    def _diverged(self, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"the event stream diverges from the oracle's trace at call {self._call}, iteration "
+            f"{self._iteration}: {what}. The oracle must serve the very generation it was recorded from "
+            "(same prompts, batch, sampling, max_new_tokens and stop rule), one trace per generate call"
+        )
+
+    def _open_call(self, batch: int) -> None:
+        if self._call >= 0:
+            done, recorded = self._iteration + 1, self.calls[self._call].iterations
+            if done != recorded:
+                raise self._diverged(f"a new call starts after {done} iterations, the trace has {recorded}")
+        if self._call + 1 >= len(self.calls):
+            raise RuntimeError(
+                f"generate call {self._call + 2} started but the oracle has traces of {len(self.calls)} "
+                "calls; give Oracle one trace per generate call, in order"
+            )
+        self._call += 1
+        self._iteration = -1
+        rows = self.calls[self._call].tokens.shape[1]
+        if batch != rows:
+            raise self._diverged(f"the batch has {batch} requests, the trace {rows}")
+
+    def on_request_start(self, batch: int) -> None:
+        self._open_call(batch)
+
+    def on_iteration_start(self, embeds: np.ndarray | None, valid: np.ndarray) -> None:
+        if self._call < 0 or self._iteration + 1 >= self.calls[self._call].iterations:
+            self._open_call(valid.shape[0])
+        if self._layer not in (-1, self.num_layers - 1):
+            raise self._diverged(f"an iteration starts after MoE layer {self._layer} of {self.num_layers}")
+        self._iteration += 1
+        self._layer = -1
+        call = self.calls[self._call]
+        expected = call.tokens[self._iteration]  # [B]
+        got = valid.sum(axis=1)
+        if valid.shape[0] != expected.shape[0] or not np.array_equal(got, expected):
+            raise self._diverged(f"valid tokens per row {got.tolist()}, the trace has {expected.tolist()}")
+        self._now = call.offset + self._iteration * self.num_layers - 1
+        self._at_routing = {}
+        if self.prefetch:
+            self._request(exclude=frozenset())
+
+    def on_layer_routed(
+        self,
+        layer: int,
+        probs: np.ndarray | None,
+        ids: np.ndarray,
+        valid: np.ndarray,
+        *,
+        hidden: np.ndarray | None = None,
+    ) -> None:
+        if layer != self._layer + 1:
+            raise self._diverged(f"MoE layer {layer} routed after layer {self._layer}")
+        self._layer = layer
+        self._now += 1
+        needed = frozenset((layer, int(e)) for e in ids[valid.reshape(-1)].ravel())
+        if needed != self.needs[self._now]:
+            raise self._diverged(
+                f"MoE layer {layer} needs experts {sorted(e for _, e in needed)}, the trace "
+                f"{sorted(e for _, e in self.needs[self._now])}"
+            )
+        entries = self.cache.book.entries
+        self._at_routing = {
+            key: (entries[key].last_use if key in entries else None) for key in self.needs[self._now]
+        }
+        if self.prefetch:
+            self._request(exclude=self.needs[self._now])
+
+    def _request(self, exclude: frozenset[Key]) -> None:
+        """Requests the experts needed soonest after now (not those of the current layer, `exclude`): as
+        many as fit beside the current layer's, or `capacity` when the layer runs in chunks (admission then
+        holds them back until the last chunk's experts are in)."""
+        chunked = len(exclude) > self.ctx.capacity
+        room = self.ctx.capacity if chunked else self.ctx.capacity - len(exclude)
+        upcoming = []
+        for key, steps in self.uses.items():
+            i = bisect.bisect_right(steps, self._now)
+            if i < len(steps) and key not in exclude:
+                upcoming.append((steps[i], key))
+        soonest = heapq.nsmallest(room, upcoming)
+        self.cache.request_prefetch([(key, -float(step)) for step, key in soonest], replace=True)
+
+    # -- the future ------------------------------------------------------------------------------------
+    def next_use(self, key: Key) -> float:
+        """The step at which `key` is next needed (now, if the current layer still needs it); inf: never."""
+        steps = self.uses.get(key)
+        if not steps:
+            return math.inf
+        if key in self._at_routing and not self._served(key):
+            return float(self._now)
+        i = bisect.bisect_right(steps, self._now)
+        return float(steps[i]) if i < len(steps) else math.inf
+
+    def _served(self, key: Key) -> bool:
+        """The current layer has used `key` since it routed (its last use moved on)."""
+        entry = self.cache.book.entries.get(key)
+        return entry is not None and entry.used and entry.last_use != self._at_routing[key]
+
+    def keep_score(self, key: Key, entry: Entry) -> float:
+        return -self.next_use(key)
+
+    def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
+        """Only by evicting an expert needed later, and only if the current layer's experts still to load
+        will find experts needed later still than `key` to evict (else they would evict `key`, unused)."""
+        when = self.next_use(key)
+        if self.next_use(victim) <= when:
+            return False
+        entries = self.cache.book.entries
+        to_load = sum(1 for k in self._at_routing if k not in entries)
+        if not to_load:
+            return True
+        later = sum(
+            1
+            for k, e in entries.items()
+            if k != victim
+            and k not in self._at_routing
+            and e.ready
+            and not e.pins
+            and self.next_use(k) > when
+        )
+        return later >= to_load
+
+    def stats(self) -> dict[str, Any]:
+        return {"oracle_steps": self._now + 1, "oracle_trace_steps": len(self.needs)}
+
+
+class _Call:
+    """One generate call of the timeline: its first step and valid tokens per iteration and row."""
+
+    def __init__(self, offset: int, tokens: np.ndarray):
+        self.offset = offset
+        self.tokens = tokens  # [I, B]
+
+    @property
+    def iterations(self) -> int:
+        return self.tokens.shape[0]

@@ -1,0 +1,457 @@
+"""Baseline policies (mixtral_offload, moe_infinity, oracle): lossless in the engine under every budget, and
+their rules on hand-made event sequences (speculative gate, EAM matching and proximity weights, Belady)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import numpy as np
+import pytest
+from fmoe_jax.offload.config import OffloadConfig
+from fmoe_jax.offload.policies import FMoE, OnDemandLFU, OnDemandLRU, Policy, PolicyContext
+from fmoe_jax.offload.policies.mixtral_offload import MixtralOffload, layer_quotas
+from fmoe_jax.offload.policies.moe_infinity import ActivationMatrixCollection, MoEInfinity, eamc_from_traces
+from fmoe_jax.offload.policies.oracle import Oracle
+from fmoe_jax.offload.schedule import serve_layer
+from fmoe_jax.offload.transfer import DeviceExpertCache
+
+import fmoe_jax as fj
+from fmoe_jax.engine import OffloadEngine
+from fmoe_jax.trace import RoutingTrace
+
+FAMILIES = ["mixtral", "qwen2_moe", "phimoe"]
+PROMPTS = {1: [[3, 14, 15, 92, 65, 35, 89, 79]], 3: [[3, 14, 15], list(range(20, 60)), [7, 7, 7, 7, 7, 7]]}
+NEW_TOKENS = 4
+
+
+# -- the live engine ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def loaded(hf_dirs):
+    """Per family: a model loaded for offloading (new engines reuse its module) and the resident model's
+    outputs with routing traces, per batch size."""
+    out = {}
+    for family in FAMILIES:
+        resident = fj.load_model(hf_dirs[family])
+        refs = {
+            batch: fj.generate(resident, prompts, NEW_TOKENS, stop_at_eos=False, record_trace=True)
+            for batch, prompts in PROMPTS.items()
+        }
+        out[family] = (fj.load_model(hf_dirs[family], offload=OffloadConfig(cache_experts=1)), refs)
+    return out
+
+
+def serve(base: fj.Model, policy: Policy, slots: int, *, synchronous: bool = False) -> fj.Model:
+    """`base`'s weights served by a fresh offload engine (no reload); d = 1 (the tiny models have 2 MoE
+    layers)."""
+    offload = OffloadConfig(
+        policy=policy, cache_experts=slots, synchronous_transfers=synchronous, prefetch_distance=1
+    )
+    return dataclasses.replace(base, engine=OffloadEngine(base.module, offload), offload=offload)
+
+
+def budgets(cfg) -> dict[str, int]:
+    total = cfg.num_moe_layers * cfg.num_experts
+    return {"one_slot": 1, "top_k": cfg.top_k, "quarter": max(1, total // 4), "all": total}
+
+
+def build_policy(name: str, refs) -> Policy:
+    if name == "mixtral_offload":
+        return MixtralOffload()
+    if name == "moe_infinity":
+        return MoEInfinity()
+    return Oracle([refs[batch].trace for batch in PROMPTS])  # one trace per generate call, in call order
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ["mixtral_offload", "moe_infinity", "oracle"])
+def test_lossless_for_every_budget_and_batch(family, name, loaded):
+    base, refs = loaded[family]
+    for budget, slots in budgets(base.config).items():
+        model = serve(base, build_policy(name, refs), slots)
+        prefetches = 0
+        for batch, prompts in PROMPTS.items():
+            out = fj.generate(model, prompts, NEW_TOKENS, stop_at_eos=False)
+            assert out.tokens == refs[batch].tokens, (family, name, budget, batch)
+            assert out.stats.peak_cache_bytes <= slots * out.stats.extra["expert_bytes"]
+            assert out.stats.hits + out.stats.misses > 0
+            prefetches += out.stats.prefetches
+        model.close()
+        if name == "moe_infinity":
+            assert out.stats.extra["eamc_prefill"] == 4  # both calls' prompts, learned online
+        if budget == "quarter":  # every policy here prefetches something
+            assert prefetches > 0, (family, name)
+
+
+def test_oracle_hit_count_bounds_every_policy(loaded):
+    """Synchronous transfers: hits measure prediction and eviction alone, and nobody beats the oracle."""
+    base, refs = loaded["qwen2_moe"]
+    cfg = base.config
+    prompts, ref = PROMPTS[3], refs[3]
+    for slots in (cfg.top_k, cfg.num_moe_layers * cfg.num_experts // 2):
+        policies = {
+            "on_demand_lru": OnDemandLRU(),
+            "on_demand_lfu": OnDemandLFU(),
+            "fmoe": FMoE(asynchronous=False),
+            "mixtral_offload": MixtralOffload(),
+            "moe_infinity": MoEInfinity(eamc=eamc_from_traces([ref.trace], capacity=8), learn=False),
+            "belady": Oracle(ref.trace, prefetch=False),
+            "oracle": Oracle(ref.trace),
+        }
+        hits = {}
+        for name, policy in policies.items():
+            model = serve(base, policy, slots, synchronous=True)
+            out = fj.generate(model, prompts, NEW_TOKENS, stop_at_eos=False)
+            model.close()
+            assert out.tokens == ref.tokens, (name, slots)
+            hits[name] = out.stats.hits
+        assert all(hits["oracle"] >= h for h in hits.values()), (slots, hits)
+        assert max(h for name, h in hits.items() if name != "oracle") > 0, (slots, hits)  # not vacuous
+        assert hits["belady"] >= max(hits["on_demand_lru"], hits["on_demand_lfu"]), (slots, hits)
+
+
+def test_oracle_refuses_a_different_generation(loaded):
+    base, refs = loaded["mixtral"]
+    model = serve(base, Oracle(refs[1].trace), 4)
+    with pytest.raises(RuntimeError, match="diverges.*batch has 3 requests, the trace 1"):
+        fj.generate(model, PROMPTS[3], NEW_TOKENS, stop_at_eos=False)
+    model = serve(base, Oracle(refs[1].trace), 4)
+    with pytest.raises(RuntimeError, match=r"diverges.*valid tokens per row \[5\], the trace has \[8\]"):
+        fj.generate(model, [PROMPTS[1][0][:5]], NEW_TOKENS, stop_at_eos=False)
+    model = serve(base, Oracle(refs[1].trace), 4)
+    with pytest.raises(RuntimeError, match="diverges.*MoE layer 0 needs experts"):
+        fj.generate(model, [[9, 9, 9, 9, 9, 9, 9, 9]], NEW_TOKENS, stop_at_eos=False)
+    model = serve(base, Oracle(refs[1].trace), 4)
+    fj.generate(model, PROMPTS[1], NEW_TOKENS, stop_at_eos=False)
+    with pytest.raises(RuntimeError, match="generate call 2 started but the oracle has traces of 1 calls"):
+        fj.generate(model, PROMPTS[1], NEW_TOKENS, stop_at_eos=False)
+
+
+# -- hand-made event sequences ------------------------------------------------------------------------------
+class RecordingCache:
+    """Stands in for the device cache: records prefetch requests."""
+
+    def __init__(self):
+        self.requests = []
+        self.book = type("Book", (), {"freq": {}, "entries": {}})()
+
+    def request_prefetch(self, items, **kwargs):
+        self.requests.append((list(items), kwargs))
+
+
+class InstantMover:
+    """Copies that land as they start (synchronous transfers)."""
+
+    def start(self, key):
+        return key
+
+    def is_ready(self, handle):
+        return True
+
+    def wait(self, handles):
+        pass
+
+
+def context(num_layers: int, num_experts: int, capacity: int, top_k: int = 1, **kw) -> PolicyContext:
+    return PolicyContext(
+        num_layers=num_layers,
+        num_experts=num_experts,
+        top_k=top_k,
+        embed_dim=1,
+        prefetch_distance=1,
+        capacity=capacity,
+        **kw,
+    )
+
+
+def padded_ids(iteration: list[list[int]]) -> np.ndarray:
+    """One iteration's needed experts per layer -> ids `[t, L, 1]`, one token per needed expert (shorter
+    layers repeat their first expert, which changes no set)."""
+    t = max(len(experts) for experts in iteration)
+    return np.array(
+        [[[e] for e in experts + experts[:1] * (t - len(experts))] for experts in iteration]
+    ).swapaxes(0, 1)
+
+
+def trace_of(iterations: list[list[list[int]]], num_experts: int) -> RoutingTrace:
+    return RoutingTrace.from_external(
+        [[{"ids": padded_ids(it)} for it in iterations]], num_experts=num_experts
+    )
+
+
+def replay(policy: Policy, iterations, *, num_layers: int, num_experts: int, capacity: int, watch=None):
+    """Drives `policy` like the engine (batch 1, synchronous transfers); `iterations` lists per iteration and
+    MoE layer the experts needed. `watch(iteration, layer, cache)` runs after each layer is served."""
+    cache = DeviceExpertCache(InstantMover(), capacity, 1, policy, synchronous=True)
+    policy.bind(context(num_layers, num_experts, capacity), cache)
+    policy.on_request_start(1)
+    for i, iteration in enumerate(iterations):
+        ids = padded_ids(iteration)  # [t, L, 1]
+        valid = np.ones((1, ids.shape[0]), bool)
+        policy.on_iteration_start(None, valid)
+        for layer, experts in enumerate(iteration):
+            policy.on_layer_routed(layer, None, ids[:, layer], valid)
+            serve_layer(cache, layer, sorted(set(experts)), lambda chunk, arrays, last: None)
+            if watch is not None:
+                watch(i, layer, cache)
+        policy.on_iteration_end()
+    return cache.book.stats
+
+
+def optimal_misses(steps: list[frozenset], capacity: int) -> int:
+    """Brute force: the fewest misses of on-demand loading over every eviction choice."""
+
+    @functools.cache
+    def best(step: int, held: frozenset) -> int:
+        if step == len(steps):
+            return 0
+        need = steps[step]
+        misses = need - held
+        evict = max(0, len(held) + len(misses) - capacity)
+        return len(misses) + min(
+            best(step + 1, (held - set(out)) | need)
+            for out in itertools.combinations(sorted(held - need), evict)
+        )
+
+    return best(0, frozenset())
+
+
+def test_layer_quotas_share_the_budget():
+    assert layer_quotas(8, 3) == [3, 3, 2]
+    assert layer_quotas(1, 2) == [1, 0]
+    assert sum(layer_quotas(37, 5)) == 37
+
+
+def test_mixtral_offload_prefetches_the_next_gate_top_k():
+    rng = np.random.default_rng(0)
+    layers, experts, dim = 3, 6, 5
+    weights = tuple(rng.normal(size=(dim, experts)).astype(np.float32) for _ in range(layers))
+    policy = MixtralOffload()
+    cache = RecordingCache()
+    policy.bind(context(layers, experts, capacity=18, top_k=2, router_weights=weights), cache)
+    hidden = rng.normal(size=(4, dim)).astype(np.float32)  # B=2 rows, T=2 tokens
+    valid = np.array([[True, False], [True, True]])  # token 1 is padding
+    ids = np.zeros((4, 2), np.int32)
+    policy.on_iteration_start(None, valid)
+    policy.on_layer_routed(0, None, ids, valid, hidden=hidden)
+    ((items, kwargs),) = cache.requests
+    logits = hidden[[0, 2, 3]] @ weights[1]
+    top2 = np.argsort(logits, axis=1)[:, -2:]
+    assert {key for key, _ in items} == {(1, int(e)) for e in top2.ravel()}
+    gate = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    weight = (gate * (top2[:, :, None] == np.arange(experts)).any(axis=1)).sum(axis=0)  # [J] over choosers
+    assert dict(items) == pytest.approx({(1, int(e)): float(weight[e]) for e in np.flatnonzero(weight)})
+    assert kwargs["replace"] is True
+    policy.on_layer_routed(1, None, ids, valid, hidden=hidden)
+    assert {key[0] for key, _ in cache.requests[1][0]} == {2}
+    policy.on_layer_routed(2, None, ids, valid, hidden=hidden)  # the last layer has nothing ahead
+    assert len(cache.requests) == 2
+
+    capped = MixtralOffload()  # 3 slots over 3 layers: one per layer, so one guess, the likeliest
+    capped_cache = RecordingCache()
+    capped.bind(context(layers, experts, capacity=3, top_k=2, router_weights=weights), capped_cache)
+    capped.on_layer_routed(0, None, ids, valid, hidden=hidden)
+    ((items, _),) = capped_cache.requests
+    assert [key for key, _ in items] == [(1, int(np.argmax(weight)))]
+
+
+def test_mixtral_offload_evicts_lru_within_the_layer_over_quota():
+    """4 slots over 2 layers: 2 each. The global LRU expert is (0, 0), but layer 1 is at quota when (1, 2)
+    arrives, so its own LRU expert (1, 0) goes, as in the original's per-layer cache."""
+    iterations = [[[0], [0]], [[1], [0]], [[1], [1]], [[1], [2]]]
+    held = {}
+    replay(
+        MixtralOffload(speculate=False),
+        iterations,
+        num_layers=2,
+        num_experts=4,
+        capacity=4,
+        watch=lambda i, layer, cache: held.__setitem__((i, layer), set(cache.book.entries)),
+    )
+    assert held[3, 1] == {(0, 0), (0, 1), (1, 1), (1, 2)}
+    lru = {}
+    replay(
+        OnDemandLRU(),
+        iterations,
+        num_layers=2,
+        num_experts=4,
+        capacity=4,
+        watch=lambda i, layer, cache: lru.__setitem__((i, layer), set(cache.book.entries)),
+    )
+    assert lru[3, 1] == {(0, 1), (1, 0), (1, 1), (1, 2)}  # global LRU differs
+
+
+def test_mixtral_offload_gives_borrowed_slots_back():
+    """Layer 0 borrows layer 1's unused slot while the cache warms up and gives it back, LRU first."""
+    held = {}
+    replay(
+        MixtralOffload(speculate=False),
+        [[[0, 1, 2], [0]], [[0], [1]]],
+        num_layers=2,
+        num_experts=4,
+        capacity=4,
+        watch=lambda i, layer, cache: held.__setitem__((i, layer), set(cache.book.entries)),
+    )
+    assert held[0, 1] == {(0, 0), (0, 1), (0, 2), (1, 0)}
+    assert held[1, 1] == {(0, 0), (0, 2), (1, 0), (1, 1)}
+
+
+def eam(rows: list[list[float]]) -> np.ndarray:
+    return np.array(rows, np.float64)
+
+
+def test_eam_collection_replaces_the_most_similar():
+    collection = ActivationMatrixCollection(2, num_layers=2, num_experts=3)
+    a, b = eam([[5, 0, 0], [0, 5, 0]]), eam([[0, 0, 5], [5, 0, 0]])
+    collection.add(a)
+    collection.add(b)
+    collection.add(np.zeros((2, 3)))  # an empty request is not stored
+    assert len(collection) == 2
+    near_a = eam([[4, 1, 0], [0, 5, 0]])
+    collection.add(near_a)
+    np.testing.assert_array_equal(collection.stored, [near_a, b])
+    np.testing.assert_allclose(
+        collection.similarity(eam([[1, 0, 0], [0, 0, 0]]), np.array([True, False])),
+        [4 / np.sqrt(17), 0.0],
+        rtol=1e-12,
+        atol=0,
+    )
+
+
+def two_pattern_policy(**options) -> tuple[MoEInfinity, RecordingCache, np.ndarray, np.ndarray]:
+    """L=4, J=4; stored EAM A routes layer i mostly to expert i, EAM B mostly to expert 3 - i."""
+    a = np.ones((4, 4))
+    b = np.ones((4, 4))
+    for i in range(4):
+        a[i, i] = 5
+        b[i, 3 - i] = 5
+    collections = {p: ActivationMatrixCollection(4, 4, 4) for p in ("prefill", "decode")}
+    for c in collections.values():
+        c.add(a)
+        c.add(b)
+    policy = MoEInfinity(eamc=collections, learn=False, **options)
+    cache = RecordingCache()
+    policy.bind(context(4, 4, capacity=16), cache)
+    policy.on_request_start(1)
+    return policy, cache, a, b
+
+
+@pytest.mark.parametrize("expert, match", [(0, 0), (3, 1)])
+def test_moe_infinity_matches_the_most_similar_eam_and_weights_by_proximity(expert, match):
+    policy, cache, a, b = two_pattern_policy()
+    valid = np.ones((1, 1), bool)
+    policy.on_iteration_start(None, valid)
+    ((start_items, _),) = cache.requests  # before any routing: the collection's mean, weights 1 - (i + 1) / L
+    mean = (a + b) / 2
+    mean /= mean.sum(axis=1, keepdims=True)
+    assert dict(start_items) == pytest.approx(
+        {(i, j): mean[i, j] * (1 - (i + 1) / 4) for i in range(3) for j in range(4)}
+    )
+    policy.on_layer_routed(0, None, np.array([[expert]]), valid)
+    assert policy.last_match == [match]
+    items, kwargs = cache.requests[-1]
+    matched = (a, b)[match] / (a, b)[match].sum(axis=1, keepdims=True)
+    expected = {(i, j): matched[i, j] * (1 - (i - 0) / 4) for i in range(1, 4) for j in range(4)}
+    assert dict(items) == pytest.approx(expected)
+    assert [p for _, p in items] == sorted((p for _, p in items), reverse=True)  # the queue's order
+    assert kwargs == {"replace": True, "stale_before": 1}
+    policy.on_layer_routed(1, None, np.array([[(1, 2)[match]]]), valid)  # after layer 1: layers 2, 3 only
+    items, _ = cache.requests[-1]
+    assert dict(items) == pytest.approx(
+        {(i, j): matched[i, j] * (1 - (i - 1) / 4) for i in range(2, 4) for j in range(4)}
+    )
+
+
+def test_moe_infinity_requests_at_most_the_slots_and_protects_them():
+    policy, cache, _, _ = two_pattern_policy(prefetch_limit=3)
+    valid = np.ones((1, 1), bool)
+    policy.on_iteration_start(None, valid)
+    policy.on_layer_routed(0, None, np.array([[0]]), valid)
+    items, _ = cache.requests[-1]
+    assert [key for key, _ in items] == [(1, 1), (2, 2), (3, 3)]  # 5/8 * (3/4, 1/2, 1/4) > 1/8 * 3/4
+    entry = type("E", (), {})()
+    wanted, other_early, other_late = (1, 1), (0, 0), (3, 0)
+    assert policy.keep_score(wanted, entry) > policy.keep_score(other_early, entry)
+    assert policy.keep_score(other_early, entry) > policy.keep_score(other_late, entry)  # early-layer boost
+    assert policy.keep_score((0, 0), entry) > policy.keep_score((0, 1), entry)  # used by the request: kept
+    assert not policy.admit_prefetch((3, 3), 0.01, victim=(2, 2))  # a wanted expert of higher priority
+    assert policy.admit_prefetch((1, 1), 0.5, victim=(2, 2))
+    policy.on_layer_routed(1, None, np.array([[1]]), valid)
+    policy.on_layer_routed(2, None, np.array([[2]]), valid)
+    policy.on_layer_routed(3, None, np.array([[3]]), valid)
+    assert cache.requests[-1] == ([], {"replace": True})  # nothing ahead: waiting requests dropped
+    assert policy.keep_score(wanted, entry) < 1e12  # no longer protected
+
+
+def test_moe_infinity_learns_request_eams_per_phase():
+    policy = MoEInfinity(capacity=8)
+    policy.bind(context(2, 3, capacity=2), RecordingCache())
+    for prompt_expert in (0, 1):
+        policy.on_request_start(1)
+        for tokens, expert in ((3, prompt_expert), (1, 2), (1, 2)):
+            valid = np.ones((1, tokens), bool)
+            policy.on_iteration_start(None, valid)
+            for layer in range(2):
+                policy.on_layer_routed(layer, None, np.full((tokens, 1), expert), valid)
+            policy.on_iteration_end()
+    policy.close()
+    np.testing.assert_array_equal(policy.collections["prefill"].stored, [[[3, 0, 0]] * 2, [[0, 3, 0]] * 2])
+    np.testing.assert_array_equal(policy.collections["decode"].stored, [[[0, 0, 2]] * 2, [[0, 0, 2]] * 2])
+
+
+def test_oracle_evicts_the_expert_needed_farthest_ahead():
+    """One layer, 2 slots, experts A B C A B: Belady keeps A (needed next) when C arrives."""
+    iterations = [[[e]] for e in (0, 1, 2, 0, 1)]
+    held = {}
+    stats = replay(
+        Oracle(trace_of(iterations, 4), prefetch=False),
+        iterations,
+        num_layers=1,
+        num_experts=4,
+        capacity=2,
+        watch=lambda i, layer, cache: held.__setitem__(i, set(cache.book.entries)),
+    )
+    assert held[2] == {(0, 0), (0, 2)}
+    assert stats.misses == 4 == optimal_misses([frozenset({(0, e)}) for e in (0, 1, 2, 0, 1)], 2)
+    lru = replay(OnDemandLRU(), iterations, num_layers=1, num_experts=4, capacity=2)
+    assert lru.misses == 5
+
+
+def test_oracle_reaches_the_brute_force_optimum():
+    rng = np.random.default_rng(1)
+    beaten = 0
+    for case in range(24):
+        layers, experts, capacity = 2, 3, int(rng.integers(2, 4))
+        width = int(rng.integers(1, 3))  # experts per layer and iteration
+        iterations = [
+            [sorted(rng.choice(experts, size=width, replace=False).tolist()) for _ in range(layers)]
+            for _ in range(6)
+        ]
+        steps = [
+            frozenset((layer, e) for e in layer_experts)
+            for it in iterations
+            for layer, layer_experts in enumerate(it)
+        ]
+        optimum = optimal_misses(steps, capacity)
+        kw = dict(num_layers=layers, num_experts=experts, capacity=capacity)
+        belady = replay(Oracle(trace_of(iterations, experts), prefetch=False), iterations, **kw)
+        assert belady.misses == optimum, (case, iterations, capacity)
+        full = replay(Oracle(trace_of(iterations, experts)), iterations, **kw)
+        assert full.misses <= optimum and full.wasted_prefetches == 0, (case, iterations, capacity)
+        lru = replay(OnDemandLRU(), iterations, **kw)
+        assert lru.misses >= optimum
+        beaten += lru.misses > optimum
+    assert beaten > 0  # the sequences are hard enough for LRU to lose somewhere
+
+
+def test_oracle_prefetch_turns_misses_into_hits():
+    """Two layers, 2 slots, each layer a different expert every iteration: on demand nearly every use
+    misses; the oracle loads each layer's expert beside the one computing (at iteration start for layer 0)."""
+    iterations = [[[i % 3], [(i + 1) % 3]] for i in range(5)]
+    steps = [frozenset({(layer, e)}) for it in iterations for layer, (e,) in enumerate(it)]
+    kw = dict(num_layers=2, num_experts=3, capacity=2)
+    belady = replay(Oracle(trace_of(iterations, 3), prefetch=False), iterations, **kw)
+    full = replay(Oracle(trace_of(iterations, 3)), iterations, **kw)
+    assert belady.misses == optimal_misses(steps, 2) == 9
+    assert (full.hits, full.misses, full.wasted_prefetches) == (10, 0, 0)
