@@ -8,11 +8,13 @@ import pytest
 from fmoe_jax.offload import predictors
 from fmoe_jax.offload.cache import CacheBook
 from fmoe_jax.offload.config import OffloadConfig
+from fmoe_jax.offload.cost_model import HARDWARE, ModelPreset
 from fmoe_jax.offload.policies.base import PolicyContext
 from fmoe_jax.offload.policies.duoserve import DuoServe
 from fmoe_jax.offload.policies.promoe import ProMoE
 from fmoe_jax.offload.predictors import Predictor
 from fmoe_jax.offload.schedule import serve_layer
+from fmoe_jax.offload.simulator import simulate
 from fmoe_jax.offload.transfer import DeviceExpertCache
 
 import fmoe_jax as fj
@@ -317,18 +319,31 @@ def test_lossless_for_every_budget_and_batch(family, hf_dirs, tmp_path):
                 assert got.tokens == reference[batch], f"{family} {policy_cls.name} {budget} batch {batch}"
                 assert got.stats.peak_cache_bytes <= slots * got.stats.extra["expert_bytes"]
             model.close()
-        # Deterministic: with synchronous transfers two fresh engines count the same hits and prefetches.
-        counts = []
-        for _ in range(2):
-            policy = policy_cls(predictor=paths[policy_cls.name])
-            offload = OffloadConfig(
-                policy=policy,
-                cache_experts=budgets["quarter"],
-                prefetch_distance=1,
-                synchronous_transfers=True,
-            )
-            model = fj.load_model(hf_dirs[family], offload=offload)
-            s = fj.generate(model, PROMPTS[3], NEW_TOKENS, stop_at_eos=False).stats
-            counts.append((s.hits, s.misses, s.prefetches, s.wasted_prefetches, s.layer_hit_rate))
-        assert counts[0] == counts[1], f"{family} {policy_cls.name}: {counts}"
+        counts = live_and_replayed(hf_dirs[family], policy_cls, paths[policy_cls.name], budgets["quarter"])
+        assert counts[0] == counts[1], f"{family} {policy_cls.name} live vs replayed: {counts}"
         assert counts[0][2] > 0, f"{family} {policy_cls.name} never prefetched"
+
+
+def live_and_replayed(hf_dir, policy_cls, predictor, slots: int) -> list[tuple[int, int, int, int]]:
+    """(hits, misses, prefetches, wasted prefetches) of live generation with synchronous transfers, then of
+    the trace-replay simulator driving a fresh policy through the same cache code over the recorded trace:
+    the policies are deterministic, so the two must agree."""
+
+    def config():
+        policy = policy_cls(predictor=predictor)
+        return OffloadConfig(
+            policy=policy, cache_experts=slots, prefetch_distance=1, synchronous_transfers=True
+        )
+
+    with fj.load_model(hf_dir, offload=config()) as model:
+        out = fj.generate(
+            model, PROMPTS[3], NEW_TOKENS, stop_at_eos=False, record_trace=True, record_hidden=True
+        )
+        live = model.engine.cache.book.stats
+        router = [
+            np.asarray(model.module.layers[i].router.kernel[...], np.float32)
+            for i in model.config.moe_layer_ids
+        ]
+        preset = ModelPreset.from_config(model.config)
+    sim = simulate(out.trace, config(), model=preset, hardware=HARDWARE["h100_sxm"], router_weights=router)
+    return [(c.hits, c.misses, c.prefetches, c.wasted_prefetches) for c in (live, sim)]
