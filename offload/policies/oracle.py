@@ -68,7 +68,6 @@ class Oracle(Policy):
         meta = traces[0].meta
         self.num_layers, self.num_experts = int(meta["num_layers"]), int(meta["num_experts"])
         self.prefetch = prefetch
-        self.timers = {}
         self.calls: list[_Call] = []
         self.needs: list[frozenset[Key]] = []  # per step: experts needed
         self.uses: dict[Key, list[int]] = {}  # per expert: the steps that need it, ascending
