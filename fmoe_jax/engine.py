@@ -28,7 +28,7 @@ from fmoe_jax.models.moe import ExpertWeights, Kernel, Routing, expert_mixture
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.placement import CacheGroup, placement_from
 from fmoe_jax.offload.policies import PolicyContext, make_policy
-from fmoe_jax.offload.schedule import needed_experts, serve_layer
+from fmoe_jax.offload.schedule import announce, needed_experts, serve_layer
 from fmoe_jax.offload.transfer import DeviceExpertCache, JaxMover
 
 from .resident import TRACE_COUNTS, Graph, StepOutput, split
@@ -272,6 +272,8 @@ class OffloadEngine:
             probs = self._host(routing.probs) if (policy.needs_probs or record) else None
             hidden = self._host(z).astype(np.float32) if want_hidden else None  # [N, D] router input
             self.overhead["context_collection"] += time.perf_counter() - start
+            needed = needed_experts(ids, valid)
+            announce(self.cache, moe, needed)
             start = time.perf_counter()
             policy.on_layer_routed(
                 moe,
@@ -285,7 +287,6 @@ class OffloadEngine:
                 probs_all.append(probs)
                 ids_all.append(ids)
                 hidden_all.append(hidden)
-            needed = needed_experts(ids, valid)
             if self.mesh is None:
                 x = self._run_experts(moe, fns.experts_finish, state, h, z, routing, valid_dev, needed)
             else:

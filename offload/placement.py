@@ -83,6 +83,10 @@ class _GroupBook:
     def expert_bytes(self) -> int:
         return self.group.local[0].book.expert_bytes
 
+    @property
+    def free_slots(self) -> int:
+        return sum(c.book.free_slots for c in self.group.local)
+
     def __contains__(self, key: Key) -> bool:
         cache = self.group.cache_of(key)
         return cache is not None and key in cache.book
@@ -154,6 +158,11 @@ class CacheGroup:
         for cache, wanted in zip(self.caches, by_device, strict=True):
             if cache is not None:
                 cache.request_prefetch(wanted, replace=replace, stale_before=stale_before)
+
+    def protect(self, keys: Iterable[Key]) -> None:
+        for cache, own in zip(self.caches, self.split(keys), strict=True):
+            if cache is not None:
+                cache.protect(own)
 
     def preload(self, keys: Iterable[Key]) -> None:
         for cache, own in zip(self.caches, self.split(keys), strict=True):

@@ -20,6 +20,12 @@ def needed_experts(ids: np.ndarray, valid: np.ndarray) -> list[int]:
     return sorted({int(e) for e in ids[valid].ravel()})
 
 
+def announce(cache: Any, layer: int, needed: list[int]) -> None:
+    """Call before telling the policy that `layer` has routed: its needed experts cannot be evicted by a
+    prefetch the policy issues before `serve_layer` pins them."""
+    cache.protect([(layer, e) for e in needed])
+
+
 def plan_chunks(
     layer: int, needed: list[int], capacity: int, resident: Callable[[Key], bool]
 ) -> list[list[Key]]:
@@ -41,10 +47,13 @@ def serve_layer(
     """
     out = None
     chunks = plan_chunks(layer, needed, cache.book.capacity, lambda k: k in cache.book)
-    for i, chunk in enumerate(chunks):
-        arrays = cache.ensure(layer, chunk)
-        try:
-            out = compute(chunk, arrays, i == len(chunks) - 1)
-        finally:
-            cache.release(chunk)
+    try:
+        for i, chunk in enumerate(chunks):
+            arrays = cache.ensure(layer, chunk)
+            try:
+                out = compute(chunk, arrays, i == len(chunks) - 1)
+            finally:
+                cache.release(chunk)
+    finally:
+        cache.protect(())
     return out

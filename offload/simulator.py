@@ -25,7 +25,7 @@ from .cache import Key
 from .config import OffloadConfig
 from .cost_model import CostModel, HardwarePreset, ModelPreset
 from .policies import Policy, PolicyContext, make_policy
-from .schedule import needed_experts, serve_layer
+from .schedule import announce, needed_experts, serve_layer
 from .transfer import DeviceExpertCache
 
 
@@ -289,6 +289,8 @@ def _replay_batch(
         for m in range(step.ids.shape[1]):
             ids = step.ids[:, m]  # [N, k]
             link.compute(attention_s)
+            needed = needed_experts(ids, flat_valid)
+            announce(cache, m, needed)
             policy.on_layer_routed(
                 m,
                 None if step.probs is None else step.probs[:, m],
@@ -301,7 +303,7 @@ def _replay_batch(
             def compute(chunk: list[Key], arrays: dict, is_last: bool, routed=routed) -> None:
                 link.compute(costs.experts_s([int(routed[e]) for _, e in chunk]))
 
-            serve_layer(cache, m, needed_experts(ids, flat_valid), compute)
+            serve_layer(cache, m, needed, compute)
             link.compute(costs.shared_s(tokens))
         policy.on_iteration_end()
         active = step.valid.any(axis=1)

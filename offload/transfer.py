@@ -88,6 +88,7 @@ class DeviceExpertCache:
         self.queued: set[Key] = set()
         self.order = 0
         self.paused = 0  # on-demand loads pending
+        self.protected: set[Key] = set()  # the current layer's needs: prefetches must not evict them
         self.timers = {"prefetch_issue": 0.0, "on_demand_wait": 0.0}
 
     # -- copies ----------------------------------------------------------------------------------------
@@ -180,12 +181,18 @@ class DeviceExpertCache:
 
     def _evict_for_prefetch(self, key: Key, priority: float) -> bool:
         """Makes room for a prefetch if the policy lets it evict its lowest-ranked expert."""
-        victim = self.book.victim(self.policy.keep_score)
+        victim = self.book.victim(self.policy.keep_score, protect=self.protected)
         if victim is None or not self.policy.admit_prefetch(key, priority, victim):
             return False
         self.book.remove(victim)
         del self.arrays[victim]
         return True
+
+    def protect(self, keys: Iterable[Key]) -> None:
+        """Marks the experts a layer is about to use: between its routing (when the policy hears of it and
+        may prefetch) and `ensure` (which pins them), no prefetch may evict them. Replaces the last set."""
+        with self.lock:
+            self.protected = set(keys)
 
     def pump(self) -> None:
         with self.lock:

@@ -28,10 +28,43 @@ from fmoe_jax.offload.simulator import Copy, SimulatedLink, simulate
 import fmoe_jax as fj
 from fmoe_jax.trace import Iteration, RequestTrace, RoutingTrace
 
+
 # Options that make a policy deterministic (matching inline on the engine thread), or a function of the
 # HF model directory that builds them (for a policy that needs an artifact). A policy registered in POLICIES
 # with a thread of its own or required arguments adds its entry here; the invariant test runs every one.
-DETERMINISTIC_OPTIONS: dict[str, dict | Callable[[Path], dict]] = {"fmoe": {"asynchronous": False}}
+def trained_predictor(kind: str) -> Callable[[Path], dict]:
+    """Options for a learned policy: a small predictor trained on a trace of the model (stride 1)."""
+
+    def build(hf_dir: Path) -> dict:
+        from fmoe_jax.offload import predictors
+
+        from fmoe_jax.engine import model_identity
+
+        path = hf_dir.parent / f"{hf_dir.name}-{kind}-predictor"
+        if not path.with_suffix(".json").exists():
+            resident = fj.load_model(hf_dir)
+            out = fj.generate(
+                resident,
+                [[5, 6, 7, 8], [9, 10, 11]],
+                4,
+                stop_at_eos=False,
+                record_trace=True,
+                record_hidden=True,
+            )
+            quick = dict(epochs=3, hidden=(16,), progress=False, model_id=model_identity(resident.config))
+            train = predictors.train_promoe if kind == "promoe" else predictors.train_duoserve
+            extra = {"stride": 1} if kind == "promoe" else {}
+            train([out.trace], **extra, **quick).save(path)
+        return {"predictor": path}
+
+    return build
+
+
+DETERMINISTIC_OPTIONS: dict[str, dict | Callable[[Path], dict]] = {
+    "fmoe": {"asynchronous": False},
+    "promoe": trained_predictor("promoe"),
+    "duoserve": trained_predictor("duoserve"),
+}
 
 
 def policy_options(policy: str, hf_dir: Path) -> dict:

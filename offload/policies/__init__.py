@@ -2,23 +2,45 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from .base import Policy, PolicyContext
+from .duoserve import DuoServe
 from .fmoe import FMoE, store_from_traces
 from .on_demand import OnDemandLFU, OnDemandLRU, Resident
+from .promoe import ProMoE
 
 POLICIES: dict[str, type[Policy]] = {
     "resident": Resident,
     "on_demand_lru": OnDemandLRU,
     "on_demand_lfu": OnDemandLFU,
     "fmoe": FMoE,
+    "promoe": ProMoE,
+    "duoserve": DuoServe,
 }
+
+
+def required_options(name: str) -> list[str]:
+    """The options a policy cannot start without (e.g. a trained predictor): none for most."""
+    signature = inspect.signature(POLICIES[name].__init__)
+    return [
+        p.name
+        for p in signature.parameters.values()
+        if p.name != "self"
+        and p.default is inspect.Parameter.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
 
 
 def make_policy(policy: str | Policy, **options: Any) -> Policy:
     """A policy object from a name (with options) or the object itself."""
     if isinstance(policy, Policy):
+        if options:
+            raise ValueError(
+                f"policy_options {sorted(options)} were given with a policy object; pass them to "
+                f"its constructor instead"
+            )
         return policy
     if policy not in POLICIES:
         raise ValueError(f"unknown offload policy {policy!r}; available: {', '.join(sorted(POLICIES))}")
