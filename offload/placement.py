@@ -159,10 +159,10 @@ class CacheGroup:
             if cache is not None:
                 cache.request_prefetch(wanted, replace=replace, stale_before=stale_before)
 
-    def protect(self, keys: Iterable[Key]) -> None:
+    def protect(self, keys: Iterable[Key], layer: int | None = None) -> None:
         for cache, own in zip(self.caches, self.split(keys), strict=True):
             if cache is not None:
-                cache.protect(own)
+                cache.protect(own, layer)
 
     def preload(self, keys: Iterable[Key]) -> None:
         for cache, own in zip(self.caches, self.split(keys), strict=True):

@@ -23,7 +23,7 @@ def needed_experts(ids: np.ndarray, valid: np.ndarray) -> list[int]:
 def announce(cache: Any, layer: int, needed: list[int]) -> None:
     """Call before telling the policy that `layer` has routed: its needed experts cannot be evicted by a
     prefetch the policy issues before `serve_layer` pins them."""
-    cache.protect([(layer, e) for e in needed])
+    cache.protect([(layer, e) for e in needed], layer)
 
 
 def plan_chunks(

@@ -89,6 +89,7 @@ class DeviceExpertCache:
         self.order = 0
         self.paused = 0  # on-demand loads pending
         self.protected: set[Key] = set()  # the current layer's needs: prefetches must not evict them
+        self.serving: int | None = None  # the layer between its routing and the end of its compute
         self.timers = {"prefetch_issue": 0.0, "on_demand_wait": 0.0}
 
     # -- copies ----------------------------------------------------------------------------------------
@@ -154,7 +155,7 @@ class DeviceExpertCache:
                 self.queue = kept
                 self.queued = {entry[2] for entry in kept}
             for key, priority in items:
-                if key in self.book or key in self.queued:
+                if key in self.book or key in self.queued or key[0] == self.serving:
                     continue
                 self.order += 1
                 heapq.heappush(self.queue, (-priority, self.order, key))
@@ -188,11 +189,14 @@ class DeviceExpertCache:
         del self.arrays[victim]
         return True
 
-    def protect(self, keys: Iterable[Key]) -> None:
-        """Marks the experts a layer is about to use: between its routing (when the policy hears of it and
-        may prefetch) and `ensure` (which pins them), no prefetch may evict them. Replaces the last set."""
+    def protect(self, keys: Iterable[Key], layer: int | None = None) -> None:
+        """Marks the experts `layer` is about to use: between its routing (when the policy hears of it and
+        may prefetch) and its compute, no prefetch may evict them, and prefetches of `layer` itself are
+        dropped (its misses load on demand; a prefetch landing first would pass a miss off as a hit).
+        Replaces the last set; `protect(())` ends it."""
         with self.lock:
             self.protected = set(keys)
+            self.serving = layer
 
     def pump(self) -> None:
         with self.lock:

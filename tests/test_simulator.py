@@ -26,6 +26,7 @@ from fmoe_jax.offload.policies import POLICIES, Policy
 from fmoe_jax.offload.simulator import Copy, SimulatedLink, simulate
 
 import fmoe_jax as fj
+from fmoe_jax.engine import router_weights
 from fmoe_jax.trace import Iteration, RequestTrace, RoutingTrace
 
 
@@ -60,8 +61,16 @@ def trained_predictor(kind: str) -> Callable[[Path], dict]:
     return build
 
 
+def future_traces(hf_dir: Path) -> dict:
+    """The oracle's knowledge: the routing of the very generations the test will run."""
+    resident = fj.load_model(hf_dir)
+    outs = [fj.generate(resident, batch, max_new_tokens=5, record_trace=True) for batch in BATCHES]
+    return {"traces": [out.trace for out in outs]}
+
+
 DETERMINISTIC_OPTIONS: dict[str, dict | Callable[[Path], dict]] = {
     "fmoe": {"asynchronous": False},
+    "oracle": future_traces,
     "promoe": trained_predictor("promoe"),
     "duoserve": trained_predictor("duoserve"),
 }
@@ -96,17 +105,14 @@ def live_and_replayed(hf_dir, policy: str, cache_experts: int | None):
         ]
         engine = model.engine
         live = engine.cache.book.stats
-        router_weights = [
-            np.asarray(engine.module.layers[i].router.kernel[...], np.float32)
-            for i in model.config.moe_layer_ids
-        ]
+        weights = router_weights(engine.module)
         preset = ModelPreset.from_config(model.config)
     sim = simulate(
         [out.trace for out in outs],
         offload,
         model=preset,
         hardware=HARDWARE["h100_sxm"],
-        router_weights=router_weights,
+        router_weights=weights,
     )
     return outs, live, sim
 

@@ -8,7 +8,10 @@ from typing import Any
 from .base import Policy, PolicyContext
 from .duoserve import DuoServe
 from .fmoe import FMoE, store_from_traces
+from .mixtral_offload import MixtralOffload
+from .moe_infinity import MoEInfinity
 from .on_demand import OnDemandLFU, OnDemandLRU, Resident
+from .oracle import Oracle
 from .promoe import ProMoE
 
 POLICIES: dict[str, type[Policy]] = {
@@ -16,8 +19,11 @@ POLICIES: dict[str, type[Policy]] = {
     "on_demand_lru": OnDemandLRU,
     "on_demand_lfu": OnDemandLFU,
     "fmoe": FMoE,
+    "mixtral_offload": MixtralOffload,
+    "moe_infinity": MoEInfinity,
     "promoe": ProMoE,
     "duoserve": DuoServe,
+    "oracle": Oracle,
 }
 
 
