@@ -187,6 +187,30 @@ def refuse_unsupported(hf: dict[str, Any], checks: dict[str, Any], family: str) 
         )
 
 
+def common_fields(
+    hf: dict[str, Any], family: str, *, default_max_positions: int, allow_longrope: bool = False
+) -> dict[str, Any]:
+    """The `MoEConfig` fields every family reads from config.json the same way: sizes, attention shape,
+    RoPE, position limit, tied embeddings and special token ids."""
+    layers = hf["num_hidden_layers"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    return dict(
+        family=family,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=layers,
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=head_dim,
+        rope=rope_from_hf(hf, head_dim, allow_longrope=allow_longrope),
+        max_position_embeddings=hf.get("max_position_embeddings", default_max_positions),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids(hf.get("eos_token_id")),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
 def eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()

@@ -10,37 +10,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .config import MoEConfig, eos_ids, refuse_unsupported, rope_from_hf
+from .config import MoEConfig, common_fields, refuse_unsupported
 from .moe import Routing
 
 
 def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
     refuse_unsupported(hf, {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}, "mixtral")
     layers = hf["num_hidden_layers"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     return MoEConfig(
-        family="mixtral",
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=layers,
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=head_dim,
+        **common_fields(hf, "mixtral", default_max_positions=32768),
         num_experts=hf["num_local_experts"],
         top_k=hf["num_experts_per_tok"],
         expert_intermediate_size=hf["intermediate_size"],
-        rope=rope_from_hf(hf, head_dim, allow_longrope=False),
-        max_position_embeddings=hf.get("max_position_embeddings", 32768),
         norm="rms",
         norm_eps=hf.get("rms_norm_eps", 1e-5),
         router="softmax_topk",
         norm_topk_prob=True,
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
         sliding_windows=(hf.get("sliding_window"),) * layers,
         moe_layers=(True,) * layers,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=eos_ids(hf.get("eos_token_id")),
-        pad_token_id=hf.get("pad_token_id"),
     )
 
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import MoEConfig, eos_ids, refuse_unsupported, rope_from_hf
+from .config import MoEConfig, common_fields, refuse_unsupported
 from .mixtral import softmax_topk
 
 
 def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
     refuse_unsupported(hf, {"hidden_act": "silu"}, "qwen2_moe")
     layers = hf["num_hidden_layers"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     step = hf.get("decoder_sparse_step", 1)
     mlp_only = set(hf.get("mlp_only_layers") or [])
     num_experts = hf["num_experts"]
@@ -27,31 +26,19 @@ def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
         ]
         windows = tuple(hf["sliding_window"] if t == "sliding_attention" else None for t in types)
     return MoEConfig(
-        family="qwen2_moe",
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=layers,
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=head_dim,
+        **common_fields(hf, "qwen2_moe", default_max_positions=32768),
         num_experts=num_experts,
         top_k=hf["num_experts_per_tok"],
         expert_intermediate_size=hf["moe_intermediate_size"],
-        rope=rope_from_hf(hf, head_dim, allow_longrope=False),
-        max_position_embeddings=hf.get("max_position_embeddings", 32768),
         norm="rms",
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         router="softmax_topk",
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         qkv_bias=bool(hf.get("qkv_bias", True)),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
         sliding_windows=windows,
         moe_layers=moe_layers,
         dense_intermediate_size=hf.get("intermediate_size", 0),
         shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=eos_ids(hf.get("eos_token_id")),
-        pad_token_id=hf.get("pad_token_id"),
     )
 
 
