@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -107,6 +108,9 @@ class OffloadEngine:
             router_weights=router_weights(module) if self.policy.needs_hidden else (),
         )
         self.policy.bind(ctx, self.cache)
+        # A policy may hold a thread (fMoE's matcher) that would outlive a model nobody closes: close it
+        # when the engine is collected, or on `close()`, whichever comes first (once).
+        self._close_policy = weakref.finalize(self, _close_quietly, self.policy)
         if self.policy.preload_all:
             self.cache.preload([(m, e) for m in range(cfg.num_moe_layers) for e in range(cfg.num_experts)])
         self.overhead = collections.defaultdict(float)
@@ -114,7 +118,7 @@ class OffloadEngine:
     def _device_cache(self, device: jax.Device, slots: int) -> DeviceExpertCache:
         target = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
         return DeviceExpertCache(
-            JaxMover(self._host_expert, target),
+            JaxMover(functools.partial(_host_expert, self.module), target),
             slots,
             self.expert_bytes,
             self.policy,
@@ -154,10 +158,6 @@ class OffloadEngine:
         if self.mesh is None:
             return np.asarray(array)
         return np.asarray(array.addressable_shards[0].data)
-
-    def _host_expert(self, key: tuple[int, int]) -> ExpertWeights:
-        layer = self.config.moe_layer_ids[key[0]]
-        return self.module.experts[layer][key[1]].weights()
 
     # -- the generation loop's interface ----------------------------------------------------------------
     def init_cache(self, batch: int, length: int) -> list[LayerKV]:
@@ -199,6 +199,8 @@ class OffloadEngine:
         stats.extra["expert_bytes"] = self.expert_bytes
 
     def close(self) -> None:
+        """Closes the policy (stops its threads, saves its store) and re-raises its error, if any."""
+        self._close_policy.detach()
         self.policy.close()
 
     def step(
@@ -509,3 +511,17 @@ def _experts_partial(kernel, z, routing, experts, slots, valid, acc):
     """An earlier chunk of a layer that needs more experts than the cache holds."""
     TRACE_COUNTS[f"experts_partial_N{z.shape[0]}_n{len(experts)}"] += 1
     return acc + expert_mixture(z, routing, experts, slots, valid, kernel=kernel).astype(jnp.float32)
+
+
+def _host_expert(module: MoECausalLM, key: tuple[int, int]) -> ExpertWeights:
+    """Host weights of (MoE layer index, expert). A function of the module, not a method of the engine, so
+    that the cache (and a policy thread holding it) does not keep the engine and its executables alive."""
+    return module.experts[module.config.moe_layer_ids[key[0]]][key[1]].weights()
+
+
+def _close_quietly(policy: Any) -> None:
+    """Closes a policy whose engine was collected without `close()`; an error has nowhere to go then."""
+    try:
+        policy.close()
+    except Exception:  # noqa: BLE001, S110
+        pass

@@ -127,3 +127,21 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_executables(request):
+    """Frees each module's compiled programs when it ends. XLA:CPU maps memory for every executable, and
+    one process compiling the whole suite's models would pass the kernel's `vm.max_map_count` (65530),
+    where the next compilation segfaults."""
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+    if os.environ.get("FMOE_TEST_MAPS_LOG"):  # how many mappings remain after each module
+        with open("/proc/self/maps") as maps, open(os.environ["FMOE_TEST_MAPS_LOG"], "a") as log:
+            log.write(f"{request.module.__name__} {sum(1 for _ in maps)}\n")

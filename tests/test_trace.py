@@ -69,7 +69,7 @@ def test_external_routing_data():
     )
     first, second = trace.requests[0].iterations
     assert trace.meta["num_layers"] == 2 and trace.meta["top_k"] == 2 and trace.meta["source"] == "published"
-    np.testing.assert_allclose(first.probs[0, 0], [0.7, 0, 0, 0.3], rtol=0, atol=1e-7)  # weights on the chosen
+    np.testing.assert_allclose(first.probs[0, 0], [0.7, 0, 0, 0.3], rtol=0, atol=1e-7)  # weights: chosen
     np.testing.assert_allclose(second.probs[0, 1], [0, 0.5, 0.5, 0], rtol=0, atol=1e-7)  # no weights: 1/k
     with pytest.raises(ValueError, match="expert ids outside"):
         RoutingTrace.from_external([[{"ids": ids + 4}]], num_experts=4)
