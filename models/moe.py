@@ -29,11 +29,21 @@ class ExpertWeights(NamedTuple):
 class Expert(nnx.Module):
     """Parameters of one SwiGLU MLP (a routed expert, Qwen's shared expert, or a dense MLP)."""
 
-    def __init__(self, hidden: int, intermediate: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        *,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs | None = None,
+        key: jax.Array | None = None,
+    ):
+        """Initialised from `key` when given (one per routed expert), else from three draws of `rngs`."""
         init = nnx.initializers.normal(0.02)
-        self.gate = nnx.Param(init(rngs.params(), (hidden, intermediate), dtype))
-        self.up = nnx.Param(init(rngs.params(), (hidden, intermediate), dtype))
-        self.down = nnx.Param(init(rngs.params(), (intermediate, hidden), dtype))
+        keys = jax.random.split(key, 3) if key is not None else [rngs.params() for _ in range(3)]
+        self.gate = nnx.Param(init(keys[0], (hidden, intermediate), dtype))
+        self.up = nnx.Param(init(keys[1], (hidden, intermediate), dtype))
+        self.down = nnx.Param(init(keys[2], (intermediate, hidden), dtype))
 
     def weights(self) -> ExpertWeights:
         return ExpertWeights(self.gate[...], self.up[...], self.down[...])
@@ -64,7 +74,7 @@ class Routing:
 # skipped; the engine runs a layer in chunks this way). They read only the weights of experts that some
 # valid token uses, which is what keeps decoding at memory bandwidth.
 
-Kernel = Literal["auto", "unrolled", "tiled", "ragged"]
+Kernel = Literal["auto", "unrolled", "tiled", "ragged", "blocked"]
 UNROLL_MAX_ASSIGNMENTS = 16
 
 
@@ -87,7 +97,9 @@ def expert_mixture(
       valid: `[N]` bool; invalid tokens (padding, finished rows) contribute nothing and load nothing.
       kernel: "unrolled" switches per assignment (decode), "tiled" sorts assignments into per-expert tiles
         (prefill), "ragged" stacks the experts and uses `jax.lax.ragged_dot` (grouped GEMM on GPU/TPU);
-        "auto" picks by size and backend.
+        "blocked" sorts into tiles like "tiled" but gathers each tile's expert weights and runs one batched
+        matmul (exact and differentiable; the training path on CPU, see `fmoe_jax/train.py`); "auto" picks
+        by size and backend.
     Returns:
       `[N, D]` in the experts' dtype.
     """
@@ -97,7 +109,12 @@ def expert_mixture(
     if kernel == "auto":
         kernel = "unrolled" if n_assign <= UNROLL_MAX_ASSIGNMENTS else "tiled"
     local = jnp.where(valid[:, None], slot_of_expert[routing.ids], -1)  # [N, k]
-    fn = {"unrolled": _mixture_unrolled, "tiled": _mixture_tiled, "ragged": _mixture_ragged}[kernel]
+    fn = {
+        "unrolled": _mixture_unrolled,
+        "tiled": _mixture_tiled,
+        "ragged": _mixture_ragged,
+        "blocked": _mixture_blocked,
+    }[kernel]
     return fn(x, local, routing.weights, tuple(experts))
 
 
@@ -111,17 +128,25 @@ def _branches(experts: tuple[ExpertWeights, ...], dtype: jnp.dtype):
 
 
 def _mixture_unrolled(x, local, weights, experts):
-    """One `lax.switch` per assignment: reads exactly the weights of each used expert (decode path)."""
+    """One `lax.switch` per assignment: reads exactly the weights of each used expert (decode path).
+
+    The assignments run in a loop around a single switch, so the program holds each expert's branch once
+    (not once per assignment): compilation stays fast for many experts and top-k (Qwen: 60 x top-4).
+    """
     n, k = local.shape
     dtype = experts[0].gate.dtype
     branches = _branches(experts, dtype)
     skip = len(experts)
-    out = jnp.zeros((n, x.shape[-1]), jnp.float32)
-    for t in range(n):
-        for j in range(k):
-            idx = jnp.where(local[t, j] >= 0, local[t, j], skip)
-            y = jax.lax.switch(idx, branches, x[t : t + 1])
-            out = out.at[t].add(y[0].astype(jnp.float32) * weights[t, j])
+    idx = jnp.where(local >= 0, local, skip).reshape(n * k)
+    rows = jnp.arange(n * k, dtype=jnp.int32) // k
+    scale = weights.reshape(n * k).astype(jnp.float32)
+
+    def body(a, out):
+        t = rows[a]
+        y = jax.lax.switch(idx[a], branches, jax.lax.dynamic_slice_in_dim(x, t, 1))
+        return out.at[t].add(y[0].astype(jnp.float32) * scale[a])
+
+    out = jax.lax.fori_loop(0, n * k, body, jnp.zeros((n, x.shape[-1]), jnp.float32))
     return out.astype(dtype)
 
 
@@ -193,6 +218,44 @@ def _mixture_ragged(x, local, weights, experts):
     h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
     y = jax.lax.ragged_dot(h, down, sizes)  # rows past sum(sizes) come back as zeros
     contrib = y.astype(jnp.float32) * (sw * (se < n_exp))[:, None]
+    return jnp.zeros((n, d), jnp.float32).at[st].add(contrib).astype(dtype)
+
+
+def _mixture_blocked(x, local, weights, experts):
+    """Tiles of G rows, one expert each (as in `_mixture_tiled`), computed as one batched matmul over tiles
+    with each tile's expert weights gathered from the stacked experts.
+
+    Reads P tile copies of expert weights (P ~ A/G + n), so it is for training and large prefills, not
+    decode. On XLA:CPU its forward and backward run about 5x faster than a dense all-experts mixture for
+    8 experts top-2 and faster than `lax.switch` tiles (measured in the training benchmark of
+    `fmoe_jax/train.py`), and unlike a capacity-limited dispatch it drops no token.
+    """
+    n, k = local.shape
+    d = x.shape[-1]
+    n_exp = len(experts)
+    dtype = experts[0].gate.dtype
+    a = n * k
+    g = tile_rows(a, n_exp)
+    n_tiles = min(a, (a + min(n_exp, a) * (g - 1)) // g)  # static bound on sum_e ceil(count_e / G)
+
+    flat_e = jnp.where(local.reshape(a) >= 0, local.reshape(a), n_exp)  # [A], n_exp = skipped
+    order = jnp.argsort(flat_e, stable=True)
+    se, st, sw = flat_e[order], (jnp.arange(a, dtype=jnp.int32) // k)[order], weights.reshape(a)[order]
+    counts = jnp.bincount(flat_e, length=n_exp + 1).at[n_exp].set(0)  # [n+1]
+    tiles_per = (counts + g - 1) // g
+    tile_start = jnp.cumsum(tiles_per) - tiles_per
+    rank = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[se]
+    dest = jnp.where(se < n_exp, tile_start[se] * g + rank, n_tiles * g)  # [A], out of range = dropped
+
+    rows = jnp.zeros((n_tiles * g, d), dtype).at[dest].set(x[st].astype(dtype), mode="drop")
+    tile_expert = jnp.searchsorted(jnp.cumsum(tiles_per[:n_exp]), jnp.arange(n_tiles), side="right")
+    tile_expert = jnp.minimum(tile_expert, n_exp - 1)  # [P]; unused tiles hold zero rows and are not read
+    gate, up, down = (jnp.stack([getattr(w, name) for w in experts]) for name in ("gate", "up", "down"))
+    rows = rows.reshape(n_tiles, g, d)
+    h = jax.nn.silu(jnp.einsum("pgd,pdf->pgf", rows, gate[tile_expert]))
+    h = h * jnp.einsum("pgd,pdf->pgf", rows, up[tile_expert])
+    ys = jnp.einsum("pgf,pfd->pgd", h, down[tile_expert]).reshape(n_tiles * g, d)
+    contrib = ys[jnp.minimum(dest, n_tiles * g - 1)].astype(jnp.float32) * (sw * (se < n_exp))[:, None]
     return jnp.zeros((n, d), jnp.float32).at[st].add(contrib).astype(dtype)
 
 
