@@ -12,6 +12,7 @@ Routing comes from the trace (layer, expert and top-k counts included); byte and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import statistics
 from collections.abc import Sequence
@@ -149,6 +150,7 @@ def simulate(
     model: ModelPreset | Any,
     hardware: HardwarePreset,
     router_weights: Sequence[np.ndarray] | None = None,
+    warmup: Sequence[RoutingTrace] = (),
 ) -> SimResult:
     """Replays routing traces through an offload policy and expert cache on a simulated clock.
 
@@ -170,88 +172,172 @@ def simulate(
       hardware: a `HardwarePreset` (`H100_SXM`, `H100_PCIE`, `A100_SXM`, `RTX_3090`, or your own).
       router_weights: per MoE layer the router kernel `[D, J]` float32, for policies that `needs_hidden`
         (the trace must then hold hidden states: `generate(..., record_trace=True, record_hidden=True)`).
+      warmup: traces replayed first through the same policy and cache, left out of the result (cache and
+        policy state carry over into `traces`, as `generate` calls before a measurement do).
 
     Returns:
-      a `SimResult`. The policy is bound to a fresh cache and closed at the end.
+      a `SimResult` of `traces`. The policy is bound to a fresh cache and closed at the end.
     """
     traces = [traces] if isinstance(traces, RoutingTrace) else list(traces)
     if not traces:
         raise ValueError("simulate needs at least one routing trace")
-    offload = offload or OffloadConfig()
-    if offload.devices not in (None, 1) or offload.placement is not None:
-        raise ValueError(
-            f"the simulator models one device behind one host link; got devices={offload.devices!r}, "
-            f"placement={offload.placement!r}: replay with devices=None and placement=None"
-        )
-    if not isinstance(model, ModelPreset):
-        model = ModelPreset.from_config(model)
-    meta = _common_meta(traces)
-    num_layers, num_experts = meta["num_layers"], meta["num_experts"]
-    policy = make_policy(offload.policy, **offload.policy_options)
-    _check_policy(policy, traces, router_weights, num_layers)
-
-    total = num_layers * num_experts
-    capacity = total if policy.preload_all else offload.slots(model.expert_bytes, total)
-    link = SimulatedLink(model.expert_bytes, hardware.link_effective)
-    cache = DeviceExpertCache(
-        link,
-        capacity,
-        model.expert_bytes,
-        policy,
-        max_inflight=offload.max_inflight,
-        synchronous=offload.synchronous_transfers,
+    everything = [*warmup, *traces]
+    replay = Replay(
+        offload,
+        meta=_common_meta(everything),
+        model=model,
+        hardware=hardware,
+        router_weights=router_weights,
+        check=everything,
     )
-    ctx = PolicyContext(
-        num_layers=num_layers,
-        num_experts=num_experts,
-        top_k=meta["top_k"],
-        embed_dim=meta["embed_dim"],
-        prefetch_distance=offload.prefetch_distance,
-        capacity=capacity,
-        model_id=str(meta.get("model_id", "")),
-        options={"store_path": offload.store_path, "store_capacity": offload.store_capacity},
-        router_weights=tuple(np.asarray(w, np.float32) for w in router_weights)
-        if policy.needs_hidden
-        else (),
-    )
-    policy.bind(ctx, cache)
     try:
-        if policy.preload_all:
-            cache.preload([(m, e) for m in range(num_layers) for e in range(num_experts)])
-        start_clock, start_stall, start_busy = link.clock, link.stall_s, link.busy_s
-        costs = CostModel(model, hardware, num_experts)
-        ttft, tpot = [], []
+        for trace in everything[: len(everything) - len(traces)]:
+            replay.run(trace)
+        replay.reset_statistics()
         for trace in traces:
-            batch_ttft, batch_tpot = _replay_batch(trace, policy, cache, link, costs)
-            ttft += batch_ttft
-            tpot += batch_tpot
+            replay.run(trace)
     finally:
-        policy.close()
+        result = replay.close()
+    return result
 
-    s = cache.book.stats
-    device_bytes = capacity * model.expert_bytes + model.resident_bytes(num_layers, num_experts)
-    return SimResult(
-        hits=s.hits,
-        misses=s.misses,
-        late_prefetches=s.late_prefetches,
-        prefetches=s.prefetches,
-        wasted_prefetches=s.wasted_prefetches,
-        dropped_prefetches=s.dropped_prefetches,
-        bytes_to_device=s.bytes_to_device,
-        layer_hits=[s.layer_hits.get(m, 0) for m in range(num_layers)],
-        layer_needed=[s.layer_needed.get(m, 0) for m in range(num_layers)],
-        stall_s=link.stall_s - start_stall,
-        compute_s=link.compute_s,
-        total_s=link.clock - start_clock,
-        link_busy_s=link.busy_s - start_busy,
-        ttft_s=ttft,
-        tpot_s=tpot,
-        capacity=capacity,
-        expert_bytes=model.expert_bytes,
-        device_bytes=device_bytes,
-        fits_device=device_bytes <= hardware.memory_bytes,
-        extra=policy.stats(),
-    )
+
+class Replay:
+    """One policy and expert cache on a simulated clock, fed one batch (`RoutingTrace`) at a time.
+
+    `simulate` runs one over a list of traces; a serving experiment that forms batches as requests arrive
+    feeds them as it goes and reads `clock` between batches. Statistics count from construction or from
+    the last `reset_statistics()`. Arguments as `simulate`'s; `meta` is a trace's `meta` (layer, expert and
+    top-k counts, embedding width, model identity) that every replayed trace must match; `check`: traces
+    whose fields are checked against the policy's needs before it starts (`run` checks each trace anyway).
+    """
+
+    def __init__(
+        self,
+        offload: OffloadConfig | None,
+        *,
+        meta: dict[str, Any],
+        model: ModelPreset | Any,
+        hardware: HardwarePreset,
+        router_weights: Sequence[np.ndarray] | None = None,
+        check: Sequence[RoutingTrace] = (),
+    ):
+        offload = offload or OffloadConfig()
+        if offload.devices not in (None, 1) or offload.placement is not None:
+            raise ValueError(
+                f"the simulator models one device behind one host link; got devices={offload.devices!r}, "
+                f"placement={offload.placement!r}: replay with devices=None and placement=None"
+            )
+        if not isinstance(model, ModelPreset):
+            model = ModelPreset.from_config(model)
+        for key in ("num_layers", "num_experts", "top_k"):
+            if not meta.get(key):
+                raise ValueError(f"routing trace meta[{key!r}] is missing or zero; the simulator needs it")
+        self.meta, self.model, self.hardware = meta, model, hardware
+        self.num_layers, num_experts = meta["num_layers"], meta["num_experts"]
+        self.router_weights = router_weights
+        self.policy = make_policy(offload.policy, **offload.policy_options)
+        _check_policy(self.policy, list(check), router_weights, self.num_layers)
+
+        total = self.num_layers * num_experts
+        self.capacity = total if self.policy.preload_all else offload.slots(model.expert_bytes, total)
+        self.link = SimulatedLink(model.expert_bytes, hardware.link_effective)
+        self.cache = DeviceExpertCache(
+            self.link,
+            self.capacity,
+            model.expert_bytes,
+            self.policy,
+            max_inflight=offload.max_inflight,
+            synchronous=offload.synchronous_transfers,
+        )
+        ctx = PolicyContext(
+            num_layers=self.num_layers,
+            num_experts=num_experts,
+            top_k=meta["top_k"],
+            embed_dim=meta["embed_dim"],
+            prefetch_distance=offload.prefetch_distance,
+            capacity=self.capacity,
+            model_id=str(meta.get("model_id", "")),
+            options={"store_path": offload.store_path, "store_capacity": offload.store_capacity},
+            router_weights=tuple(np.asarray(w, np.float32) for w in router_weights)
+            if self.policy.needs_hidden
+            else (),
+        )
+        self.policy.bind(ctx, self.cache)
+        self._closed = False
+        try:
+            if self.policy.preload_all:
+                self.cache.preload([(m, e) for m in range(self.num_layers) for e in range(num_experts)])
+        except BaseException:
+            self.close()
+            raise
+        self.costs = CostModel(model, hardware, num_experts)
+        self.reset_statistics()
+
+    @property
+    def clock(self) -> float:
+        """Simulated seconds since the replay began."""
+        return self.link.clock
+
+    def reset_statistics(self) -> None:
+        """Counts hits, times and requests from here on (after a warm-up); cache and policy keep state."""
+        link = self.link
+        self._start = (
+            copy.deepcopy(self.cache.book.stats),
+            link.clock,
+            link.stall_s,
+            link.compute_s,
+            link.busy_s,
+        )
+        self.ttft_s: list[float] = []
+        self.tpot_s: list[float] = []
+
+    def run(self, trace: RoutingTrace) -> tuple[list[float], list[float]]:
+        """Replays one batch; returns its requests' TTFT and mean decode-iteration time (simulated s)."""
+        for key in ("num_layers", "num_experts", "top_k", "embed_dim"):
+            if trace.meta.get(key) != self.meta.get(key):
+                raise ValueError(
+                    f"routing trace has {key}={trace.meta.get(key)} but the replay was built for "
+                    f"{self.meta.get(key)}; replay traces of one model together"
+                )
+        _check_policy(self.policy, [trace], self.router_weights, self.num_layers)
+        ttft, tpot = _replay_batch(trace, self.policy, self.cache, self.link, self.costs)
+        self.ttft_s += ttft
+        self.tpot_s += tpot
+        return ttft, tpot
+
+    def close(self) -> SimResult:
+        """Closes the policy (once) and returns what was measured since the last `reset_statistics()`."""
+        if not self._closed:
+            self._closed = True
+            self.policy.close()
+        before, clock, stall, compute, busy = self._start
+        s, link, layers = self.cache.book.stats, self.link, range(self.num_layers)
+        num_experts = self.meta["num_experts"]
+        device_bytes = self.capacity * self.model.expert_bytes + self.model.resident_bytes(
+            self.num_layers, num_experts
+        )
+        return SimResult(
+            hits=s.hits - before.hits,
+            misses=s.misses - before.misses,
+            late_prefetches=s.late_prefetches - before.late_prefetches,
+            prefetches=s.prefetches - before.prefetches,
+            wasted_prefetches=s.wasted_prefetches - before.wasted_prefetches,
+            dropped_prefetches=s.dropped_prefetches - before.dropped_prefetches,
+            bytes_to_device=s.bytes_to_device - before.bytes_to_device,
+            layer_hits=[s.layer_hits.get(m, 0) - before.layer_hits.get(m, 0) for m in layers],
+            layer_needed=[s.layer_needed.get(m, 0) - before.layer_needed.get(m, 0) for m in layers],
+            stall_s=link.stall_s - stall,
+            compute_s=link.compute_s - compute,
+            total_s=link.clock - clock,
+            link_busy_s=link.busy_s - busy,
+            ttft_s=list(self.ttft_s),
+            tpot_s=list(self.tpot_s),
+            capacity=self.capacity,
+            expert_bytes=self.model.expert_bytes,
+            device_bytes=device_bytes,
+            fits_device=device_bytes <= self.hardware.memory_bytes,
+            extra=self.policy.stats(),
+        )
 
 
 # -- replay ---------------------------------------------------------------------------------------------

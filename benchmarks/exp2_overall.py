@@ -1,0 +1,98 @@
+"""Experiment 2 (paper figure 9): expert hit rate, TTFT and TPOT of every policy, live and simulated.
+
+    .venv/bin/python -m benchmarks.exp2_overall [--model NAME_OR_DIR ...] [--prompts domains|FILE]
+
+Live: each policy serves the evaluation prompts one at a time on this machine's JAX backend (medians over
+requests). Simulated: the same requests replayed at a real model's sizes on each `--hardware` preset, with
+asynchronous copies (hit rate, TTFT, TPOT) and with synchronous ones (`hit_rate_sync`: prediction and
+caching alone, no copy arrives late). `resident` (every expert on the device) is the reference.
+Writes `exp2_overall.{json,md,png}` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+
+from benchmarks import harness as h
+
+NAME = "exp2_overall"
+
+
+def live_row(label: str, r: dict) -> dict:
+    return dict(
+        policy=label,
+        hit_rate=r["hit_rate"],
+        ttft_ms=1e3 * r["median_ttft_s"],
+        tpot_ms=1e3 * r["median_tpot_s"],
+        mb_to_device_per_token=r["bytes_to_device"] / r["iterations"] / 1e6,
+        requests=r["requests"],
+        compilations=r["compilations"],
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    h.add_arguments(parser)
+    parser.add_argument("--policies", nargs="+", default=["resident", *h.POLICIES])
+    args = parser.parse_args(argv)
+
+    tables, payload, notes, panels = {}, {"models": {}}, [], {}
+    for name in args.model:
+        w = h.load_workload(name, args)
+        notes.append(h.settings_note(w))
+        result = payload["models"][w.name] = {"live": {}, "sim": {}}
+        if not args.no_live:
+            rows = []
+            for v in h.variants(args.policies):
+                print(f"[{w.name}] live {v.label}", flush=True)
+                r = result["live"][v.label] = h.run_live(w, v)
+                rows.append(live_row(v.label, r))
+            tables[f"{w.name}, live ({jax.default_backend()})"] = rows
+            tables[f"{w.name}, live: fmoe against each"] = h.versus_fmoe(rows, "tpot_ms")
+            panels.setdefault("hit rate", {})[f"{w.name} live"] = {r["policy"]: r["hit_rate"] for r in rows}
+            panels.setdefault("TPOT (relative to resident)", {})[f"{w.name} live"] = {
+                r["policy"]: r["tpot_ms"] / rows[0]["tpot_ms"] for r in rows
+            }
+        if not args.no_sim:
+            for hw in args.hardware:
+                rows = []
+                for v in h.variants(args.policies):
+                    print(f"[{w.name}] simulated {v.label} on {hw}", flush=True)
+                    r = h.run_sim(w, v, hw)
+                    sync = h.run_sim(w, v, hw, synchronous=True)
+                    result["sim"].setdefault(hw, {})[v.label] = {"async": r.as_dict(), "sync": sync.as_dict()}
+                    rows.append(
+                        dict(
+                            policy=v.label,
+                            hit_rate=r.hit_rate,
+                            hit_rate_sync=sync.hit_rate,
+                            ttft_s=r.median_ttft_s,
+                            tpot_s=r.median_tpot_s,
+                            stall_share=r.stall_s / r.total_s,
+                            gb_to_device=r.bytes_to_device / 1e9,
+                            requests=len(r.ttft_s),
+                            fits_device=r.fits_device,
+                        )
+                    )
+                tables[f"{w.name}, simulated at {w.preset.name} sizes on {hw}"] = rows
+                group = f"{w.name} sim {hw}"
+                panels.setdefault("hit rate", {})[group] = {r["policy"]: r["hit_rate"] for r in rows}
+                panels.setdefault("TPOT (relative to resident)", {})[group] = {
+                    r["policy"]: r["tpot_s"] / rows[0]["tpot_s"] for r in rows
+                }
+                tables[f"{w.name}, simulated on {hw}: fmoe against each"] = h.versus_fmoe(rows, "tpot_s")
+        w.model.close()
+    payload["args"] = {k: str(v) for k, v in vars(args).items()}
+    h.write_results(
+        NAME, "Experiment 2: overall TTFT, TPOT and hit rate (figure 9)", payload, tables, notes, args.out
+    )
+    h.grouped_bars(args.out / f"{NAME}.png", "Overall performance per policy (figure 9)", panels)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Experiment 4 (paper figure 11): TPOT and hit rate of every policy against the expert cache budget.
+
+    .venv/bin/python -m benchmarks.exp4_cache_budget [--budgets 0.125 0.25 ...] [--model ...]
+
+Budgets are fractions of all routed experts (the simulated tables also give them in GB of the real model's
+experts). Live: each policy serves `--live-requests` evaluation prompts one at a time per budget; simulated:
+every evaluation request, asynchronous copies, on each `--hardware` preset. Each table has one row per
+budget and one column per policy (median TPOT over requests, or hit rate). Writes
+`exp4_cache_budget.{json,md,png}` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from benchmarks import harness as h
+
+NAME = "exp4_cache_budget"
+
+
+def pivot(rows: list[dict], key: str, budget_gb: dict | None = None) -> list[dict]:
+    out = {}
+    for r in rows:
+        row = out.setdefault(r["budget"], {"budget": r["budget"], "slots": r["slots"]})
+        if budget_gb is not None:
+            row["cache_gb"] = budget_gb[r["budget"]]
+        row[r["policy"]] = r[key]
+    return list(out.values())
+
+
+def plot(path, curves: dict[str, dict[str, dict[float, float]]], ylabel: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.8), squeeze=False)
+    for ax, (title, by_policy) in zip(axes[0], curves.items(), strict=True):
+        for policy, points in by_policy.items():
+            xs = sorted(points)
+            ax.plot(
+                xs, [points[x] for x in xs], marker="o", label=policy, lw=2.2 if policy == "fmoe" else 1.2
+            )
+        ax.set(title=title, xlabel="expert cache budget (fraction of experts)", ylabel=ylabel)
+        ax.set_yscale("log")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    h.add_arguments(parser, live_requests=8)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.125, 0.25, 0.375, 0.5, 0.75])
+    parser.add_argument("--policies", nargs="+", default=list(h.POLICIES))
+    args = parser.parse_args(argv)
+
+    tables, payload, notes, curves = {}, {"models": {}}, [], {}
+    for name in args.model:
+        w = h.load_workload(name, args)
+        notes.append(h.settings_note(w) + " (the budget varies here)")
+        result = payload["models"][w.name] = {"live": [], "sim": {}}
+        if not args.no_live:
+            for budget in args.budgets:
+                for v in h.variants(args.policies):
+                    print(f"[{w.name}] live {v.label}, budget {budget}", flush=True)
+                    r = h.run_live(w, v, budget=budget)
+                    result["live"].append(
+                        dict(
+                            budget=budget,
+                            slots=w.slots(budget),
+                            policy=v.label,
+                            hit_rate=r["hit_rate"],
+                            tpot_ms=1e3 * r["median_tpot_s"],
+                            ttft_ms=1e3 * r["median_ttft_s"],
+                            requests=r["requests"],
+                            compilations=r["compilations"],
+                        )
+                    )
+            rows = result["live"]
+            tables[f"{w.name}, live: median TPOT (ms)"] = pivot(rows, "tpot_ms")
+            tables[f"{w.name}, live: hit rate"] = pivot(rows, "hit_rate")
+            curves[f"{w.name} live TPOT (ms)"] = {
+                v.label: {r["budget"]: r["tpot_ms"] for r in rows if r["policy"] == v.label}
+                for v in h.variants(args.policies)
+            }
+        if not args.no_sim:
+            for hw in args.hardware:
+                rows = result["sim"][hw] = []
+                gb = {b: w.slots(b) * w.preset.expert_bytes / 1e9 for b in args.budgets}
+                for budget in args.budgets:
+                    for v in h.variants(args.policies):
+                        print(f"[{w.name}] simulated {v.label} on {hw}, budget {budget}", flush=True)
+                        r = h.run_sim(w, v, hw, budget=budget)
+                        rows.append(
+                            dict(
+                                budget=budget,
+                                slots=w.slots(budget),
+                                policy=v.label,
+                                **h.sim_row(r),
+                                fits_device=r.fits_device,
+                            )
+                        )
+                caption = f"{w.name}, simulated at {w.preset.name} sizes on {hw}"
+                tables[f"{caption}: median TPOT (s)"] = pivot(rows, "median_tpot_s", gb)
+                tables[f"{caption}: hit rate"] = pivot(rows, "hit_rate", gb)
+                curves[f"{w.name} sim {hw} TPOT (s)"] = {
+                    v.label: {r["budget"]: r["median_tpot_s"] for r in rows if r["policy"] == v.label}
+                    for v in h.variants(args.policies)
+                }
+                unfit = sorted({r["budget"] for r in rows if not r["fits_device"]})
+                if unfit:
+                    notes.append(f"{hw}: budgets {unfit} exceed the device memory (cache + dense weights)")
+        w.model.close()
+    for caption, rows in list(tables.items()):
+        policies = [p for p in args.policies if p != "fmoe" and rows and p in rows[0]]
+        if "fmoe" in (rows[0] if rows else {}) and "TPOT" in caption:
+            wins = {p: int(np.sum([r["fmoe"] <= r[p] for r in rows])) for p in policies}
+            notes.append(f"{caption}: budgets where fmoe's TPOT <= each policy's (of {len(rows)}): {wins}")
+    payload["args"] = {k: str(v) for k, v in vars(args).items()}
+    h.write_results(
+        NAME,
+        "Experiment 4: TPOT against the expert cache budget (figure 11)",
+        payload,
+        tables,
+        notes,
+        args.out,
+    )
+    plot(args.out / f"{NAME}.png", curves, "median TPOT")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,609 @@
+"""The shared harness of the paper-figure experiments (`benchmarks/exp*.py`): workloads, fair policy setups,
+live and simulated runs, and the result files (JSON, PNG, markdown) each experiment writes.
+
+A `Workload` is a model plus prompts split 7:3 into a store set and an evaluation set (disjoint, by uid
+hash: `workloads.split_store_eval`), token ids cut to `--prompt-tokens`, and the routing trace of every
+request recorded once (batch 1, greedy, `--new-tokens` tokens, no EOS stop; cached on disk). Policies learn
+only from the store set: fmoe's expert-map store (`store_from_traces`), MoE-Infinity's activation-matrix
+collection (`eamc_from_traces`), ProMoE's and DuoServe's predictors (trained on the store traces); the
+oracle gets the recorded routing of the very calls it serves. Live runs serve the evaluation prompts on
+whatever JAX backend is present, after `--warmup` store prompts that compile and warm the cache; simulated
+runs replay the same traces after the same warm-up through `fmoe_jax.offload.simulator` at a real model's
+sizes on a hardware preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import hashlib
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import RESULTS, machine, print_table, save
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+CACHE = Path(os.environ.get("FMOE_BENCH_CACHE", Path.home() / ".cache" / "fmoe-jax-benchmarks"))
+# The paper's comparison (figure 9): fMoE, MoE-Infinity, ProMoE, Mixtral-Offloading, DeepSpeed-Inference
+# (on-demand with an LRU cache); plus LFU on demand, DuoServe-MoE and the oracle upper bound.
+POLICIES = (
+    "on_demand_lru",
+    "on_demand_lfu",
+    "mixtral_offload",
+    "moe_infinity",
+    "promoe",
+    "duoserve",
+    "fmoe",
+    "oracle",
+)
+PROMPT_LOADERS = {"sharegpt": "load_sharegpt", "mt_bench": "load_mt_bench", "alpaca_eval": "load_alpaca_eval"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """The options every experiment shares; `defaults` overrides the experiment's quick defaults."""
+    d = (
+        dict(
+            model=default_models(),
+            prompts="domains",
+            n_prompts=120,
+            prompt_tokens=32,
+            new_tokens=32,
+            budget=0.25,
+            prefetch_distance=3,
+            store_capacity=1000,
+            warmup=2,
+            live_requests=18,
+            hardware=["rtx_3090", "h100_sxm"],
+        )
+        | defaults
+    )
+    a = parser.add_argument
+    a("--model", nargs="+", default=d["model"], help="shipped model names or checkpoint directories")
+    a("--data", type=Path, default=DATA, help="data directory (corpora/, prompts/, arrivals/)")
+    a(
+        "--prompts",
+        default=d["prompts"],
+        help="'domains' (held-out text of the six training corpora) or a ShareGPT/MT-Bench/AlpacaEval file",
+    )
+    a("--n-prompts", type=int, default=d["n_prompts"], help="prompts in all, split 7:3 into store / eval")
+    a("--prompt-tokens", type=int, default=d["prompt_tokens"], help="prompt ids cut to this many tokens")
+    a("--new-tokens", type=int, default=d["new_tokens"], help="tokens generated per request")
+    a("--budget", type=float, default=d["budget"], help="expert cache, fraction of all routed experts")
+    a("--prefetch-distance", type=int, default=d["prefetch_distance"], help="d (the paper's setting: 3)")
+    a("--store-capacity", type=int, default=d["store_capacity"], help="fmoe store / MoE-Infinity EAMs")
+    a("--warmup", type=int, default=d["warmup"], help="store prompts served first, not measured")
+    a("--live-requests", type=int, default=d["live_requests"], help="eval prompts served live (first ones)")
+    a("--hardware", nargs="+", default=d["hardware"], help="simulator hardware presets (cost_model.HARDWARE)")
+    a(
+        "--sim-model",
+        default="preset",
+        choices=["preset", "own"],
+        help="sizes the simulator charges: the real model of the family (preset) or the checkpoint's own",
+    )
+    a("--no-live", action="store_true", help="skip the live runs")
+    a("--no-sim", action="store_true", help="skip the simulated runs")
+    a(
+        "--record-budget",
+        type=float,
+        default=1.0,
+        help="cache while recording traces: 1 = every expert on the device; lower for models that do not fit",
+    )
+    a("--seed", type=int, default=0, help="store/eval split and arrival assignment")
+    a("--out", type=Path, default=RESULTS)
+    a("--cache-dir", type=Path, default=CACHE, help="recorded traces and trained predictors")
+
+
+def default_models() -> list[str]:
+    import fmoe_jax as fj
+
+    shipped = fj.shipped_models()
+    return shipped or ["random-tiny-mixtral"]
+
+
+def command_line() -> str:
+    module = Path(sys.argv[0]).stem
+    return shlex.join([".venv/bin/python", "-m", f"benchmarks.{module}", *sys.argv[1:]])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Workloads
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Request:
+    prompt: Any  # workloads.Prompt
+    ids: list[int]
+    trace: Any  # RoutingTrace of this request alone (batch 1)
+
+
+@dataclasses.dataclass
+class Workload:
+    name: str
+    model: Any  # fj.Model, experts in pinned host memory (serves every policy's engine)
+    store: list[Request]
+    eval: list[Request]
+    preset: Any  # ModelPreset the simulator charges
+    router_weights: tuple[np.ndarray, ...]
+    args: argparse.Namespace
+    cache_dir: Path
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def total_experts(self) -> int:
+        return self.config.num_moe_layers * self.config.num_experts
+
+    def slots(self, budget: float) -> int:
+        return max(1, round(budget * self.total_experts))
+
+
+def resolve_model(name: str, cache_dir: Path) -> Path:
+    """A directory `load_model` reads; `random-tiny-mixtral` is a random checkpoint for development."""
+    if name == "random-tiny-mixtral":
+        from fmoe_jax.testing import PRESETS, write_random_checkpoint
+
+        path = cache_dir / "random-tiny-mixtral"
+        if not (path / "config.json").exists():
+            write_random_checkpoint(path, PRESETS["tiny-mixtral"])
+        return path
+    from fmoe_jax.loading import resolve
+
+    return resolve(name)
+
+
+def load_prompts(args: argparse.Namespace) -> list:
+    from fmoe_jax import workloads
+
+    if args.prompts == "domains":
+        per_domain = -(-args.n_prompts // len(workloads.CORPUS_DOMAINS))
+        return workloads.domain_prompts(args.data / "corpora", per_domain, seed=args.seed)
+    path = Path(args.prompts)
+    kind = next((k for k in PROMPT_LOADERS if k in path.name.lower()), None)
+    if kind is None:
+        raise SystemExit(f"--prompts {path}: name it after one of {sorted(PROMPT_LOADERS)} or use 'domains'")
+    return getattr(workloads, PROMPT_LOADERS[kind])(path)[: args.n_prompts]  # file order
+
+
+def encode(model: Any, texts: Sequence[str], max_tokens: int) -> list[list[int]]:
+    from benchmarks.train_predictors import encode as encode_texts
+
+    return encode_texts(model, list(texts), max_tokens)
+
+
+def load_workload(name: str, args: argparse.Namespace, *, record: bool = True) -> Workload:
+    """The model, the store/eval split and (with `record`) every request's routing trace."""
+    from fmoe_jax.offload.cost_model import MODELS, ModelPreset
+
+    import fmoe_jax as fj
+    from fmoe_jax import workloads
+    from fmoe_jax.engine import model_identity, router_weights
+
+    path = resolve_model(name, args.cache_dir)
+    # Experts go to pinned host memory; each run builds its own engine (`serving`) over these weights.
+    model = fj.load_model(path, offload=fj.OffloadConfig(policy="on_demand_lru", cache_experts=1))
+    cfg = model.config
+    prompts = load_prompts(args)
+    store, evaluation = workloads.split_store_eval(prompts, 0.7, seed=args.seed)
+    ids = encode(model, [p.text for p in store + evaluation], args.prompt_tokens)
+    key = dict(
+        model=model_identity(cfg),
+        weights=_file_digest(path),
+        uids=[p.uid for p in store + evaluation],
+        ids=ids,
+        new_tokens=args.new_tokens,
+    )
+    cache_dir = args.cache_dir / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    requests = [Request(p, i, None) for p, i in zip(store + evaluation, ids, strict=True)]
+    if args.sim_model == "own" or cfg.family not in MODELS:
+        preset = ModelPreset.from_config(cfg, name=Path(name).name)
+    else:
+        preset = MODELS[cfg.family]
+    w = Workload(
+        name=Path(name).name,
+        model=model,
+        store=requests[: len(store)],
+        eval=requests[len(store) :],
+        preset=preset,
+        router_weights=router_weights(model.module),
+        args=args,
+        cache_dir=cache_dir,
+    )
+    if record:
+        for request, trace in zip(requests, record_traces(w, ids, cache_dir / "traces"), strict=True):
+            request.trace = trace
+    return w
+
+
+def _file_digest(path: Path) -> str:
+    """Identifies a checkpoint's weights by file names, sizes and modification times (cheap, not a hash)."""
+    files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+    return hashlib.sha256(
+        json.dumps(
+            [(str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+        ).encode()
+    ).hexdigest()[:16]
+
+
+def record_traces(w: Workload, ids: list[list[int]], directory: Path) -> list:
+    """Each request's routing (router inputs included), served alone; cached. Routing does not depend on
+    the policy (offloading is lossless), so a model too large for the device records with a partial cache."""
+    import fmoe_jax as fj
+
+    stem = directory / "requests"
+    if not stem.with_suffix(".json").exists():
+        start, requests = time.perf_counter(), []
+        budget = w.args.record_budget
+        policy = "resident" if budget >= 1 else "on_demand_lru"
+        with serving(w, fj.OffloadConfig(policy=policy, cache_experts=w.slots(min(budget, 1.0)))) as model:
+            for n, prompt in enumerate(ids, start=1):
+                out = fj.generate(
+                    model,
+                    [prompt],
+                    w.args.new_tokens,
+                    stop_at_eos=False,
+                    record_trace=True,
+                    record_hidden=True,
+                )
+                requests += out.trace.requests
+                if n % 10 == 0 or n == len(ids):
+                    print(
+                        f"  recorded {n}/{len(ids)} requests ({time.perf_counter() - start:.0f} s)",
+                        flush=True,
+                    )
+        directory.mkdir(parents=True, exist_ok=True)
+        fj.RoutingTrace(out.trace.meta, requests).save(stem)
+    whole = fj.RoutingTrace.load(stem)
+    return [fj.RoutingTrace(whole.meta, [r]) for r in whole.requests]
+
+
+def batch_trace(requests: Sequence[Request]) -> Any:
+    """The routing of requests served together in one batch (each row's routing is its own)."""
+    import fmoe_jax as fj
+
+    return fj.RoutingTrace(requests[0].trace.meta, [r.trace.requests[0] for r in requests])
+
+
+def batches(requests: Sequence[Request], size: int) -> list[list[Request]]:
+    return [list(requests[i : i + size]) for i in range(0, len(requests), size)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Policies, set up fairly
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A policy as one row of a table: `options` are extra policy options (ablation switches); `knowledge`
+    False starts learned policies empty (online serving: fmoe's store, MoE-Infinity's EAMs)."""
+
+    label: str
+    policy: str
+    options: tuple[tuple[str, Any], ...] = ()
+    knowledge: bool = True
+
+
+def variants(names: Sequence[str]) -> list[Variant]:
+    return [Variant(n, n) for n in names]
+
+
+def predictor(workload: Workload, kind: str, stride: int) -> Any:
+    """ProMoE's (per stride) or DuoServe's predictor, trained on the store traces only; cached on disk."""
+    from fmoe_jax.offload import predictors
+
+    from fmoe_jax.engine import model_identity
+
+    path = workload.cache_dir / (f"promoe-d{stride}" if kind == "promoe" else "duoserve")
+    if path.with_suffix(".json").exists():
+        return predictors.Predictor.load(path)
+    traces = [r.trace for r in workload.store]
+    common = dict(model_id=model_identity(workload.config), progress=False)
+    print(f"  training the {kind} predictor on {len(traces)} store requests", flush=True)
+    if kind == "promoe":
+        trained = predictors.train_promoe(traces, stride=stride, **common)
+    else:
+        trained = predictors.train_duoserve(traces, **common)
+    trained.save(path)
+    return trained
+
+
+def offload_config(
+    workload: Workload,
+    variant: Variant,
+    *,
+    calls: Sequence[Sequence[Request]],
+    simulated: bool,
+    budget: float | None = None,
+    prefetch_distance: int | None = None,
+    store_capacity: int | None = None,
+    synchronous: bool = False,
+) -> Any:
+    """The `OffloadConfig` of one run; `calls` are the batches it will serve in order (the oracle's
+    future). Learned state comes from the store split; the simulator needs fmoe to match inline."""
+    from fmoe_jax.offload.policies import store_from_traces
+    from fmoe_jax.offload.policies.moe_infinity import eamc_from_traces
+
+    import fmoe_jax as fj
+
+    args = workload.args
+    d = prefetch_distance or args.prefetch_distance
+    capacity = store_capacity or args.store_capacity
+    store = [r.trace for r in workload.store]
+    options: dict[str, Any] = {}
+    if variant.policy == "fmoe":
+        options["asynchronous"] = not simulated
+        if variant.knowledge:
+            options["store"] = store_from_traces(store, capacity=capacity, prefetch_distance=d)
+    elif variant.policy == "moe_infinity" and variant.knowledge:
+        options["eamc"] = eamc_from_traces(store, capacity=capacity)
+    elif variant.policy in ("promoe", "duoserve"):
+        options["predictor"] = predictor(workload, variant.policy, d)
+    elif variant.policy == "oracle":
+        options["traces"] = [batch_trace(c) for c in calls]
+    options.update(dict(variant.options))
+    return fj.OffloadConfig(
+        policy=variant.policy,
+        cache_experts=workload.slots(budget if budget is not None else args.budget),
+        prefetch_distance=d,
+        store_capacity=capacity,
+        synchronous_transfers=synchronous,
+        policy_options=options,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Live runs
+# ---------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serving(workload: Workload, offload: Any) -> Iterator[Any]:
+    """A `Model` served by a fresh offload engine over the workload's weights (no reload), closed after."""
+    import jax
+
+    from fmoe_jax.engine import OffloadEngine
+
+    # Earlier engines' programs are garbage now: free them, or an experiment that builds many engines in
+    # one process runs out of memory mappings (XLA:CPU maps each executable; vm.max_map_count is 65530).
+    gc.collect()
+    jax.clear_caches()
+    engine = OffloadEngine(workload.model.module, offload)
+    try:
+        yield dataclasses.replace(workload.model, engine=engine, offload=offload)
+    finally:
+        engine.close()
+
+
+def compilations() -> int:
+    from fmoe_jax.resident import TRACE_COUNTS
+
+    return sum(TRACE_COUNTS.values())
+
+
+def run_live(
+    workload: Workload,
+    variant: Variant,
+    *,
+    measured: Sequence[Sequence[Request]] | None = None,
+    warmup: Sequence[Sequence[Request]] | None = None,
+    **config: Any,
+) -> dict[str, Any]:
+    """Serves the warm-up batches, then the measured ones (default: every eval prompt alone); returns
+    per-request TTFT and TPOT (mean decode step), expert-cache counts over the measured calls, overhead
+    by stage and the compilations that happened while measuring (should be 0)."""
+    import fmoe_jax as fj
+
+    measured = measured if measured is not None else batches(workload.eval[: workload.args.live_requests], 1)
+    warmup = warmup if warmup is not None else batches(workload.store[: workload.args.warmup], 1)
+    offload = offload_config(workload, variant, calls=[*warmup, *measured], simulated=False, **config)
+    new_tokens = workload.args.new_tokens
+    out = dict(ttft_s=[], tpot_s=[], decode_step_s=[], hits=0, misses=0, late_prefetches=0, prefetches=0)
+    out |= dict(wasted_prefetches=0, bytes_to_device=0, overhead_s={}, iterations=0, peak_cache_bytes=0)
+    with serving(workload, offload) as model:
+        for batch in warmup:
+            fj.generate(model, [r.ids for r in batch], new_tokens, stop_at_eos=False)
+        before = compilations()
+        for batch in measured:
+            stats = fj.generate(model, [r.ids for r in batch], new_tokens, stop_at_eos=False).stats
+            out["ttft_s"] += [stats.ttft_s] * len(batch)
+            out["tpot_s"] += [stats.tpot_s] * len(batch)
+            out["decode_step_s"] += stats.decode_step_s
+            out["iterations"] += 1 + len(stats.decode_step_s)
+            for name in ("hits", "misses", "late_prefetches", "prefetches", "wasted_prefetches"):
+                out[name] += stats[name]
+            out["bytes_to_device"] += stats.bytes_to_device
+            out["peak_cache_bytes"] = max(out["peak_cache_bytes"], stats.peak_cache_bytes)
+            for stage, seconds in stats.overhead_s.items():
+                out["overhead_s"][stage] = out["overhead_s"].get(stage, 0.0) + seconds
+        out["compilations"] = compilations() - before
+        out["extra"] = {k: v for k, v in stats.extra.items() if isinstance(v, (int, float, str))}
+    out["requests"] = sum(len(b) for b in measured)
+    out["hit_rate"] = out["hits"] / max(1, out["hits"] + out["misses"])
+    out["median_ttft_s"] = float(np.median(out["ttft_s"]))
+    out["median_tpot_s"] = float(np.median(out["tpot_s"]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Simulated runs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run_sim(
+    workload: Workload,
+    variant: Variant,
+    hardware: str,
+    *,
+    measured: Sequence[Sequence[Request]] | None = None,
+    warmup: Sequence[Sequence[Request]] | None = None,
+    **config: Any,
+) -> Any:
+    """Replays the warm-up batches, then the measured ones, at the preset's sizes on `hardware`."""
+    from fmoe_jax.offload.cost_model import HARDWARE
+    from fmoe_jax.offload.simulator import simulate
+
+    measured = measured if measured is not None else batches(workload.eval, 1)
+    warmup = warmup if warmup is not None else batches(workload.store[: workload.args.warmup], 1)
+    offload = offload_config(workload, variant, calls=[*warmup, *measured], simulated=True, **config)
+    return simulate(
+        [batch_trace(b) for b in measured],
+        offload,
+        model=workload.preset,
+        hardware=HARDWARE[hardware],
+        router_weights=workload.router_weights,
+        warmup=[batch_trace(b) for b in warmup],
+    )
+
+
+def sim_row(result: Any) -> dict[str, Any]:
+    return dict(
+        hit_rate=result.hit_rate,
+        median_ttft_s=result.median_ttft_s,
+        median_tpot_s=result.median_tpot_s,
+        stall_s=result.stall_s,
+        gb_to_device=result.bytes_to_device / 1e9,
+        requests=len(result.ttft_s),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Result files
+# ---------------------------------------------------------------------------------------------------------
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    if not rows:
+        return "(no rows)\n"
+    columns = list(columns or rows[0])
+
+    def fmt(value: Any) -> str:
+        if isinstance(value, float):
+            return "nan" if np.isnan(value) else f"{value:.4g}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(
+    name: str,
+    title: str,
+    payload: dict[str, Any],
+    tables: dict[str, list[dict[str, Any]]],
+    notes: Sequence[str],
+    out: Path,
+) -> Path:
+    """Prints the tables and writes `<name>.json` and `<name>.md` (the PNG is the experiment's own)."""
+    command = command_line()
+    for caption, rows in tables.items():
+        print(f"\n{caption}")
+        print_table(rows)
+    save(name, {"command": command, **payload, "tables": tables}, out)
+    m = machine()
+    lines = [
+        f"# {title}",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {m['processor']}, {m['cpus']} CPUs, {m['platform']}, jax {m['jax']} ({m['backend']})  ",
+        f"Date: {m['date']}",
+        "",
+    ]
+    for caption, rows in tables.items():
+        lines += [f"### {caption}", "", markdown_table(rows)]
+    if notes:
+        lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
+    path = Path(out) / f"{name}.md"
+    path.write_text("\n".join(lines))
+    print(f"wrote {path}")
+    return path
+
+
+def settings_note(workload: Workload) -> str:
+    a, cfg = workload.args, workload.config
+    return (
+        f"{workload.name}: {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}; "
+        f"prompts '{Path(a.prompts).name}', {len(workload.store)} store / {len(workload.eval)} eval "
+        f"(7:3, seed {a.seed}), prompts cut to {a.prompt_tokens} tokens, {a.new_tokens} new tokens, "
+        f"greedy; cache {workload.slots(a.budget)} of {workload.total_experts} experts ({a.budget:.0%}), "
+        f"d = {a.prefetch_distance}, store capacity {a.store_capacity}, {a.warmup} warm-up store prompts; "
+        f"simulated sizes: {workload.preset.name} ({workload.preset.expert_bytes / 2**20:.0f} MiB per expert)"
+    )
+
+
+def grouped_bars(
+    path: Path, title: str, panels: dict[str, dict[str, dict[str, float]]], log: bool = False
+) -> None:
+    """One panel per entry; in each, groups of bars (group -> bar label -> value), bar colours by label."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(k for groups in panels.values() for bars in groups.values() for k in bars))
+    colours = dict(zip(labels, plt.get_cmap("tab10").colors * 2, strict=False))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
+    for ax, (panel, groups) in zip(axes[0], panels.items(), strict=True):
+        width = 0.8 / max(1, len(labels))
+        for g, bars in enumerate(groups.values()):
+            for i, label in enumerate(labels):
+                if label in bars:
+                    ax.bar(
+                        g + (i - len(labels) / 2 + 0.5) * width,
+                        bars[label],
+                        width,
+                        color=colours[label],
+                        label=label if g == 0 else None,
+                    )
+        ax.set_xticks(range(len(groups)), list(groups), fontsize=8)
+        ax.set_title(panel, fontsize=10)
+        if log:
+            ax.set_yscale("log")
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=min(len(labels), 9), fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def versus_fmoe(rows: Sequence[dict[str, Any]], tpot: str, label: str = "fmoe") -> list[dict[str, Any]]:
+    """fMoE against every other row of a table: hit rates side by side and fMoE's TPOT over the row's
+    (below 1: fMoE faster)."""
+    by = {r["policy"]: r for r in rows}
+    if label not in by:
+        return []
+    f = by[label]
+    return [
+        dict(
+            against=name,
+            hit_rate=r["hit_rate"],
+            fmoe_hit_rate=f["hit_rate"],
+            tpot=r[tpot],
+            fmoe_tpot=f[tpot],
+            fmoe_tpot_ratio=f[tpot] / r[tpot],
+            fmoe_wins=(f["hit_rate"] >= r["hit_rate"]) + (f[tpot] <= r[tpot]) == 2,
+        )
+        for name, r in by.items()
+        if name != label
+    ]
