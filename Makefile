@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(PY) -m fmoe_jax.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers, one test file each at a time
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
