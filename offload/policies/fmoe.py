@@ -88,6 +88,7 @@ class FMoE(Policy):
         self._pending: collections.deque[_Context] = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
+        self._busy = False  # the matcher is processing a context it took off `_pending`
         self._blas = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -216,25 +217,29 @@ class FMoE(Policy):
                 if not self._pending:
                     return
                 context = self._pending.popleft()
+                self._busy = True
                 superseded = (
                     self.traj_target == "band"
                     and context.kind != "update"
                     and any(c.kind != "update" for c in self._pending)
                 )
-            if superseded:  # a newer prediction replaces this one's prefetches anyway
-                self.counts["skipped_contexts"] += 1
-                continue
             try:
-                self._process(context)
+                if superseded:  # a newer prediction replaces this one's prefetches anyway
+                    self.counts["skipped_contexts"] += 1
+                else:
+                    self._process(context)
             except BaseException as err:  # surfaced to the engine at its next event, and by close()
                 self._error = err
                 return
+            finally:
+                with self._cv:
+                    self._busy = False
 
     def wait_idle(self) -> None:
         """Blocks until the matcher has processed every published context (tests, benchmarks)."""
         while True:
             with self._cv:
-                if not self._pending:
+                if (not self._pending and not self._busy) or self._error is not None:
                     break
             time.sleep(0.001)
 
