@@ -14,9 +14,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
-# (script, what it measures, paper figure or issue); the order is the README's.
+# (script, what it measures, paper figure), in the README's order.
 EXPERIMENTS = [
-    ("exp1_granularity", "coarse (request) vs fine (iteration) routing entropy; hit rate vs distance", "3, 4"),
+    ("exp1_granularity", "request- vs iteration-level routing entropy; hit rate by distance", "3, 4"),
     ("exp2_overall", "TTFT, TPOT and hit rate per policy, live and simulated", "9"),
     ("exp3_online", "online serving at Azure trace arrival times: latency CDF per policy", "10"),
     ("exp4_cache_budget", "TPOT and hit rate against the expert cache budget", "11"),
