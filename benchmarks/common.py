@@ -46,23 +46,24 @@ def median_ms(fn: Callable[[], Any], repeats: int = 10, warmup: int = 1) -> floa
 
 
 def read_bandwidth_gbs(megabytes: int = 512) -> dict[str, float]:
-    """Measured memory read bandwidth (GB/s) of this device: a jitted matrix-vector product over a large
-    float32 matrix (what a decode step does) and a jitted sum; the best is the bandwidth floor's divisor."""
+    """Measured memory read bandwidth (GB/s) of this device: jitted matrix-vector products over a large
+    float32 matrix in both layouts (`v @ W` contracts W's rows, `W @ v` its contiguous columns; XLA:CPU
+    reads the second faster) and a jitted sum; the best is the bandwidth floor's divisor."""
     import jax
     import jax.numpy as jnp
 
     cols = 4096
     rows = megabytes * 1024 * 1024 // (4 * cols)
     w = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)
-    v = jnp.ones((1, rows), jnp.float32)
-    matvec = jax.jit(lambda v, w: v @ w)
-    total = jax.jit(jnp.sum)
-    jax.block_until_ready(matvec(v, w))
-    jax.block_until_ready(total(w))
-    out = {
-        "matvec": w.nbytes / (median_ms(lambda: jax.block_until_ready(matvec(v, w))) * 1e6),
-        "sum": w.nbytes / (median_ms(lambda: jax.block_until_ready(total(w))) * 1e6),
+    programs = {
+        "matvec": (jax.jit(lambda v, w: v @ w), jnp.ones((1, rows), jnp.float32)),
+        "matvec_rows": (jax.jit(lambda v, w: w @ v), jnp.ones((cols,), jnp.float32)),
+        "sum": (jax.jit(lambda v, w: jnp.sum(w)), None),
     }
+    out = {}
+    for name, (fn, v) in programs.items():
+        jax.block_until_ready(fn(v, w))
+        out[name] = w.nbytes / (median_ms(lambda fn=fn, v=v: jax.block_until_ready(fn(v, w))) * 1e6)
     out["best"] = max(out.values())
     return out
 

@@ -3,7 +3,8 @@
 `load_model` (HF directories), the conversion CLI and the HF exporter all use these tables. Two HF layouts
 are understood: the hub layout that `save_pretrained` writes (one tensor per expert matrix) and the fused
 layout transformers 5 keeps in memory (`mlp.experts.gate_up_proj` `[J, 2F, D]`, `mlp.experts.down_proj`
-`[J, D, F]`). Our weights are input-major (`x @ W`), so HF `[out, in]` matrices are transposed.
+`[J, D, F]`). Our matrices are stored `[out, in]` like HF's (see `models/layers.py` for why), so tensors are
+copied as they are; only the fused layout is sliced per expert.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 from fmoe_jax.models.config import MoEConfig
 
 Path = tuple[str | int, ...]
-Transform = Literal["copy", "transpose", "fused_gate", "fused_up", "fused_down"]
+Transform = Literal["copy", "fused_gate", "fused_up", "fused_down"]
 HFLayout = Literal["hub", "fused"]
 
 
@@ -54,7 +55,7 @@ def _linear(key: str, path: Path, fan_in: int, fan_out: int, bias: bool, layer: 
         HFTensor(
             f"{key}.weight",
             (fan_out, fan_in),
-            (Target((*path, "kernel"), (fan_in, fan_out), "transpose"),),
+            (Target((*path, "weight"), (fan_out, fan_in)),),
             layer,
         )
     ]
@@ -77,13 +78,9 @@ def _swiglu(
     """A SwiGLU MLP stored as three HF linears `names` = (gate, up, down)."""
     gate, up, down = names
     return [
-        HFTensor(
-            f"{key}.{gate}.weight", (f, d), (Target((*path, "gate"), (d, f), "transpose"),), layer, expert
-        ),
-        HFTensor(f"{key}.{up}.weight", (f, d), (Target((*path, "up"), (d, f), "transpose"),), layer, expert),
-        HFTensor(
-            f"{key}.{down}.weight", (d, f), (Target((*path, "down"), (f, d), "transpose"),), layer, expert
-        ),
+        HFTensor(f"{key}.{gate}.weight", (f, d), (Target((*path, "gate"), (f, d)),), layer, expert),
+        HFTensor(f"{key}.{up}.weight", (f, d), (Target((*path, "up"), (f, d)),), layer, expert),
+        HFTensor(f"{key}.{down}.weight", (d, f), (Target((*path, "down"), (d, f)),), layer, expert),
     ]
 
 
@@ -135,8 +132,8 @@ def hf_tensors(cfg: MoEConfig, layout: HFLayout = "hub") -> list[HFTensor]:
                 HFTensor(
                     f"{p}.mlp.experts.gate_up_proj",
                     (cfg.num_experts, 2 * f, d),
-                    tuple(Target(("experts", i, j, "gate"), (d, f), "fused_gate", j) for j in j_all)
-                    + tuple(Target(("experts", i, j, "up"), (d, f), "fused_up", j) for j in j_all),
+                    tuple(Target(("experts", i, j, "gate"), (f, d), "fused_gate", j) for j in j_all)
+                    + tuple(Target(("experts", i, j, "up"), (f, d), "fused_up", j) for j in j_all),
                     i,
                 )
             )
@@ -144,7 +141,7 @@ def hf_tensors(cfg: MoEConfig, layout: HFLayout = "hub") -> list[HFTensor]:
                 HFTensor(
                     f"{p}.mlp.experts.down_proj",
                     (cfg.num_experts, d, f),
-                    tuple(Target(("experts", i, j, "down"), (f, d), "fused_down", j) for j in j_all),
+                    tuple(Target(("experts", i, j, "down"), (d, f), "fused_down", j) for j in j_all),
                     i,
                 )
             )
@@ -159,30 +156,17 @@ def detect_layout(keys: Iterable[str]) -> HFLayout:
     return "fused" if any(key.endswith("experts.gate_up_proj") for key in keys) else "hub"
 
 
-def transpose(array: np.ndarray, rows: int = 64) -> np.ndarray:
-    """`array.T` as a new contiguous array, copied a block of rows at a time: NumPy's one strided copy
-    thrashes the cache (measured 140-350 MB/s on expert matrices, 2-5x slower than this)."""
-    if array.ndim != 2:
-        return np.ascontiguousarray(array.T)
-    out = np.empty(array.shape[::-1], array.dtype)
-    for i in range(0, array.shape[0], rows):
-        out[:, i : i + rows] = array[i : i + rows].T
-    return out
-
-
 def apply_transform(array: np.ndarray, target: Target) -> np.ndarray:
-    """HF tensor -> our parameter (a new contiguous array)."""
+    """HF tensor -> our parameter (a new contiguous array, or the array itself when it already is one)."""
     if target.transform == "copy":
         return np.ascontiguousarray(array)
-    if target.transform == "transpose":
-        return transpose(array)
-    f = target.shape[-1] if target.transform != "fused_down" else target.shape[0]
+    f = target.shape[0] if target.transform != "fused_down" else target.shape[1]
     sliced = {
         "fused_gate": lambda: array[target.expert, :f, :],
         "fused_up": lambda: array[target.expert, f:, :],
         "fused_down": lambda: array[target.expert],
     }[target.transform]()
-    return transpose(sliced)
+    return np.ascontiguousarray(sliced)
 
 
 def to_hf(cfg: MoEConfig, params: Mapping[Path, np.ndarray]) -> dict[str, np.ndarray]:
@@ -190,6 +174,5 @@ def to_hf(cfg: MoEConfig, params: Mapping[Path, np.ndarray]) -> dict[str, np.nda
     out = {}
     for tensor in hf_tensors(cfg, "hub"):
         (target,) = tensor.targets
-        value = np.asarray(params[target.path])
-        out[tensor.key] = np.ascontiguousarray(value.T) if target.transform == "transpose" else value
+        out[tensor.key] = np.asarray(params[target.path])
     return out

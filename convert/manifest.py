@@ -18,7 +18,7 @@ from .hf import CheckpointError
 
 MANIFEST_NAME = "fmoe_manifest.json"
 FORMAT_NAME = "fmoe-jax-orbax"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: matrices stored [out, in] (version 1 stored them [in, out])
 HASH_CHUNK_BYTES = 8 << 20
 
 

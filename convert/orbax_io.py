@@ -6,7 +6,7 @@
 A checkpoint directory holds `fmoe_manifest.json` (see `manifest.py`), the Hugging Face `config.json`,
 `generation_config.json` and tokenizer files, and one orbax PyTree item per subdirectory:
   `dense`               embedding, final norm, LM head (keyed by our parameter path, e.g. `embed/embedding`)
-  `dense_layer_LLL`     layer L without its routed experts (`attn/q_proj/kernel`, `router/kernel`, ...)
+  `dense_layer_LLL`     layer L without its routed experts (`attn/q_proj/weight`, `router/weight`, ...)
   `experts_layer_LLL`   routed experts of MoE layer L (`expert_JJJ/{gate,up,down}`, input-major)
 so that neither writing nor restoring needs more than one layer in memory.
 """

@@ -142,11 +142,13 @@ def generate(
     tokens = np.full((batch, t_pad), model.pad_token_id, np.int32)
     for b, p in enumerate(ids):
         tokens[b, t_pad - len(p) :] = p
-    key_start = jnp.asarray([t_pad - len(p) for p in ids], jnp.int32)
+    key_start = np.asarray([t_pad - len(p) for p in ids], np.int32)
     active = np.ones((batch,), bool)
     eos = set(model.eos_token_ids) if stop_at_eos else set()
     engine = model.engine
-    base_key = jax.random.key(seed)
+    # Every call's key, fold_in(key(seed), i), made at once as raw key data: host-side JAX calls in the
+    # decode loop cost ~0.5 ms each on CPU, a step's layout and key are therefore plain NumPy.
+    step_keys = _StepKeys(jax.random.key(seed))
     trace = RoutingTrace.empty(cfg, [list(p) for p in ids]) if record_trace else None
     if hasattr(engine, "begin"):
         engine.begin(batch)
@@ -154,12 +156,12 @@ def generate(
     stats = GenerationStats(prompt_tokens=sum(len(p) for p in ids))
     cache = engine.init_cache(batch, cache_len)
     start = time.perf_counter()
-    layout = Layout(jnp.int32(0), key_start, jnp.asarray(active), t_pad)
+    layout = Layout(np.int32(0), key_start, active.copy(), t_pad)
     out, cache = engine.step(
-        jnp.asarray(tokens),
+        tokens,
         cache,
         layout,
-        jax.random.fold_in(base_key, 0),
+        step_keys[0],
         sampling,
         record_trace,
         record_hidden,
@@ -181,13 +183,13 @@ def generate(
         if step == max_new_tokens - 1 or not active.any():
             break
         t0 = time.perf_counter()
-        layout = Layout(jnp.int32(t_pad + step), key_start, jnp.asarray(active), 1)
+        layout = Layout(np.int32(t_pad + step), key_start, active.copy(), 1)
         row_valid = active.copy()
         out, cache = engine.step(
-            jnp.asarray(next_tokens[:, None]),
+            next_tokens[:, None],
             cache,
             layout,
-            jax.random.fold_in(base_key, step + 1),
+            step_keys[step + 1],
             sampling,
             record_trace,
             record_hidden,
@@ -205,6 +207,29 @@ def generate(
     if model.tokenizer is not None:
         texts = [model.tokenizer.decode(g, skip_special_tokens=True) for g in generated]
     return GenerateOutput(generated, texts, stats, trace)
+
+
+class _StepKeys:
+    """`fold_in(key, i)` as raw key data for call i (0: prefill), made 64 at a time by one compiled program
+    (the same for every `max_new_tokens`)."""
+
+    BLOCK = 64
+
+    def __init__(self, key: jax.Array):
+        self.key = key
+        self.blocks: dict[int, np.ndarray] = {}
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        block = i // self.BLOCK
+        if block not in self.blocks:
+            self.blocks[block] = np.asarray(jax.random.key_data(_key_block(self.key, np.uint32(block))))
+        return self.blocks[block][i % self.BLOCK]
+
+
+@jax.jit
+def _key_block(key: jax.Array, block: jax.Array) -> jax.Array:
+    index = block * _StepKeys.BLOCK + jnp.arange(_StepKeys.BLOCK, dtype=jnp.uint32)
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(index)
 
 
 def forward(model: Model, token_ids: Any, *, return_router_probs: bool = False):

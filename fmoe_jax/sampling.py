@@ -37,7 +37,9 @@ class Sample:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     def __call__(self, logits: jax.Array, key: jax.Array) -> jax.Array:
-        """logits `[B, V]` float32 -> token ids `[B]`."""
+        """logits `[B, V]` float32, a PRNG key (typed, or its raw `key_data`) -> token ids `[B]`."""
+        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.wrap_key_data(key)
         logits = logits.astype(jnp.float32) / self.temperature
         neg = jnp.finfo(jnp.float32).min
         if self.top_k:

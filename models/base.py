@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import MoEConfig
-from .layers import Attention, LayerKV, Layout, make_norm, rope_tables
+from .layers import Attention, LayerKV, Layout, Linear, linear, make_norm, rope_tables
 from .moe import Expert, ExpertWeights, Kernel, Routing, expert_mixture
 
 RouteFn = Callable[[jax.Array, MoEConfig], Routing]  # router logits [N, J] (any dtype) -> Routing
@@ -34,12 +34,10 @@ class DecoderLayer(nnx.Module):
         self.post_norm = make_norm(cfg, dtype=dtype)
         kw = dict(dtype=dtype, rngs=rngs)
         if self.is_moe:
-            self.router = nnx.Linear(
-                cfg.hidden_size, cfg.num_experts, use_bias=False, param_dtype=dtype, **kw
-            )
+            self.router = Linear(cfg.hidden_size, cfg.num_experts, use_bias=False, **kw)
             if cfg.shared_expert_intermediate_size:
                 self.shared_expert = Expert(cfg.hidden_size, cfg.shared_expert_intermediate_size, **kw)
-                self.shared_gate = nnx.Linear(cfg.hidden_size, 1, use_bias=False, param_dtype=dtype, **kw)
+                self.shared_gate = Linear(cfg.hidden_size, 1, use_bias=False, **kw)
         else:
             self.mlp = Expert(cfg.hidden_size, cfg.dense_intermediate_size, **kw)
 
@@ -82,10 +80,13 @@ class DecoderLayer(nnx.Module):
         return self.mlp(z)
 
 
-def output_logits(final_norm: nnx.Module, projection: nnx.Linear | nnx.Embed, x: jax.Array) -> jax.Array:
+def output_logits(final_norm: nnx.Module, projection: Linear | nnx.Embed, x: jax.Array) -> jax.Array:
     """Final norm then the LM head (or the tied embedding): `[..., D]` -> `[..., V]` float32."""
     x = final_norm(x)
-    logits = projection.attend(x) if isinstance(projection, nnx.Embed) else projection(x)
+    if isinstance(projection, nnx.Embed):  # tied: the embedding table `[V, D]` is already `[out, in]`
+        logits = linear(x.astype(projection.embedding.dtype), projection.embedding[...])
+    else:
+        logits = projection(x)
     return logits.astype(jnp.float32)
 
 
@@ -114,13 +115,8 @@ class MoECausalLM(nnx.Module):
         )
         self.final_norm = make_norm(cfg, dtype=dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Linear(
-                cfg.hidden_size,
-                cfg.vocab_size,
-                use_bias=cfg.lm_head_bias,
-                dtype=dtype,
-                param_dtype=dtype,
-                rngs=rngs,
+            self.lm_head = Linear(
+                cfg.hidden_size, cfg.vocab_size, use_bias=cfg.lm_head_bias, dtype=dtype, rngs=rngs
             )
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -136,7 +132,7 @@ class MoECausalLM(nnx.Module):
         return rope_tables(cfg.rope, cfg.head_dim, layout.positions, layout.token_valid, dtype)
 
     @property
-    def output_projection(self) -> nnx.Linear | nnx.Embed:
+    def output_projection(self) -> Linear | nnx.Embed:
         return self.embed if self.config.tie_word_embeddings else self.lm_head
 
     def head(self, x: jax.Array) -> jax.Array:
@@ -191,7 +187,6 @@ class MoECausalLM(nnx.Module):
         if last_only:
             return self.head(x[:, -1:, :])[:, 0], new_cache, routings
         return self.head(x), new_cache, routings
-
 
 
 def _expert_keys(rngs: nnx.Rngs, n: int) -> list[jax.Array]:

@@ -341,7 +341,7 @@ def live_and_replayed(hf_dir, policy_cls, predictor, slots: int) -> list[tuple[i
         )
         live = model.engine.cache.book.stats
         router = [
-            np.asarray(model.module.layers[i].router.kernel[...], np.float32)
+            np.asarray(model.module.layers[i].router.weight[...], np.float32).T
             for i in model.config.moe_layer_ids
         ]
         preset = ModelPreset.from_config(model.config)

@@ -6,7 +6,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fmoe_jax.models.moe import ExpertWeights, Routing, expert_mixture, reference_mixture, tile_rows
+from fmoe_jax.models.moe import (
+    GROUPED_MAX_BODIES,
+    GROUPED_MAX_ROWS,
+    ExpertWeights,
+    Routing,
+    expert_mixture,
+    group_sizes,
+    reference_mixture,
+    tile_rows,
+)
 
 D, F, J = 16, 24, 6
 
@@ -14,7 +23,7 @@ D, F, J = 16, 24, 6
 def make_experts(n: int, seed: int = 0) -> list[ExpertWeights]:
     rng = np.random.default_rng(seed)
     return [
-        ExpertWeights(*(jnp.asarray(rng.normal(0, 0.3, s), jnp.float32) for s in ((D, F), (D, F), (F, D))))
+        ExpertWeights(*(jnp.asarray(rng.normal(0, 0.3, s), jnp.float32) for s in ((F, D), (F, D), (D, F))))
         for _ in range(n)
     ]
 
@@ -30,7 +39,7 @@ def make_routing(n_tokens: int, k: int, seed: int = 1) -> tuple[jax.Array, Routi
 
 CASES = [
     (kernel, n, k)
-    for kernel in ("unrolled", "tiled", "ragged")
+    for kernel in ("unrolled", "grouped", "tiled", "ragged")
     for n, k in ((1, 2), (3, 2), (7, 2), (64, 2))
     if kernel != "unrolled" or n * k <= 16
 ]  # the unrolled kernel is for decode-sized batches
@@ -47,7 +56,7 @@ def test_kernels_match_reference(kernel, n_tokens, k):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["unrolled", "tiled", "ragged"])
+@pytest.mark.parametrize("kernel", ["unrolled", "grouped", "tiled", "ragged"])
 def test_chunks_and_invalid_tokens(kernel):
     """Passing a subset of experts (slot -1 for the rest) computes only their share; chunks sum to the whole;
     invalid tokens contribute nothing."""
@@ -71,6 +80,37 @@ def test_tile_rows_is_power_of_two_and_bounded():
     for a, n in [(1, 8), (256, 8), (4096, 60), (10, 1)]:
         g = tile_rows(a, n)
         assert g & (g - 1) == 0 and 1 <= g <= 64
+
+
+@pytest.mark.parametrize("n_tokens,skew,seed", [(17, 0.0, 0), (150, 0.9, 1), (400, 0.5, 2), (90, 1.0, 3)])
+def test_grouped_with_skewed_routing(n_tokens, skew, seed):
+    """Experts with more rows than the largest tile (full tiles plus a remainder), experts with none, and
+    unused experts holding NaN weights (never read): the grouped kernel still equals the reference."""
+    rng = np.random.default_rng(seed)
+    experts = make_experts(J, seed)
+    poisoned = experts[:-1] + [ExpertWeights(*(w * jnp.nan for w in experts[-1]))]  # nobody routes to J-1
+    x = jnp.asarray(rng.normal(size=(n_tokens, D)), jnp.float32)
+    hot = rng.random(n_tokens) < skew
+    first = np.where(hot, 0, rng.integers(1, J - 1, n_tokens))
+    second = (
+        np.where(first == 1, 2, 1) if skew == 1.0 else (first + rng.integers(1, J - 2, n_tokens)) % (J - 1)
+    )
+    ids = np.stack([first, second], 1).astype(np.int32)
+    assert (ids[:, 0] != ids[:, 1]).all() and (ids < J - 1).all()
+    routing = Routing(
+        jnp.full((n_tokens, J), 1.0 / J), jnp.asarray(ids), jnp.asarray(rng.uniform(0.1, 1, (n_tokens, 2)))
+    )
+    valid = jnp.asarray(rng.random(n_tokens) < 0.9)
+    ref = reference_mixture(x, Routing(routing.probs, routing.ids, routing.weights * valid[:, None]), experts)
+    out = expert_mixture(x, routing, poisoned, jnp.arange(J, dtype=jnp.int32), valid, kernel="grouped")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_group_sizes_are_bounded():
+    for a, n in [(17, 8), (256, 8), (512, 60), (8192, 8), (300, 4), (1, 1)]:
+        sizes = group_sizes(a, n)
+        assert list(sizes) == sorted(set(sizes)) and all(s % 8 == 0 for s in sizes)
+        assert sizes[-1] <= GROUPED_MAX_ROWS and len(sizes) * n <= max(GROUPED_MAX_BODIES, n)
 
 
 def test_unrolled_reads_only_used_experts():

@@ -79,7 +79,7 @@ else:
                 for key, arrays in cache.arrays.items():
                     assert place(key) == index
                     assert {a.sharding.device_set.pop() for a in arrays} == {jax.devices()[index]}
-            layer0 = model.module.layers[0].attn.q_proj.kernel[...]
+            layer0 = model.module.layers[0].attn.q_proj.weight[...]
             assert len(model.engine.layer_params[0][0].sharding.device_set) == DEVICES  # replicated dense
             assert layer0.sharding.memory_kind == "device"
 

@@ -37,7 +37,7 @@ TINY_MIXTRAL = dict(
 def _experts(n: int, d: int, f: int, seed: int) -> list[ExpertWeights]:
     rng = np.random.default_rng(seed)
     return [
-        ExpertWeights(*(jnp.asarray(rng.normal(0, 0.3, s), jnp.float32) for s in ((d, f), (d, f), (f, d))))
+        ExpertWeights(*(jnp.asarray(rng.normal(0, 0.3, s), jnp.float32) for s in ((f, d), (f, d), (d, f))))
         for _ in range(n)
     ]
 
