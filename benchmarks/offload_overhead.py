@@ -67,7 +67,9 @@ def main() -> None:
     rows = {"resident engine": measure(resident, prompt, args.new_tokens, args.repeats)}
     del resident
     configs = {
-        "offload, cache = all (warm)": fj.OffloadConfig(policy="on_demand_lru", cache_experts=total),
+        "offload, cache = all (warm)": fj.OffloadConfig(
+            policy="on_demand_lru", cache_experts=total, preload=True
+        ),
         f"on_demand_lru, {args.budget:.0%}": fj.OffloadConfig(policy="on_demand_lru", cache_experts=slots),
         f"fmoe, {args.budget:.0%}": fj.OffloadConfig(policy="fmoe", cache_experts=slots, prefetch_distance=1),
     }

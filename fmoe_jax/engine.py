@@ -5,6 +5,11 @@ layer, `attention_and_router` (jitted), one host read of the routing (the trajec
 policy), `cache.ensure` for the needed experts, `experts` (jitted) with the cached experts' arrays passed
 as arguments; if a layer needs more experts than the cache holds it runs in chunks; then the LM head.
 `fmoe_jax.generate` drives it through `step` exactly like the resident engine.
+
+Fast path: when the cache holds every routed expert and was filled at start (`OffloadConfig.preload`, or
+the `resident` policy), a step is the resident engine's single program with the cached arrays for the
+experts; the host then replays the per-layer events, so the policy, the cache statistics and the trace
+see exactly what the per-layer loop would have shown them, in the same order, without a sync per layer.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from fmoe_jax.offload.policies import PolicyContext, make_policy
 from fmoe_jax.offload.schedule import announce, needed_experts, serve_layer
 from fmoe_jax.offload.transfer import DeviceExpertCache, JaxMover
 
-from .resident import TRACE_COUNTS, Graph, StepOutput, split
+from .resident import TRACE_COUNTS, Graph, StepOutput, resident_step, split
 from .sampling import Sampling
 
 
@@ -45,7 +50,7 @@ def model_identity(cfg) -> str:
 def router_weights(module: MoECausalLM) -> tuple[np.ndarray, ...]:
     """Each MoE layer's router kernel `[D, J]` as float32 host arrays (speculative and learned policies)."""
     cfg = module.config
-    return tuple(np.asarray(module.layers[i].router.kernel[...], np.float32) for i in cfg.moe_layer_ids)
+    return tuple(np.asarray(module.layers[i].router.weight[...], np.float32).T for i in cfg.moe_layer_ids)
 
 
 def _pad_pow2(n: int, cap: int) -> int:
@@ -111,9 +116,20 @@ class OffloadEngine:
         # A policy may hold a thread (fMoE's matcher) that would outlive a model nobody closes: close it
         # when the engine is collected, or on `close()`, whichever comes first (once).
         self._close_policy = weakref.finalize(self, _close_quietly, self.policy)
-        if self.policy.preload_all:
+        if self.policy.preload_all or offload.preload:
             self.cache.preload([(m, e) for m in range(cfg.num_moe_layers) for e in range(cfg.num_experts)])
         self.overhead = collections.defaultdict(float)
+        # A cache that holds every routed expert, filled at start, never evicts or loads: each step runs
+        # as one whole-model program and the host replays the per-layer events afterwards
+        # (`_step_resident`). Only for a cache filled at start, so that its programs compile on the
+        # first calls, not in the middle of serving.
+        preloaded = self.policy.preload_all or offload.preload
+        self.defer_routing = self.mesh is None and slots >= total and preloaded
+        if self.defer_routing:
+            graph, self._whole_params = split(module)
+            self._whole_step = resident_step(graph, kernel)
+            self._whole_experts = _expert_leaves(graph, self.moe_index)
+            self._all_keys = [(m, e) for m in range(cfg.num_moe_layers) for e in range(cfg.num_experts)]
 
     def _device_cache(self, device: jax.Device, slots: int) -> DeviceExpertCache:
         target = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
@@ -213,9 +229,15 @@ class OffloadEngine:
         record: bool = False,
         record_hidden: bool = False,
     ) -> tuple[StepOutput, list[LayerKV]]:
+        if self.defer_routing:
+            done = self._step_resident(tokens, kv, layout, key, sampling, record, record and record_hidden)
+            if done is not None:
+                return done
         if self.mesh is not None:
             tokens, layout = self._global((tokens, layout))
-            key = jax.random.wrap_key_data(self._global(jax.random.key_data(key)))
+            if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+                key = jax.random.key_data(key)
+            key = self._global(key)  # raw key data; the sampler wraps it
         x, kv, extra = self._layers(tokens, kv, layout, record, record and record_hidden)
         next_tokens, logits = self._head(self.head_params, x, key, sampling)
         if self.mesh is not None:  # the generation loop reads them on this process's host
@@ -240,6 +262,63 @@ class OffloadEngine:
         ]
         return logits, routings
 
+    def _step_resident(self, tokens, kv, layout, key, sampling, record, record_hidden):
+        """Every routed expert is cached (and the cache holds them all): the whole step as one program, the
+        resident engine's, with the cached experts' arrays for parameters. The host then replays what the
+        per-layer loop would have told the cache and the policy, in the same order (all hits). None when
+        some expert is not resident."""
+        arrays = self.cache.pin_if_resident(self._all_keys)
+        if arrays is None:
+            return None
+        policy = self.policy
+        try:
+            params = list(self._whole_params)
+            for index, key_, field in self._whole_experts:
+                params[index] = getattr(arrays[key_], field)
+            want_hidden = policy.needs_hidden or record_hidden
+            next_tokens, logits, kv, extra = self._whole_step(
+                params, tokens, kv, layout, key, sampling, True, want_hidden
+            )
+            embeds, probs, ids, hidden = extra
+            ids.block_until_ready()  # the step's compute is not overhead; what follows is
+            start = time.perf_counter()
+            b, t = np.shape(tokens)
+            index = np.asarray(layout.write_index) + np.arange(t)
+            valid_bt = (index[None, :] >= np.asarray(layout.key_start)[:, None]) & np.asarray(
+                layout.row_active
+            )[:, None]
+            valid = valid_bt.reshape(b * t)
+            ids = np.asarray(ids)  # [B, T, L, k]; waits for the step
+            probs = np.asarray(probs) if (policy.needs_probs or record) else None
+            embeds = np.asarray(embeds).astype(np.float32) if (policy.needs_semantic or record) else None
+            hidden = np.asarray(hidden).astype(np.float32) if want_hidden else None
+            self.overhead["context_collection"] += time.perf_counter() - start
+            start = time.perf_counter()
+            flat = embeds.reshape(b * t, -1) if policy.needs_semantic else None
+            policy.on_iteration_start(flat, valid_bt)
+            for moe in range(self.config.num_moe_layers):
+                layer_ids = ids[:, :, moe].reshape(b * t, -1)
+                needed = needed_experts(layer_ids, valid)
+                announce(self.cache, moe, needed)
+                policy.on_layer_routed(
+                    moe,
+                    probs[:, :, moe].reshape(b * t, -1) if policy.needs_probs else None,
+                    layer_ids,
+                    valid_bt,
+                    hidden=hidden[:, :, moe].reshape(b * t, -1) if policy.needs_hidden else None,
+                )
+                self.cache.record_served(moe, [(moe, e) for e in needed])
+                self.cache.protect(())
+            policy.on_iteration_end()
+            self.overhead["policy_events"] += time.perf_counter() - start
+        finally:
+            self.cache.release(self._all_keys)
+        out = StepOutput(next_tokens, logits)
+        if record:
+            out.embeds, out.probs, out.ids = embeds, probs, ids
+            out.hidden = hidden if record_hidden else None
+        return out, kv
+
     # -- the per-layer loop -----------------------------------------------------------------------------
     def _layers(self, tokens, kv, layout, record, record_hidden):
         policy = self.policy
@@ -260,17 +339,16 @@ class OffloadEngine:
         self.overhead["policy_events"] += time.perf_counter() - start
 
         kv = list(kv)
+        if self.mesh is None:
+            layout = jax.device_put(layout)  # once, not at each of the layers' calls
         probs_all, ids_all, hidden_all = [], [], []
         want_hidden = policy.needs_hidden or record_hidden
-        for layer_id, (state, fns) in enumerate(zip(self.layer_params, self.layer_fns, strict=True)):
-            if layer_id not in self.moe_index:
-                x, kv[layer_id] = fns.dense_layer(state, x, kv[layer_id], layout, rope)
-                continue
-            moe = self.moe_index[layer_id]
-            h, z, routing, kv[layer_id] = fns.attention_and_router(state, x, kv[layer_id], layout, rope)
-            routing.ids.block_until_ready()  # the one sync point of the layer: attention and router done
+
+        def routed(moe, routing, z):
+            """The host side of a routed layer: read its routing, tell the cache and the policy."""
+            routing.ids.block_until_ready()  # attention and router done: the compute is not overhead
             start = time.perf_counter()
-            ids = self._host(routing.ids)  # [N, k]
+            ids = self._host(routing.ids)  # [N, k]; waits for attention and router
             probs = self._host(routing.probs) if (policy.needs_probs or record) else None
             hidden = self._host(z).astype(np.float32) if want_hidden else None  # [N, D] router input
             self.overhead["context_collection"] += time.perf_counter() - start
@@ -289,6 +367,15 @@ class OffloadEngine:
                 probs_all.append(probs)
                 ids_all.append(ids)
                 hidden_all.append(hidden)
+            return needed
+
+        for layer_id, (state, fns) in enumerate(zip(self.layer_params, self.layer_fns, strict=True)):
+            if layer_id not in self.moe_index:
+                x, kv[layer_id] = fns.dense_layer(state, x, kv[layer_id], layout, rope)
+                continue
+            moe = self.moe_index[layer_id]
+            h, z, routing, kv[layer_id] = fns.attention_and_router(state, x, kv[layer_id], layout, rope)
+            needed = routed(moe, routing, z)
             if self.mesh is None:
                 x = self._run_experts(moe, fns.experts_finish, state, h, z, routing, valid_dev, needed)
             else:
@@ -309,7 +396,7 @@ class OffloadEngine:
     def _run_experts(self, moe, experts_finish, state, h, z, routing, valid, needed):
         """Computes a layer's experts with what fits the cache, in chunks when it needs more than that."""
         capacity, num_experts = self.cache.book.capacity, self.config.num_experts
-        acc = jnp.zeros(z.shape, jnp.float32)
+        acc = jnp.zeros(z.shape, jnp.float32)  # the sum of earlier chunks (always an array: one variant)
         if not needed:  # only padding or finished rows: the shared expert and the residual remain
             no_slots = jnp.full((num_experts,), -1, jnp.int32)
             return experts_finish(state, h, z, routing, (), no_slots, valid, acc)
@@ -511,6 +598,18 @@ def _experts_partial(kernel, z, routing, experts, slots, valid, acc):
     """An earlier chunk of a layer that needs more experts than the cache holds."""
     TRACE_COUNTS[f"experts_partial_N{z.shape[0]}_n{len(experts)}"] += 1
     return acc + expert_mixture(z, routing, experts, slots, valid, kernel=kernel).astype(jnp.float32)
+
+
+def _expert_leaves(graph: Graph, moe_index: dict[int, int]) -> list[tuple[int, tuple[int, int], str]]:
+    """(position in the flat parameter list, (MoE layer index, expert), field) of every routed expert's
+    matrix in the whole-model graph; the fast path puts the cached arrays there."""
+    abstract = jax.tree.unflatten(graph.treedef, list(range(graph.treedef.num_leaves)))
+    out = []
+    for path, index in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if keys[0] == "experts":
+            out.append((index, (moe_index[keys[1]], keys[2]), keys[3]))
+    return out
 
 
 def _host_expert(module: MoECausalLM, key: tuple[int, int]) -> ExpertWeights:

@@ -29,6 +29,8 @@ class OffloadConfig:
       placement: which device holds expert `(layer, expert)`: None (round robin), a mapping, or a callable.
       max_inflight: host-to-device copies in flight at once.
       synchronous_transfers: wait for every copy as it is issued (the simulator's comparison mode).
+      preload: warm start: fill the cache before serving, layer by layer in expert order, up to its
+        budget. These loads count in no request's statistics (a warm cache, as after earlier requests).
       policy_options: extra keyword arguments of the policy (ablation switches and the like).
     """
 
@@ -42,6 +44,7 @@ class OffloadConfig:
     placement: Any = None
     max_inflight: int = 4
     synchronous_transfers: bool = False
+    preload: bool = False
     policy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -243,6 +243,28 @@ class DeviceExpertCache:
             self._pump()
         return out
 
+    def pin_if_resident(self, keys: Sequence[Key]) -> dict[Key, ExpertWeights] | None:
+        """If every one of `keys` is resident and ready, pins them and returns their arrays (the engine's
+        fast path for a layer whose experts are all cached); else None and nothing changes. Counts
+        nothing: `record_served` does, once the layer's routing is known. Unpin with `release`."""
+        with self.lock:
+            self._poll()
+            entries = self.book.entries
+            if not all(key in entries and entries[key].ready for key in keys):
+                return None
+            self.book.pin(keys)
+            return {key: self.arrays[key] for key in keys}
+
+    def record_served(self, layer: int, needed: Sequence[Key]) -> None:
+        """What `ensure` counts and records for `needed` experts that were pinned resident (all hits)."""
+        with self.lock:
+            hits, late, misses = self.book.classify(layer, needed)
+            if late or misses:
+                raise RuntimeError(f"experts {late + misses} of layer {layer} were pinned but not resident")
+            for key in needed:
+                self.book.record_use(key)
+            self._pump()
+
     def _wait_for_any_inflight(self) -> None:
         """No evictable expert: every slot is pinned or arriving. Waits (lock held) for an unpinned arriving
         copy so it can be evicted; the lock is re-entrant and the copy needs no other thread."""
@@ -258,9 +280,10 @@ class DeviceExpertCache:
             self.book.unpin(keys)
 
     def preload(self, keys: Iterable[Key]) -> None:
-        """Loads experts without counting them as prefetches or misses (warm start, resident policy)."""
+        """Loads experts without counting them as prefetches or misses (warm start, resident policy), in
+        order, as many as the cache holds."""
         with self.lock:
-            for key in keys:
+            for key in list(keys)[: self.book.free_slots]:
                 if key not in self.book:
                     self.book.add(key, prefetched=False)
                     self.arrays[key] = self.mover.start(key)

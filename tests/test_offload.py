@@ -126,7 +126,7 @@ def test_experts_live_in_pinned_host_and_cache_on_device(hf_dirs):
     for layer in model.config.moe_layer_ids:
         for expert in model.module.experts[layer]:
             assert expert.gate[...].sharding.memory_kind == "pinned_host"
-    assert model.module.layers[0].attn.q_proj.kernel[...].sharding.memory_kind == "device"
+    assert model.module.layers[0].attn.q_proj.weight[...].sharding.memory_kind == "device"
     assert model.module.layers[0].shared_expert.gate[...].sharding.memory_kind == "device"
     fj.generate(model, [[1, 2, 3]], max_new_tokens=2)
     for arrays in model.engine.cache.arrays.values():
@@ -263,3 +263,44 @@ def test_cachebook_refuses_overfill_and_pinned_eviction():
         book.remove((0, 0))
     with pytest.raises(ValueError, match="at least one slot"):
         CacheBook(0, 8)
+
+
+@pytest.mark.parametrize("policy", ["on_demand_lfu", "fmoe"])
+def test_full_cache_fast_path_equals_per_layer_loop(policy, hf_dirs):
+    """A preloaded full cache runs each step as one program; tokens, logits, every statistic, the policy's
+    view and the trace equal those of the per-layer loop on the same requests."""
+    path = hf_dirs["qwen2_moe"]
+    cfg = fj.load_model(path).config
+    offload = OffloadConfig(policy=policy, cache_experts=cfg.num_moe_layers * cfg.num_experts, preload=True)
+    prompts = [[3, 14, 15, 92, 65], list(range(20, 44))]
+    runs = {}
+    for fast in (True, False):
+        with fj.load_model(path, offload=offload) as model:
+            engine = model.engine
+            assert engine.defer_routing
+            engine.defer_routing = fast
+            calls = []
+            whole = engine._whole_step
+            engine._whole_step = lambda *a, whole=whole, calls=calls: calls.append(1) or whole(*a)
+            outs = [fj.generate(model, prompts, 5, stop_at_eos=False, record_trace=True) for _ in range(2)]
+            runs[fast] = (outs, len(calls))
+    (fast_outs, fast_calls), (slow_outs, slow_calls) = runs[True], runs[False]
+    assert fast_calls == 2 * 5 and slow_calls == 0  # a prefill and 4 decode steps per call
+    reference = fj.generate(fj.load_model(path), prompts, 5, stop_at_eos=False)
+    for fast, slow in zip(fast_outs, slow_outs, strict=True):
+        assert fast.tokens == slow.tokens == reference.tokens
+        for name in (
+            "hits",
+            "misses",
+            "prefetches",
+            "wasted_prefetches",
+            "bytes_to_device",
+            "layer_hit_rate",
+        ):
+            assert fast.stats[name] == slow.stats[name], name
+        for a, b in zip(fast.trace.requests, slow.trace.requests, strict=True):
+            for it_a, it_b in zip(a.iterations, b.iterations, strict=True):
+                np.testing.assert_array_equal(it_a.ids, it_b.ids)
+                np.testing.assert_allclose(it_a.probs, it_b.probs, atol=1e-6)
+                np.testing.assert_allclose(it_a.embeds, it_b.embeds, atol=1e-6)
+    assert fast_outs[1].stats.hit_rate == 1.0 and fast_outs[1].stats.bytes_to_device == 0
