@@ -167,6 +167,17 @@ def _mixture_unrolled(x, local, weights, experts):
     return out.astype(dtype)
 
 
+def _sort_by_expert(local, weights, n_exp):
+    """Assignments `[N, k]` flattened and stably sorted by expert (skipped ones, -1, last as `n_exp`):
+    returns the unsorted expert ids `[A]` and the sorted (expert, token, weight), each `[A]`."""
+    n, k = local.shape
+    a = n * k
+    flat_e = jnp.where(local.reshape(a) >= 0, local.reshape(a), n_exp)
+    order = jnp.argsort(flat_e, stable=True)
+    tokens = jnp.arange(a, dtype=jnp.int32) // k
+    return flat_e, flat_e[order], tokens[order], weights.reshape(a)[order]
+
+
 def _ceil8(x: float) -> int:
     return max(8, -(-int(math.ceil(x)) // 8) * 8)
 
@@ -206,9 +217,7 @@ def _mixture_grouped(x, local, weights, experts):
     sizes = group_sizes(a, n_exp)
     top, n_sizes = sizes[-1], len(sizes)
 
-    flat_e = jnp.where(local.reshape(a) >= 0, local.reshape(a), n_exp)  # [A], n_exp = skipped
-    order = jnp.argsort(flat_e, stable=True)
-    se, st, sw = flat_e[order], (jnp.arange(a, dtype=jnp.int32) // k)[order], weights.reshape(a)[order]
+    flat_e, se, st, sw = _sort_by_expert(local, weights, n_exp)
     counts = jnp.bincount(flat_e, length=n_exp + 1)[:n_exp]  # [n]
     first = jnp.cumsum(counts) - counts  # [n], first sorted row of each expert
     rows = jnp.concatenate([x[st].astype(dtype), jnp.zeros((top, d), dtype)])  # sorted rows + slack
@@ -274,10 +283,7 @@ def _mixture_tiled(x, local, weights, experts):
     g = tile_rows(a, n_exp)
     n_tiles = min(a, (a + min(n_exp, a) * (g - 1)) // g)  # static bound on sum_e ceil(count_e / G)
 
-    flat_e = jnp.where(local.reshape(a) >= 0, local.reshape(a), n_exp)  # [A], n_exp = skipped
-    flat_t = jnp.arange(a, dtype=jnp.int32) // k
-    order = jnp.argsort(flat_e, stable=True)
-    se, st, sw = flat_e[order], flat_t[order], weights.reshape(a)[order]
+    flat_e, se, st, sw = _sort_by_expert(local, weights, n_exp)
 
     counts = jnp.bincount(flat_e, length=n_exp + 1).at[n_exp].set(0)  # [n+1]
     tiles_per = (counts + g - 1) // g
@@ -310,10 +316,7 @@ def _mixture_ragged(x, local, weights, experts):
     gate = jnp.stack([w.gate.T for w in experts])  # [n, D, F]
     up = jnp.stack([w.up.T for w in experts])
     down = jnp.stack([w.down.T for w in experts])  # [n, F, D]
-    a = n * k
-    flat_e = jnp.where(local.reshape(a) >= 0, local.reshape(a), n_exp)
-    order = jnp.argsort(flat_e, stable=True)
-    se, st, sw = flat_e[order], (jnp.arange(a) // k)[order], weights.reshape(a)[order]
+    flat_e, se, st, sw = _sort_by_expert(local, weights, n_exp)
     sizes = jnp.bincount(flat_e, length=n_exp + 1)[:n_exp].astype(jnp.int32)
     rows = x[st].astype(dtype)
     h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
@@ -339,9 +342,7 @@ def _mixture_blocked(x, local, weights, experts):
     g = tile_rows(a, n_exp)
     n_tiles = min(a, (a + min(n_exp, a) * (g - 1)) // g)  # static bound on sum_e ceil(count_e / G)
 
-    flat_e = jnp.where(local.reshape(a) >= 0, local.reshape(a), n_exp)  # [A], n_exp = skipped
-    order = jnp.argsort(flat_e, stable=True)
-    se, st, sw = flat_e[order], (jnp.arange(a, dtype=jnp.int32) // k)[order], weights.reshape(a)[order]
+    flat_e, se, st, sw = _sort_by_expert(local, weights, n_exp)
     counts = jnp.bincount(flat_e, length=n_exp + 1).at[n_exp].set(0)  # [n+1]
     tiles_per = (counts + g - 1) // g
     tile_start = jnp.cumsum(tiles_per) - tiles_per
