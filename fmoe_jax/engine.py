@@ -124,8 +124,8 @@ class OffloadEngine:
         # (`_step_resident`). Only for a cache filled at start, so that its programs compile on the
         # first calls, not in the middle of serving.
         preloaded = self.policy.preload_all or offload.preload
-        self.defer_routing = self.mesh is None and slots >= total and preloaded
-        if self.defer_routing:
+        self.whole_step = self.mesh is None and slots >= total and preloaded
+        if self.whole_step:
             graph, self._whole_params = split(module)
             self._whole_step = resident_step(graph, kernel)
             self._whole_experts = _expert_leaves(graph, self.moe_index)
@@ -229,7 +229,7 @@ class OffloadEngine:
         record: bool = False,
         record_hidden: bool = False,
     ) -> tuple[StepOutput, list[LayerKV]]:
-        if self.defer_routing:
+        if self.whole_step:
             done = self._step_resident(tokens, kv, layout, key, sampling, record, record and record_hidden)
             if done is not None:
                 return done
@@ -288,7 +288,7 @@ class OffloadEngine:
                 layout.row_active
             )[:, None]
             valid = valid_bt.reshape(b * t)
-            ids = np.asarray(ids)  # [B, T, L, k]; waits for the step
+            ids = np.asarray(ids)  # [B, T, L, k]
             probs = np.asarray(probs) if (policy.needs_probs or record) else None
             embeds = np.asarray(embeds).astype(np.float32) if (policy.needs_semantic or record) else None
             hidden = np.asarray(hidden).astype(np.float32) if want_hidden else None
@@ -343,12 +343,15 @@ class OffloadEngine:
             layout = jax.device_put(layout)  # once, not at each of the layers' calls
         probs_all, ids_all, hidden_all = [], [], []
         want_hidden = policy.needs_hidden or record_hidden
-
-        def routed(moe, routing, z):
-            """The host side of a routed layer: read its routing, tell the cache and the policy."""
-            routing.ids.block_until_ready()  # attention and router done: the compute is not overhead
+        for layer_id, (state, fns) in enumerate(zip(self.layer_params, self.layer_fns, strict=True)):
+            if layer_id not in self.moe_index:
+                x, kv[layer_id] = fns.dense_layer(state, x, kv[layer_id], layout, rope)
+                continue
+            moe = self.moe_index[layer_id]
+            h, z, routing, kv[layer_id] = fns.attention_and_router(state, x, kv[layer_id], layout, rope)
+            routing.ids.block_until_ready()  # the one sync point of the layer: attention and router done
             start = time.perf_counter()
-            ids = self._host(routing.ids)  # [N, k]; waits for attention and router
+            ids = self._host(routing.ids)  # [N, k]
             probs = self._host(routing.probs) if (policy.needs_probs or record) else None
             hidden = self._host(z).astype(np.float32) if want_hidden else None  # [N, D] router input
             self.overhead["context_collection"] += time.perf_counter() - start
@@ -367,15 +370,6 @@ class OffloadEngine:
                 probs_all.append(probs)
                 ids_all.append(ids)
                 hidden_all.append(hidden)
-            return needed
-
-        for layer_id, (state, fns) in enumerate(zip(self.layer_params, self.layer_fns, strict=True)):
-            if layer_id not in self.moe_index:
-                x, kv[layer_id] = fns.dense_layer(state, x, kv[layer_id], layout, rope)
-                continue
-            moe = self.moe_index[layer_id]
-            h, z, routing, kv[layer_id] = fns.attention_and_router(state, x, kv[layer_id], layout, rope)
-            needed = routed(moe, routing, z)
             if self.mesh is None:
                 x = self._run_experts(moe, fns.experts_finish, state, h, z, routing, valid_dev, needed)
             else:

@@ -277,8 +277,8 @@ def test_full_cache_fast_path_equals_per_layer_loop(policy, hf_dirs):
     for fast in (True, False):
         with fj.load_model(path, offload=offload) as model:
             engine = model.engine
-            assert engine.defer_routing
-            engine.defer_routing = fast
+            assert engine.whole_step
+            engine.whole_step = fast
             calls = []
             whole = engine._whole_step
             engine._whole_step = lambda *a, whole=whole, calls=calls: calls.append(1) or whole(*a)
