@@ -207,6 +207,8 @@ def load_workload(name: str, args: argparse.Namespace, *, record: bool = True) -
     key = dict(
         model=model_identity(cfg),
         weights=_file_digest(path),
+        code=_numerics_digest(),
+        xla_flags=os.environ.get("XLA_FLAGS", ""),  # rounding (fmoe_jax sets excess precision off)
         uids=[p.uid for p in store + evaluation],
         ids=ids,
         new_tokens=args.new_tokens,
@@ -241,6 +243,15 @@ def _file_digest(path: Path) -> str:
             [(str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
         ).encode()
     ).hexdigest()[:16]
+
+
+def _numerics_digest() -> str:
+    """Identifies the model code (`fmoe_jax.models`): a kernel change can flip near-tied routing choices,
+    and the oracle must replay exactly the routing the live engine computes."""
+    import fmoe_jax.models
+
+    files = sorted(Path(fmoe_jax.models.__file__).parent.glob("*.py"))
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:16]
 
 
 def record_traces(w: Workload, ids: list[list[int]], directory: Path) -> list:

@@ -68,6 +68,7 @@ class FMoE(Policy):
         store: ExpertMapStore | None = None,
         queue_size: int = 64,
         blas_threads: int | None = 1,
+        min_prob: float = 0.0,
     ):
         if eviction not in ("fmoe", "lfu", "lru"):
             raise ValueError(f"eviction must be 'fmoe', 'lfu' or 'lru', got {eviction!r}")
@@ -79,6 +80,7 @@ class FMoE(Policy):
         self.store = store
         self.queue_size = queue_size
         self.blas_threads = blas_threads
+        self.min_prob = min_prob
         self.guide_prob: dict[Key, float] = {}  # p of each expert in the map guiding its layer now
         self.timers = {"matching": 0.0, "store_update": 0.0}
         self.counts = collections.Counter()
@@ -289,7 +291,7 @@ class FMoE(Policy):
                 self.guide_prob[(int(layer), expert)] = float(guide[pos, expert])
         items = []
         for pos, layer in enumerate(layers):
-            for expert in np.flatnonzero(best[pos]):
+            for expert in np.flatnonzero(best[pos] >= max(self.min_prob, 1e-30)):
                 items.append(((int(layer), int(expert)), float(best[pos, expert]) / (int(layer) - current)))
         return items
 
