@@ -249,6 +249,13 @@ class Replay:
             max_inflight=offload.max_inflight,
             synchronous=offload.synchronous_transfers,
         )
+        self.costs = CostModel(model, hardware, num_experts)
+        one = np.ones(1)
+        decode_layer_s = (
+            self.costs.attention_s(one, one)
+            + self.costs.experts_s([1] * int(meta["top_k"]))
+            + self.costs.shared_s(1)
+        )
         ctx = PolicyContext(
             num_layers=self.num_layers,
             num_experts=num_experts,
@@ -261,6 +268,8 @@ class Replay:
             router_weights=tuple(np.asarray(w, np.float32) for w in router_weights)
             if self.policy.needs_hidden
             else (),
+            copy_s=model.expert_bytes / hardware.link_effective,
+            layer_s=decode_layer_s,
         )
         self.policy.bind(ctx, self.cache)
         self._closed = False
@@ -270,7 +279,6 @@ class Replay:
         except BaseException:
             self.close()
             raise
-        self.costs = CostModel(model, hardware, num_experts)
         self.reset_statistics()
 
     @property

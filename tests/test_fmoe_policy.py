@@ -88,6 +88,40 @@ def test_single_target_mode_and_fixed_top_k():
     assert list(kwargs["replace"]) == [2]
 
 
+def test_cost_admission_prefetches_only_what_pays_for_its_copy():
+    """p >= T / (T + min(T, W)) with W = (layer - current) * layer time: the stored map's p = 0.7 is not
+    worth a 3 ms copy for the next layer (threshold 0.75), is for layers 2 and 3 ahead (0.6, 0.5)."""
+    valid = np.ones((1, 1), bool)
+    probs = np.array([[0.7, 0.1, 0.1, 0.1]], np.float32)  # trajectory score 1 with the stored map
+
+    def prefetched(**options):
+        policy, cache = bound_policy(one_map_store(), semantic=False, **options)
+        policy.on_iteration_start(np.zeros((1, 3), np.float32), valid)
+        policy.on_layer_routed(0, probs, np.array([[0]]), valid)
+        ((items, _),) = cache.requests
+        return policy, [key for key, _ in items]
+
+    policy, keys = prefetched(copy_s=3e-3, layer_s=1e-3)
+    assert [policy.threshold(layer, 0) for layer in (1, 2, 3)] == pytest.approx([0.75, 0.6, 0.5])
+    assert keys == [(2, 2), (3, 3)]
+    assert policy.stats()["not_admitted"] == 1
+    assert policy.stats()["copy_ms"] == pytest.approx(3.0)
+    assert prefetched(copy_s=1e-2, layer_s=1e-3)[1] == []  # the link is the bottleneck: cache only
+    assert prefetched(admission="all", copy_s=1e-2, layer_s=1e-3)[1] == [(1, 1), (2, 2), (3, 3)]
+    assert prefetched(admission=0.8)[1] == []
+    assert prefetched()[1] == [(1, 1), (2, 2), (3, 3)]  # nothing measured yet: the paper's behaviour
+    with pytest.raises(ValueError, match="admission"):
+        FMoE(admission="sometimes")
+
+
+def test_cost_admission_measures_copy_and_layer_time_live(hf_dirs):
+    offload = OffloadConfig(policy="fmoe", cache_experts=4, policy_options={"asynchronous": False})
+    with fj.load_model(hf_dirs["mixtral"], offload=offload) as model:
+        out = fj.generate(model, [[5, 6, 7, 8, 9]], max_new_tokens=8, stop_at_eos=False)
+    assert out.stats.misses > 0
+    assert out.stats.extra["copy_ms"] > 0 and out.stats.extra["layer_ms"] > 0
+
+
 def test_eviction_keeps_highest_p_times_freq():
     policy, cache = bound_policy(one_map_store())
     policy.guide_prob.update({(1, 0): 0.9, (1, 1): 0.1, (1, 2): 0.5})

@@ -69,7 +69,9 @@ def future_traces(hf_dir: Path) -> dict:
 
 
 DETERMINISTIC_OPTIONS: dict[str, dict | Callable[[Path], dict]] = {
-    "fmoe": {"asynchronous": False},
+    # A fixed admission threshold: by default fmoe's admission uses timings measured live (the simulator's
+    # cost model gives others); 0.1 filters some of the random models' choices and keeps others.
+    "fmoe": {"asynchronous": False, "admission": 0.1},
     "oracle": future_traces,
     "promoe": trained_predictor("promoe"),
     "duoserve": trained_predictor("duoserve"),
@@ -424,6 +426,21 @@ def test_presets_are_registered_and_sane():
     for hardware in HARDWARE.values():
         assert 20e9 < hardware.link_effective < hardware.link_bytes_per_s < 70e9
     assert HARDWARE["h100_sxm"].link_effective > 2 * HARDWARE["a100_sxm"].link_effective  # Gen5 vs Gen4
+
+
+def test_replay_gives_policies_the_cost_model_hints():
+    """The simulator tells a policy T (one expert over the link) and one decode layer's compute, which
+    fmoe's admission uses; for Mixtral-8x7B over PCIe 4 a copy takes over ten layers."""
+    hardware = HARDWARE["rtx_3090"]
+    result = simulate(
+        hand_trace(),
+        OffloadConfig(policy="fmoe", policy_options={"asynchronous": False}),
+        model=MIXTRAL_8X7B,
+        hardware=hardware,
+    )
+    extra = result.extra
+    assert extra["copy_ms"] == pytest.approx(1e3 * MIXTRAL_8X7B.expert_bytes / hardware.link_effective)
+    assert 10 < extra["copy_ms"] / extra["layer_ms"] < 30
 
 
 def test_actionable_errors():

@@ -29,6 +29,11 @@ class PolicyContext:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Router kernels `[D, J]` float32 of each MoE layer, for policies that `needs_hidden` (speculation).
     router_weights: tuple[np.ndarray, ...] = ()
+    # Cost hints for a policy that weighs a prefetch against the link time it takes (fmoe's admission):
+    # seconds to copy one expert to the device, and to compute one MoE layer of a decode step. The
+    # simulator passes its cost model's; the live engine leaves them None (such a policy measures them).
+    copy_s: float | None = None
+    layer_s: float | None = None
 
 
 class Policy:

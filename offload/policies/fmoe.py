@@ -4,6 +4,14 @@ The engine publishes contexts; a matcher thread subscribes to them, searches the
 (semantic search at iteration start for layers [0, d), trajectory search after each layer for the layers
 d ahead), picks experts by similarity-aware selection, and queues prefetches by priority p / (l - l_now).
 Eviction keeps the experts with the highest p * freq. The engine never waits for matching.
+
+Prefetch admission (ours, not in the paper): a selected expert is prefetched only when its probability p
+pays for the link time it takes. A prefetch that is used saves at most min(T, W) of stall (T: one expert's
+copy; W: the compute before its layer runs), one that is not used costs T of link time every later copy
+waits behind, so it pays when p * min(T, W) >= (1 - p) * T, i.e. p >= T / (T + min(T, W)). When copies are
+cheap against compute (W >= T) that admits p >= 1/2; when the link is the bottleneck (Mixtral-8x7B over
+PCIe: T ~ 14 ms against ~1 ms per layer) almost nothing is prefetched and the p * freq cache does the work,
+which measured better than prefetching every selected expert (benchmarks/exp5_ablation.py).
 """
 
 from __future__ import annotations
@@ -49,6 +57,11 @@ class FMoE(Policy):
       queue_size: contexts waiting for the matcher at most; the oldest is dropped beyond that.
       blas_threads: NumPy BLAS threads while the policy runs (the matcher's products are small; extra
         BLAS threads only contend with XLA's for the cores). None leaves BLAS alone.
+      admission: which selected experts are prefetched: "cost" (p >= T / (T + min(T, W)), see the module
+        docstring), "all" (every one, as the paper), or a number (p >= it).
+      copy_s, layer_s: T and the compute of one decode layer for "cost", in seconds. Default: the
+        context's hints (the simulator's cost model), else measured as the engine runs (on-demand waits
+        per miss; time between layers less those waits). Until measured, every selected expert goes.
     """
 
     name = "fmoe"
@@ -68,10 +81,14 @@ class FMoE(Policy):
         store: ExpertMapStore | None = None,
         queue_size: int = 64,
         blas_threads: int | None = 1,
-        min_prob: float = 0.0,
+        admission: Literal["cost", "all"] | float = "cost",
+        copy_s: float | None = None,
+        layer_s: float | None = None,
     ):
         if eviction not in ("fmoe", "lfu", "lru"):
             raise ValueError(f"eviction must be 'fmoe', 'lfu' or 'lru', got {eviction!r}")
+        if not (admission in ("cost", "all") or isinstance(admission, (int, float))):
+            raise ValueError(f"admission must be 'cost', 'all' or a probability, got {admission!r}")
         if traj_target not in ("band", "single"):
             raise ValueError(f"traj_target must be 'band' or 'single', got {traj_target!r}")
         self.semantic, self.trajectory, self.dynamic_delta = semantic, trajectory, dynamic_delta
@@ -80,7 +97,9 @@ class FMoE(Policy):
         self.store = store
         self.queue_size = queue_size
         self.blas_threads = blas_threads
-        self.min_prob = min_prob
+        self.admission = admission
+        self.copy_s, self.layer_s = copy_s, layer_s
+        self._clock: tuple[float, float, int] | None = None  # (time, on-demand wait, misses), last layer
         self.guide_prob: dict[Key, float] = {}  # p of each expert in the map guiding its layer now
         self.timers = {"matching": 0.0, "store_update": 0.0}
         self.counts = collections.Counter()
@@ -96,6 +115,9 @@ class FMoE(Policy):
     # -- lifecycle ---------------------------------------------------------------------------------------
     def bind(self, ctx: PolicyContext, cache: Any) -> None:
         super().bind(ctx, cache)
+        self.copy_s = self.copy_s if self.copy_s is not None else ctx.copy_s
+        self.layer_s = self.layer_s if self.layer_s is not None else ctx.layer_s
+        self._measure = self.admission == "cost" and (self.copy_s is None or self.layer_s is None)
         self.meta = {"model": ctx.model_id}
         path = ctx.options.get("store_path")
         if self.store is None and path and os.path.exists(path):
@@ -174,6 +196,8 @@ class FMoE(Policy):
         )  # each row's last token
         self._embeds = embeds[self._valid]
         self._maps = np.zeros((rows * tokens, self.ctx.num_layers, self.ctx.num_experts), np.float32)
+        self._clock = None
+        self._decoding = tokens == 1
         if self.semantic and self._embeds.shape[0]:
             self._publish(_Context("semantic", data=self._embeds))
 
@@ -187,12 +211,42 @@ class FMoE(Policy):
         hidden: np.ndarray | None = None,
     ) -> None:
         self._raise_if_failed()
+        if self._measure:
+            self._measure_costs()
         self._maps[:, layer] = probs
         if not self.trajectory or layer + self.ctx.prefetch_distance >= self.ctx.num_layers:
             return
         active = self._last[valid.any(1)]
         if active.size:
             self._publish(_Context("trajectory", layer=layer, data=self._maps[active, : layer + 1].copy()))
+
+    def _measure_costs(self) -> None:
+        """Live estimates of T and of one layer's compute (exponential averages), from the cache's on-demand
+        wait and miss count at consecutive layers of a decode step: between two `on_layer_routed` events
+        the engine computed one layer and waited for that layer's misses."""
+        timers, book = getattr(self.cache, "timers", None), getattr(self.cache, "book", None)
+        if timers is None or book is None:  # a cache without timings (unit tests): nothing to measure
+            return
+        now = (time.perf_counter(), timers.get("on_demand_wait", 0.0), book.stats.misses)
+        if self._clock is not None and self._decoding:
+            elapsed, waited, misses = (a - b for a, b in zip(now, self._clock, strict=True))
+            compute = max(elapsed - waited, 0.0)
+            self.layer_s = compute if self.layer_s is None else 0.9 * self.layer_s + 0.1 * compute
+            if misses > 0:
+                per_copy = waited / misses
+                self.copy_s = per_copy if self.copy_s is None else 0.9 * self.copy_s + 0.1 * per_copy
+        self._clock = now
+
+    def threshold(self, layer: int, current: int) -> float:
+        """The probability a selected expert of `layer` needs to be prefetched, deciding after `current`."""
+        if self.admission == "all":
+            return 0.0
+        if self.admission != "cost":
+            return float(self.admission)
+        if self.copy_s is None or self.layer_s is None or self.copy_s <= 0:
+            return 0.0  # nothing measured yet
+        window = (layer - current) * self.layer_s
+        return self.copy_s / (self.copy_s + min(self.copy_s, window))
 
     def on_iteration_end(self) -> None:
         self._raise_if_failed()
@@ -291,7 +345,10 @@ class FMoE(Policy):
                 self.guide_prob[(int(layer), expert)] = float(guide[pos, expert])
         items = []
         for pos, layer in enumerate(layers):
-            for expert in np.flatnonzero(best[pos] >= max(self.min_prob, 1e-30)):
+            chosen = np.flatnonzero(best[pos])
+            admitted = chosen[best[pos, chosen] >= self.threshold(int(layer), current)]
+            self.counts["not_admitted"] += len(chosen) - len(admitted)
+            for expert in admitted:
                 items.append(((int(layer), int(expert)), float(best[pos, expert]) / (int(layer) - current)))
         return items
 
@@ -315,6 +372,8 @@ class FMoE(Policy):
 
     def stats(self) -> dict[str, Any]:
         out = {"store_size": len(self.store) if self.store is not None else 0, **dict(self.counts)}
+        if self.admission == "cost" and self.copy_s is not None and self.layer_s is not None:
+            out |= {"copy_ms": 1e3 * self.copy_s, "layer_ms": 1e3 * self.layer_s}
         for kind, values in self.scores.items():
             if values:
                 out[f"mean_{kind}_score"] = float(np.mean(values))
