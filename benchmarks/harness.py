@@ -68,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
             prefetch_distance=3,
             store_capacity=1000,
             warmup=2,
+            max_inflight=4,
             live_requests=18,
             hardware=["rtx_3090", "h100_sxm"],
         )
@@ -87,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     a("--budget", type=float, default=d["budget"], help="expert cache, fraction of all routed experts")
     a("--prefetch-distance", type=int, default=d["prefetch_distance"], help="d (the paper's setting: 3)")
     a("--store-capacity", type=int, default=d["store_capacity"], help="fmoe store / MoE-Infinity EAMs")
+    a("--max-inflight", type=int, default=d["max_inflight"], help="prefetch copies in flight at once")
     a("--warmup", type=int, default=d["warmup"], help="store prompts served first, not measured")
     a("--live-requests", type=int, default=d["live_requests"], help="eval prompts served live (first ones)")
     a("--hardware", nargs="+", default=d["hardware"], help="simulator hardware presets (cost_model.HARDWARE)")
@@ -376,6 +378,7 @@ def offload_config(
         cache_experts=workload.slots(budget if budget is not None else args.budget),
         prefetch_distance=d,
         store_capacity=capacity,
+        max_inflight=args.max_inflight,
         synchronous_transfers=synchronous,
         policy_options=options,
     )

@@ -46,6 +46,21 @@ sizes of Mixtral-8x7B, Qwen1.5-MoE-A2.7B and Phi-3.5-MoE on the hardware presets
 evaluation prompts are disjoint (7:3 split, `fmoe_jax.workloads`). Recorded traces and trained predictors
 are cached in `~/.cache/fmoe-jax-benchmarks` (`--cache-dir`).
 
+## Reading the results
+
+- **Live runs on this CPU measure host work, not the link.** Host and "device" memory are the same RAM
+  here, and the shipped models' experts are a few hundred KB, so a miss costs a memcpy: a policy's live
+  TPOT mostly reflects what it does on the host per layer (matching, predictor calls, issuing copies).
+  That is why the oracle, with every expert ready in time, can decode slower than on-demand LRU live.
+  Live hit rates are meaningful; live TPOT ranks policies by overhead.
+- **The simulator is where the link matters.** At real sizes one Mixtral-8x7B expert takes ~14 ms over
+  PCIe 4 against ~1 ms of compute per decode layer, so a wasted prefetch is pure stall; policies are
+  compared on hit rate and projected TTFT/TPOT at the same budget.
+- **Copies in flight (`--max-inflight`, default 4).** With one copy at a time, a miss waits behind at
+  most one prefetch, and the simulator projects lower TPOT for every prefetching policy (the oracle's
+  Mixtral-8x7B / RTX 3090 TPOT: 64 ms against 80 ms with 4); live, one at a time lowers hit rates,
+  since the next copy starts only at the next layer event. The results below use the default.
+
 ## Real checkpoints on a GPU or TPU
 
 Pass a converted or Hugging Face directory with `--model PATH` (the `--sim-model own` flag makes the

@@ -68,13 +68,14 @@ def test_exp2_runs_live_and_simulated(hf_dirs, tmp_path):
     command += [
         *("--model", str(hf_dirs["mixtral"]), "--prompts", str(prompts), "--n-prompts", "6"),
         *("--prompt-tokens", "8", "--new-tokens", "3", "--warmup", "1", "--live-requests", "2"),
-        *("--hardware", "h100_sxm", "--policies", "on_demand_lru", "fmoe"),
+        *("--hardware", "h100_sxm", "--policies", "on_demand_lru", "fmoe", "--max-inflight", "2"),
         *("--out", str(out), "--cache-dir", str(tmp_path / "cache")),
     ]
     subprocess.run(command, cwd=ROOT, check=True, timeout=300)
     payload = json.loads((out / "exp2_overall.json").read_text())
     for suffix in ("json", "md", "png"):
         assert (out / f"exp2_overall.{suffix}").stat().st_size > 0
+    assert payload["args"]["max_inflight"] == "2"
     (result,) = payload["models"].values()
     for policy in ("on_demand_lru", "fmoe"):
         live = result["live"][policy]
