@@ -60,6 +60,17 @@ def _pad_pow2(n: int, cap: int) -> int:
     return max(n, min(size, cap))
 
 
+def _chunk_width(n: int, capacity: int, num_experts: int, tokens: int) -> int:
+    """How many expert arguments a chunk of `n` experts passes to its jitted step (the rest repeat the
+    first; the kernel skips experts no token is routed to). Decode steps pad to a power of two up to the
+    cache capacity, so a few programs cover every count. Steps of several tokens (prefill) route to any
+    number of experts per layer, so they always pass one width, min(J, capacity): a prompt whose layer
+    happens to use fewer experts than any before it does not compile a new program mid-request."""
+    if tokens > 1:
+        n = max(n, min(num_experts, capacity))
+    return _pad_pow2(n, capacity)
+
+
 class OffloadEngine:
     """Serves a model whose routed experts live in host memory (see module docstring)."""
 
@@ -400,7 +411,8 @@ class OffloadEngine:
             experts = [arrays[k] for k in chunk]
             slots = np.full((num_experts,), -1, np.int32)
             slots[[e for _, e in chunk]] = np.arange(len(chunk), dtype=np.int32)
-            experts += [experts[0]] * (_pad_pow2(len(experts), capacity) - len(experts))
+            width = _chunk_width(len(experts), capacity, num_experts, h.shape[1])
+            experts += [experts[0]] * (width - len(experts))
             slots = jnp.asarray(slots)
             if is_last:
                 return experts_finish(state, h, z, routing, tuple(experts), slots, valid, acc)
@@ -438,7 +450,8 @@ class OffloadEngine:
                 experts = [arrays[k] for k in chunk]
                 slots = np.full((num_experts,), -1, np.int32)
                 slots[[e for _, e in chunk]] = np.arange(len(chunk), dtype=np.int32)
-                experts += [experts[0]] * (_pad_pow2(len(experts), cache.book.capacity) - len(experts))
+                width = _chunk_width(len(experts), cache.book.capacity, num_experts, h.shape[1])
+                experts += [experts[0]] * (width - len(experts))
                 acc = _experts_partial(
                     self.kernel, z_d, routing_d, tuple(experts), jax.device_put(slots, device), valid_d, acc
                 )

@@ -104,6 +104,25 @@ def test_random_budgets_policies_and_prompts(slots, policy, data, hf_dirs):
     assert out.stats.hits + out.stats.misses > 0
 
 
+def test_prefill_compiles_one_expert_program_whatever_the_routing(hf_dirs):
+    """Prompts of one length bucket route their prefill layers to different numbers of experts; one
+    program serves them all, so no request compiles mid-way (the benchmarks count this)."""
+    from fmoe_jax.engine import layer_steps
+    from fmoe_jax.resident import TRACE_COUNTS
+
+    offload = OffloadConfig(policy="on_demand_lru", cache_experts=6)
+    model = fj.load_model(hf_dirs["qwen2_moe"], offload=offload)
+    jax.clear_caches()  # trace afresh: earlier tests may have compiled some widths already
+    layer_steps.cache_clear()
+    before = dict(TRACE_COUNTS)
+    rng = np.random.default_rng(0)
+    for n in [2, 3, 5, 9, 14]:  # 8 experts, top-4: from four to all eight per layer (bucket 16)
+        fj.generate(model, [rng.integers(3, 256, n).tolist()], max_new_tokens=2, stop_at_eos=False)
+    traced = [k for k in TRACE_COUNTS if TRACE_COUNTS[k] != before.get(k, 0)]
+    assert len([k for k in traced if k.startswith("experts_finish_T16_")]) == 1, traced
+    assert len([k for k in traced if k.startswith("experts_partial_N16_")]) <= 1, traced
+
+
 def test_statistics_are_consistent(hf_dirs):
     model = fj.load_model(hf_dirs["mixtral"], offload=OffloadConfig(policy="on_demand_lru", cache_experts=3))
     out = fj.generate(model, [[5, 6, 7], [8, 9, 10, 11]], max_new_tokens=8, stop_at_eos=False)
