@@ -61,11 +61,12 @@ def _pad_pow2(n: int, cap: int) -> int:
 
 
 def _chunk_width(n: int, capacity: int, num_experts: int, tokens: int) -> int:
-    """How many expert arguments a chunk of `n` experts passes to its jitted step (the rest repeat the
-    first; the kernel skips experts no token is routed to). Decode steps pad to a power of two up to the
-    cache capacity, so a few programs cover every count. Steps of several tokens (prefill) route to any
-    number of experts per layer, so they always pass one width, min(J, capacity): a prompt whose layer
-    happens to use fewer experts than any before it does not compile a new program mid-request."""
+    """How many expert arguments a chunk of `n` experts passes to its jitted step (the rest repeat the first;
+    no token is routed to them, so the switch kernels run nothing for them, while "ragged" and "blocked" still
+    stack their weights). Decode steps pad to a power of two up to the cache capacity, so a few programs cover
+    every count. Steps of several tokens (prefill) route to any number of experts per layer, so they always
+    pass one width, min(J, capacity): a prompt whose layer happens to use fewer experts than any before it
+    does not compile a new program mid-request."""
     if tokens > 1:
         n = max(n, min(num_experts, capacity))
     return _pad_pow2(n, capacity)
