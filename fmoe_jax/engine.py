@@ -30,7 +30,7 @@ import numpy as np
 
 from fmoe_jax.models import LayerKV, Layout, MoECausalLM, init_kv_cache
 from fmoe_jax.models.base import output_logits
-from fmoe_jax.models.moe import ExpertWeights, Kernel, Routing, expert_mixture
+from fmoe_jax.models.moe import ExpertWeights, Kernel, Routing, expert_parts
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.placement import CacheGroup, placement_from
 from fmoe_jax.offload.policies import PolicyContext, make_policy
@@ -402,7 +402,7 @@ class OffloadEngine:
     def _run_experts(self, moe, experts_finish, state, h, z, routing, valid, needed):
         """Computes a layer's experts with what fits the cache, in chunks when it needs more than that."""
         capacity, num_experts = self.cache.book.capacity, self.config.num_experts
-        acc = jnp.zeros(z.shape, jnp.float32)  # the sum of earlier chunks (always an array: one variant)
+        acc = _no_parts(z, routing)  # earlier chunks' assignment outputs (always an array: one variant)
         if not needed:  # only padding or finished rows: the shared expert and the residual remain
             no_slots = jnp.full((num_experts,), -1, jnp.int32)
             return experts_finish(state, h, z, routing, (), no_slots, valid, acc)
@@ -435,7 +435,7 @@ class OffloadEngine:
             if cache is None:  # another process's device
                 continue
             z_d, routing_d, valid_d = (local_copy(a, device) for a in (z, routing, valid))
-            acc = jax.device_put(jnp.zeros(z.shape, jnp.float32), device)
+            acc = jax.device_put(_no_parts(z, routing), device)
 
             def compute(
                 chunk,
@@ -560,15 +560,15 @@ def layer_steps(graph: Graph, kernel: Kernel) -> LayerSteps:
         """The last (usually only) chunk of a layer's experts, plus the shared expert and the residual."""
         TRACE_COUNTS[f"experts_finish_T{h.shape[1]}_n{len(experts)}"] += 1
         layer = graph.merge(state)
-        y = layer.moe_output(z, routing, experts, slots, valid, kernel=kernel).astype(jnp.float32) + acc
-        return h + y.reshape(h.shape).astype(h.dtype)
+        parts = acc + expert_parts(z, routing, experts, slots, valid, kernel=kernel) if experts else acc
+        return h + layer.mix(z, parts).reshape(h.shape).astype(h.dtype)
 
     def combine(state, h, z, partials):
-        """Several devices: the per-device partials `[n, N, D]` summed, the shared expert, the residual."""
+        """Several devices: the per-device assignment outputs `[n, N, k, D]` (each assignment nonzero on
+        one device only, so their sum is exact), then the layer's mix and the residual."""
         TRACE_COUNTS[f"combine_T{h.shape[1]}"] += 1
         layer = graph.merge(state)
-        y = jnp.sum(partials, axis=0) + layer.shared_output(z).astype(jnp.float32)
-        return h + y.reshape(h.shape).astype(h.dtype)
+        return h + layer.mix(z, jnp.sum(partials, axis=0)).reshape(h.shape).astype(h.dtype)
 
     return LayerSteps(
         jax.jit(attention_and_router, donate_argnums=2),
@@ -603,9 +603,15 @@ def head_step(graph: Graph) -> Callable:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _experts_partial(kernel, z, routing, experts, slots, valid, acc):
-    """An earlier chunk of a layer that needs more experts than the cache holds."""
+    """An earlier chunk of a layer that needs more experts than the cache holds: its assignments' outputs
+    added to `acc` `[N, k, D]` float32 (the places of other chunks' assignments are zero here)."""
     TRACE_COUNTS[f"experts_partial_N{z.shape[0]}_n{len(experts)}"] += 1
-    return acc + expert_mixture(z, routing, experts, slots, valid, kernel=kernel).astype(jnp.float32)
+    return acc + expert_parts(z, routing, experts, slots, valid, kernel=kernel)
+
+
+def _no_parts(z: jax.Array, routing: Routing) -> jax.Array:
+    """The empty assignment-output buffer `[N, k, D]` float32 a layer's chunks fill."""
+    return jnp.zeros((*routing.ids.shape, z.shape[-1]), jnp.float32)
 
 
 def _expert_leaves(graph: Graph, moe_index: dict[int, int]) -> list[tuple[int, tuple[int, int], str]]:
