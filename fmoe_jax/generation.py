@@ -8,6 +8,7 @@ offload engine; statistics come from the loop here plus whatever the engine meas
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -101,6 +102,18 @@ def encode_prompts(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]
     return out
 
 
+def _serialized(fn):
+    """Runs a public entry point while holding its model (`Model.serving`): one call at a time per model."""
+
+    @functools.wraps(fn)
+    def call(model: Model, *args, **kwargs):
+        with model.serving():
+            return fn(model, *args, **kwargs)
+
+    return call
+
+
+@_serialized
 def generate(
     model: Model,
     prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -232,6 +245,7 @@ def _key_block(key: jax.Array, block: jax.Array) -> jax.Array:
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(index)
 
 
+@_serialized
 def forward(model: Model, token_ids: Any, *, return_router_probs: bool = False):
     """Logits `[B, T, V]` float32 of unpadded, equal-length token ids `[B, T]` (no sampling, no cache kept).
 

@@ -6,10 +6,13 @@ with an `OffloadConfig`, routed experts go to host memory and the offload engine
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,11 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 
 @dataclasses.dataclass
 class Model:
-    """A loaded model: its config, weights (an NNX module), tokenizer and the engine that serves it."""
+    """A loaded model: its config, weights (an NNX module), tokenizer and the engine that serves it.
+
+    Safe to share between threads: `generate` and `forward` hold the model for the whole call (`serving`),
+    so calls on one model run one after another, and calls after `close()` raise.
+    """
 
     config: MoEConfig
     module: MoECausalLM
@@ -38,6 +45,16 @@ class Model:
     source: str = ""
     eos_token_ids: tuple[int, ...] = ()
     offload: Any = None
+    _lock: Any = dataclasses.field(default_factory=threading.RLock, init=False, repr=False, compare=False)
+    _closed: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[Any]:
+        """Holds the model for one call (other threads' calls wait) and yields its engine."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the model from {self.source} is closed; load it again to use it")
+            yield self.engine
 
     @property
     def pad_token_id(self) -> int:
@@ -47,10 +64,15 @@ class Model:
         return self.eos_token_ids[0] if self.eos_token_ids else 0
 
     def close(self) -> None:
-        """Stops background threads of the offload policy (no-op when resident)."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        """Stops background threads of the offload policy and saves its state (once; waits for a call in
+        progress). Later `generate` / `forward` calls raise."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                close()
 
     def __enter__(self) -> Model:
         return self

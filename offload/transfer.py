@@ -216,9 +216,9 @@ class DeviceExpertCache:
         with self.lock:
             self._poll()
             hits, late, misses = self.book.classify(layer, needed)
-            self.book.pin(hits + late)
-            if misses:
-                self.paused += 1
+            pinned = hits + late
+            self.book.pin(pinned)
+            self.paused += bool(misses)
             try:
                 for key in misses:
                     self.queued.discard(key)
@@ -226,22 +226,31 @@ class DeviceExpertCache:
                         self._wait_for_any_inflight()
                     self._start_copy(key, prefetched=False)
                     self.book.pin([key])
+                    pinned.append(key)
             except BaseException:
-                self.paused -= bool(misses)
+                self._give_back(pinned, bool(misses))
                 raise
         start = time.perf_counter()
-        waiting = late + misses
-        if waiting:
-            self._wait_ready(waiting)
+        try:
+            if late or misses:
+                self._wait_ready(late + misses)
+        except BaseException:
+            self._give_back(pinned, bool(misses))
+            raise
         self.timers["on_demand_wait"] += time.perf_counter() - start
         with self.lock:
-            if misses:
-                self.paused -= 1
+            self.paused -= bool(misses)
             for key in needed:
                 self.book.record_use(key)
             out = {key: self.arrays[key] for key in needed}
             self._pump()
         return out
+
+    def _give_back(self, pinned: list[Key], paused: bool) -> None:
+        """Undoes a failed `ensure`'s pins and pause, so that the cache stays usable for the next call."""
+        with self.lock:
+            self.book.unpin(pinned)
+            self.paused -= paused
 
     def pin_if_resident(self, keys: Sequence[Key]) -> dict[Key, ExpertWeights] | None:
         """If every one of `keys` is resident and ready, pins them and returns their arrays (the engine's

@@ -134,22 +134,32 @@ def test_eviction_keeps_highest_p_times_freq():
     assert lru.keep_score((1, 0), Entry(last_use=7)) == 7
 
 
-def test_matcher_thread_surfaces_errors_and_shuts_down():
+def test_a_failing_context_is_dropped_and_reported_not_fatal():
     class Broken(ExpertMapStore):
+        calls = 0
+
         def match_embed(self, embeds):
-            raise ZeroDivisionError("boom")
+            Broken.calls += 1
+            if Broken.calls == 1:
+                raise ZeroDivisionError("boom")
+            return super().match_embed(embeds)
 
     store = Broken(capacity=4, num_layers=4, num_experts=4, embed_dim=3, prefetch_distance=1)
     ctx = PolicyContext(num_layers=4, num_experts=4, top_k=1, embed_dim=3, prefetch_distance=1, capacity=4)
     policy = FMoE(store=store)
     policy.bind(ctx, RecordingCache())
-    policy.on_iteration_start(np.ones((1, 3), np.float32), np.ones((1, 1), bool))
-    policy._thread.join(timeout=10)  # the thread ends on the error
-    assert not policy._thread.is_alive()
-    with pytest.raises(RuntimeError, match="matcher thread failed"):
-        policy.on_layer_routed(0, np.full((1, 4), 0.25, np.float32), np.array([[0]]), np.ones((1, 1), bool))
-    with pytest.raises(RuntimeError, match="matcher thread failed"):
-        policy.close()
+    with pytest.warns(RuntimeWarning, match="fmoe matcher dropped a semantic context: ZeroDivisionError"):
+        policy.on_iteration_start(np.ones((1, 3), np.float32), np.ones((1, 1), bool))
+        policy.wait_idle()
+    assert policy._thread.is_alive()  # the matcher goes on
+    policy.on_layer_routed(0, np.full((1, 4), 0.25, np.float32), np.array([[0]]), np.ones((1, 1), bool))
+    policy.on_iteration_end()
+    policy.on_iteration_start(np.ones((1, 3), np.float32), np.ones((1, 1), bool))  # matched this time
+    policy.wait_idle()
+    stats = policy.stats()
+    assert stats["failed_contexts"] == 1 and "ZeroDivisionError('boom')" in stats["last_error"]
+    assert stats["semantic_matches"] == 1 and len(policy.store) == 1
+    policy.close()
 
     healthy = FMoE()
     healthy.bind(ctx, RecordingCache())

@@ -25,6 +25,7 @@ import dataclasses
 import os
 import threading
 import time
+import warnings
 from typing import Any, Literal
 
 import numpy as np
@@ -108,7 +109,7 @@ class FMoE(Policy):
         self.timers = {"matching": 0.0, "store_update": 0.0}
         self.counts = collections.Counter()
         self.scores: dict[str, list[float]] = {"semantic": [], "trajectory": []}
-        self._error: BaseException | None = None
+        self.last_error: str | None = None  # the latest context the matcher failed on, and why
         self._thread: threading.Thread | None = None
         self._pending: collections.deque[_Context] = collections.deque()
         self._cv = threading.Condition()
@@ -124,6 +125,8 @@ class FMoE(Policy):
         self._measure = self.admission == "cost" and (self.copy_s is None or self.layer_s is None)
         self.meta = {"model": ctx.model_id}
         path = ctx.options.get("store_path")
+        if path:  # refuse a location `close` could not save to now, not after serving
+            ExpertMapStore.check_writable(path)
         if self.store is None and path and os.path.exists(path):
             self.store = ExpertMapStore.load(
                 path, self._expected_meta(), capacity=ctx.options.get("store_capacity")
@@ -170,8 +173,7 @@ class FMoE(Policy):
         self._blas = ThreadpoolController().limit(limits=threads, user_api="blas")
 
     def close(self) -> None:
-        """Stops the matcher (after the contexts it has), saves the store when `store_path` is set, and
-        re-raises an error of the matcher thread."""
+        """Stops the matcher (after the contexts it has) and saves the store when `store_path` is set."""
         if self._thread is not None:
             with self._cv:
                 self._stop = True
@@ -182,17 +184,11 @@ class FMoE(Policy):
             self._blas.restore_original_limits()
             self._blas = None
         path = self.ctx.options.get("store_path") if hasattr(self, "ctx") else None
-        if path and self.store is not None and self._error is None:
+        if path and self.store is not None:
             self.store.save(path, self.meta)
-        self._raise_if_failed()
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"the fmoe matcher thread failed: {self._error!r}") from self._error
 
     # -- events from the engine (engine thread: cheap, never waits for matching) -------------------------
     def on_iteration_start(self, embeds: np.ndarray | None, valid: np.ndarray) -> None:
-        self._raise_if_failed()
         rows, tokens = valid.shape
         self._valid = valid.reshape(-1)
         self._last = (
@@ -214,7 +210,6 @@ class FMoE(Policy):
         *,
         hidden: np.ndarray | None = None,
     ) -> None:
-        self._raise_if_failed()
         if self._measure:
             self._measure_costs()
         self._maps[:, layer] = probs
@@ -253,13 +248,12 @@ class FMoE(Policy):
         return self.copy_s / (self.copy_s + min(self.copy_s, window))
 
     def on_iteration_end(self) -> None:
-        self._raise_if_failed()
         if self.learn and self._embeds.shape[0]:
             self._publish(_Context("update", data=self._embeds, extra=self._maps[self._valid]))
 
     def _publish(self, context: _Context) -> None:
         if not self.asynchronous:
-            self._process(context)
+            self._process_or_drop(context)
             return
         with self._cv:
             if len(self._pending) >= self.queue_size:
@@ -287,10 +281,7 @@ class FMoE(Policy):
                 if superseded:  # a newer prediction replaces this one's prefetches anyway
                     self.counts["skipped_contexts"] += 1
                 else:
-                    self._process(context)
-            except BaseException as err:  # surfaced to the engine at its next event, and by close()
-                self._error = err
-                return
+                    self._process_or_drop(context)
             finally:
                 with self._cv:
                     self._busy = False
@@ -299,9 +290,26 @@ class FMoE(Policy):
         """Blocks until the matcher has processed every published context (tests, benchmarks)."""
         while True:
             with self._cv:
-                if (not self._pending and not self._busy) or self._error is not None:
+                if not self._pending and not self._busy:
                     break
             time.sleep(0.001)
+
+    def _process_or_drop(self, context: _Context) -> None:
+        """A context the matcher cannot use (say, routing with NaNs from a broken input) costs only its own
+        prediction: it is dropped, counted in `stats()["failed_contexts"]` and warned about once, and the
+        matcher goes on with the next, so one bad call does not disable prefetching for every later one."""
+        try:
+            self._process(context)
+        except Exception as err:  # noqa: BLE001 - any failure of one context is reported, not fatal
+            self.counts["failed_contexts"] += 1
+            if self.last_error is None:
+                warnings.warn(
+                    f"fmoe matcher dropped a {context.kind} context: {err!r} (counted in "
+                    "stats.extra['failed_contexts']; the model keeps serving)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            self.last_error = f"{context.kind}: {err!r}"
 
     def _process(self, context: _Context) -> None:
         if context.kind == "update":
@@ -376,6 +384,8 @@ class FMoE(Policy):
 
     def stats(self) -> dict[str, Any]:
         out = {"store_size": len(self.store) if self.store is not None else 0, **dict(self.counts)}
+        if self.last_error is not None:
+            out["last_error"] = self.last_error
         if self.admission == "cost" and self.copy_s is not None and self.layer_s is not None:
             out |= {"copy_ms": 1e3 * self.copy_s, "layer_ms": 1e3 * self.layer_s}
         for kind, values in self.scores.items():
