@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 from fmoe_jax.convert import cli, orbax_io
 from fmoe_jax.convert.cli import main
-from fmoe_jax.convert.hf import SafetensorsFile, write_safetensors
+from fmoe_jax.convert.hf import CheckpointError, SafetensorsFile, write_safetensors
 
+import fmoe_jax as fj
 from fmoe_jax.testing import PRESETS, write_random_checkpoint
 
 TINY = dict(
@@ -115,6 +116,8 @@ def test_integer_weights_are_refused_by_name(source, tmp_path, capsys):
     rc = convert(source, tmp_path / "out")
     assert rc == 1
     assert_failed_cleanly(capsys, rc, tmp_path / "out", LAYER0_W1, "int32", shard_of(source, LAYER0_W1).name)
+    with pytest.raises(CheckpointError, match=f"{LAYER0_W1}' is stored as int32"):
+        fj.load_model(source)  # the same check guards loading a Hugging Face directory
 
 
 def test_missing_tensor(source, tmp_path, capsys):
