@@ -151,7 +151,9 @@ def convert(
 
     Raises:
       CheckpointError, UnsupportedConfigError: the source is incomplete, corrupt or not supported.
-      ConvertError, OSError: the destination exists, lacks space or cannot be written.
+      ConvertError: the destination exists, lacks space or cannot be written (disk full, permission
+        denied: one sentence naming OUT_DIR and the cause).
+      OSError: a source file cannot be read (the message names it).
     """
     start = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
@@ -228,7 +230,7 @@ def convert(
 
 
 def _abandon(hasher: _Hasher, tmp: Path) -> None:
-    """Stops hashing and removes the work directory; a further Ctrl-C does not stop it (see `_remove_tree`).
+    """Stops hashing and removes the work directory; a further Ctrl-C does not stop it (`remove_tree`).
 
     Whether the directory is gone is for the caller to check (`work_dir`): `main` names it if not."""
     while True:
