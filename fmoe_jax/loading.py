@@ -175,7 +175,12 @@ def load_hf_params(ckpt: HFCheckpoint, dtype: jnp.dtype, place) -> dict[tuple, A
 
 
 def load_model(
-    path_or_name: str | os.PathLike, offload: Any = None, *, dtype: Any = None, kernel: Kernel = "auto"
+    path_or_name: str | os.PathLike,
+    offload: Any = None,
+    *,
+    dtype: Any = None,
+    kernel: Kernel = "auto",
+    verify: bool = False,
 ) -> Model:
     """Loads a model for `generate` / `forward`.
 
@@ -185,12 +190,18 @@ def load_model(
       offload: None for resident serving, or an `OffloadConfig` to keep routed experts in host memory.
       dtype: parameter dtype; defaults to the checkpoint's.
       kernel: expert-mixture kernel ("auto" picks per shape and backend).
+      verify: for a converted checkpoint, compare every file's sha256 with its manifest before loading
+        (reads the checkpoint once more); otherwise only their sizes are compared, which catches files
+        truncated or replaced since the conversion. A Hugging Face directory has no manifest; its
+        safetensors headers are always checked against the files' sizes.
+    Raises:
+      CheckpointError: a file is missing, corrupt or differs from the manifest (the message names it).
     """
     directory = resolve(path_or_name)
     from fmoe_jax.convert import orbax_io  # local import: orbax is heavy and only needed here
 
     if orbax_io.is_converted(directory):
-        return orbax_io.load_converted(directory, offload=offload, dtype=dtype, kernel=kernel)
+        return orbax_io.load_converted(directory, offload=offload, dtype=dtype, kernel=kernel, verify=verify)
     ckpt = HFCheckpoint(directory)
     cfg = ckpt.config
     dtype = _dtype_arg(dtype, ckpt.stored_dtype())
