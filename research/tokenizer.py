@@ -90,6 +90,6 @@ def load_tokenizer(path: str | Path) -> transformers.PreTrainedTokenizerBase:
         found = sorted(p.name for p in path.iterdir()) if path.is_dir() else "no such directory"
         raise FileNotFoundError(
             f"{path}: no tokenizer here (found: {found}); expected a directory with tokenizer.json, "
-            "e.g. one written by fmoe_jax.tokenizer.train_bpe_tokenizer."
+            "e.g. one written by fmoe_jax.research.tokenizer.train_bpe_tokenizer."
         )
     return transformers.AutoTokenizer.from_pretrained(str(path))

@@ -22,13 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-
-from fmoe_jax import workloads
 from fmoe_jax.models import Layout, MoECausalLM, build_model, config_from_hf, init_kv_cache
 from fmoe_jax.models.moe import Kernel
+from fmoe_jax.research import workloads
 
 VOCAB_SIZE = 8192
-BOS_ID, EOS_ID, PAD_ID = 0, 1, 2  # fixed by fmoe_jax.tokenizer.SPECIAL_TOKENS
+BOS_ID, EOS_ID, PAD_ID = 0, 1, 2  # fixed by fmoe_jax.research.tokenizer.SPECIAL_TOKENS
 
 _COMMON = dict(
     vocab_size=VOCAB_SIZE,
@@ -396,9 +395,7 @@ def prepare_tokenizer(
     """Trains the byte-level BPE on the train split of every domain (once; reused if `out_dir` has one) and
     makes it prepend `<s>` to every encoded text, as training rows start. Returns the loaded tokenizer."""
     import transformers
-    from tokenizers import processors
-
-    from fmoe_jax.tokenizer import (
+    from fmoe_jax.research.tokenizer import (
         BOS_TOKEN,
         EOS_TOKEN,
         PAD_TOKEN,
@@ -406,6 +403,7 @@ def prepare_tokenizer(
         load_tokenizer,
         train_bpe_tokenizer,
     )
+    from tokenizers import processors
 
     out_dir = Path(out_dir)
     if not (out_dir / "tokenizer.json").exists():
