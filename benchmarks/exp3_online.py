@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     args = parser.parse_args(argv)
 
-    from fmoe_jax import workloads
+    from fmoe_jax.research import workloads
 
     path = args.data / "arrivals" / args.arrivals if "/" not in args.arrivals else args.arrivals
     trace = workloads.load_azure_arrivals(path, limit=args.requests)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import hashlib
 import json
 import os
@@ -173,7 +172,7 @@ def resolve_model(name: str, cache_dir: Path) -> Path:
 
 
 def load_prompts(args: argparse.Namespace) -> list:
-    from fmoe_jax import workloads
+    from fmoe_jax.research import workloads
 
     if args.prompts == "domains":
         per_domain = -(-args.n_prompts // len(workloads.CORPUS_DOMAINS))
@@ -193,11 +192,12 @@ def encode(model: Any, texts: Sequence[str], max_tokens: int) -> list[list[int]]
 
 def load_workload(name: str, args: argparse.Namespace, *, record: bool = True) -> Workload:
     """The model, the store/eval split and (with `record`) every request's routing trace."""
+    from fmoe_jax.models import model_identity
     from fmoe_jax.offload.cost_model import MODELS, ModelPreset
+    from fmoe_jax.research import workloads
 
     import fmoe_jax as fj
-    from fmoe_jax import workloads
-    from fmoe_jax.engine import model_identity, router_weights
+    from fmoe_jax.engines.offload import router_weights
 
     path = resolve_model(name, args.cache_dir)
     # Experts go to pinned host memory; each run builds its own engine (`serving`) over these weights.
@@ -321,9 +321,9 @@ def variants(names: Sequence[str]) -> list[Variant]:
 
 def predictor(workload: Workload, kind: str, stride: int) -> Any:
     """ProMoE's (per stride) or DuoServe's predictor, trained on the store traces only; cached on disk."""
+    from fmoe_jax.models import model_identity
     from fmoe_jax.offload import predictors
-
-    from fmoe_jax.engine import model_identity
+    from fmoe_jax.research import predictor_training
 
     path = workload.cache_dir / (f"promoe-d{stride}" if kind == "promoe" else "duoserve")
     if path.with_suffix(".json").exists():
@@ -332,9 +332,9 @@ def predictor(workload: Workload, kind: str, stride: int) -> Any:
     common = dict(model_id=model_identity(workload.config), progress=False)
     print(f"  training the {kind} predictor on {len(traces)} store requests", flush=True)
     if kind == "promoe":
-        trained = predictors.train_promoe(traces, stride=stride, **common)
+        trained = predictor_training.train_promoe(traces, stride=stride, **common)
     else:
-        trained = predictors.train_duoserve(traces, **common)
+        trained = predictor_training.train_duoserve(traces, **common)
     trained.save(path)
     return trained
 
@@ -351,36 +351,32 @@ def offload_config(
     synchronous: bool = False,
 ) -> Any:
     """The `OffloadConfig` of one run; `calls` are the batches it will serve in order (the oracle's
-    future). Learned state comes from the store split; the simulator needs fmoe to match inline."""
-    from fmoe_jax.offload.policies import store_from_traces
-    from fmoe_jax.offload.policies.moe_infinity import eamc_from_traces
+    future). Learned state comes from the store split (`Policy.from_traces`; none without `knowledge`);
+    the simulator needs fmoe to match inline."""
+    from fmoe_jax.offload.policies import POLICIES as ALL_POLICIES
 
     import fmoe_jax as fj
 
     args = workload.args
     d = prefetch_distance or args.prefetch_distance
     capacity = store_capacity or args.store_capacity
-    store = [r.trace for r in workload.store]
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = dict(variant.options)
     if variant.policy == "fmoe":
-        options["asynchronous"] = not simulated
-        if variant.knowledge:
-            options["store"] = store_from_traces(store, capacity=capacity, prefetch_distance=d)
-    elif variant.policy == "moe_infinity" and variant.knowledge:
-        options["eamc"] = eamc_from_traces(store, capacity=capacity)
+        options.setdefault("asynchronous", not simulated)
     elif variant.policy in ("promoe", "duoserve"):
-        options["predictor"] = predictor(workload, variant.policy, d)
+        options["predictor"] = predictor(workload, variant.policy, d)  # trained once, cached on disk
     elif variant.policy == "oracle":
         options["traces"] = [batch_trace(c) for c in calls]
-    options.update(dict(variant.options))
+    store = [r.trace for r in workload.store] if variant.knowledge else []
+    policy = ALL_POLICIES[variant.policy].from_traces(
+        store, prefetch_distance=d, store_capacity=capacity, **options
+    )
     return fj.OffloadConfig(
-        policy=variant.policy,
+        policy=policy,
         cache_experts=workload.slots(budget if budget is not None else args.budget),
         prefetch_distance=d,
-        store_capacity=capacity,
         max_inflight=args.max_inflight,
         synchronous_transfers=synchronous,
-        policy_options=options,
     )
 
 
@@ -392,25 +388,20 @@ def offload_config(
 @contextlib.contextmanager
 def serving(workload: Workload, offload: Any) -> Iterator[Any]:
     """A `Model` served by a fresh offload engine over the workload's weights (no reload), closed after."""
-    import jax
+    from fmoe_jax.engines.offload import OffloadEngine
 
-    from fmoe_jax.engine import OffloadEngine
-
-    # Earlier engines' programs are garbage now: free them, or an experiment that builds many engines in
-    # one process runs out of memory mappings (XLA:CPU maps each executable; vm.max_map_count is 65530).
-    gc.collect()
-    jax.clear_caches()
-    engine = OffloadEngine(workload.model.module, offload)
+    # Every engine over the workload's weights shares its compiled programs: a policy compiles nothing
+    # another has compiled, and an experiment that builds many engines does not pile up executables.
+    engine = OffloadEngine(workload.model.module, offload, programs=workload.model.engine.programs)
     try:
         yield dataclasses.replace(workload.model, engine=engine, offload=offload)
     finally:
         engine.close()
 
 
-def compilations() -> int:
-    from fmoe_jax.resident import TRACE_COUNTS
-
-    return sum(TRACE_COUNTS.values())
+def compilations(workload: Workload) -> int:
+    """Programs compiled so far for the workload's model (every engine over it shares them)."""
+    return sum(workload.model.engine.programs.compilations.values())
 
 
 def run_live(
@@ -435,7 +426,7 @@ def run_live(
     with serving(workload, offload) as model:
         for batch in warmup:
             fj.generate(model, [r.ids for r in batch], new_tokens, stop_at_eos=False)
-        before = compilations()
+        before = compilations(workload)
         for batch in measured:
             stats = fj.generate(model, [r.ids for r in batch], new_tokens, stop_at_eos=False).stats
             out["ttft_s"] += [stats.ttft_s] * len(batch)
@@ -448,7 +439,7 @@ def run_live(
             out["peak_cache_bytes"] = max(out["peak_cache_bytes"], stats.peak_cache_bytes)
             for stage, seconds in stats.overhead_s.items():
                 out["overhead_s"][stage] = out["overhead_s"].get(stage, 0.0) + seconds
-        out["compilations"] = compilations() - before
+        out["compilations"] = compilations(workload) - before
         out["extra"] = {k: v for k, v in stats.extra.items() if isinstance(v, (int, float, str))}
     out["requests"] = sum(len(b) for b in measured)
     out["hit_rate"] = out["hits"] / max(1, out["hits"] + out["misses"])

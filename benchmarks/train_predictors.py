@@ -82,11 +82,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
 
-    from fmoe_jax.offload import predictors
+    from fmoe_jax.models import model_identity
+    from fmoe_jax.research import predictor_training, workloads
 
     import fmoe_jax as fj
-    from fmoe_jax import workloads
-    from fmoe_jax.engine import model_identity
 
     fmt = prompt_format(args.prompts, args.prompt_format)
     store, _ = workloads.split_store_eval(getattr(workloads, LOADERS[fmt])(args.prompts), 0.7, seed=args.seed)
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = encode(model, [p.text for p in store], args.max_prompt_tokens)
     traces = record_traces(model, prompts, args.batch_size, args.new_tokens)
     record_s = time.perf_counter() - start
-    train, held_out = predictors.split_requests(traces, args.eval_fraction, seed=args.seed)
+    train, held_out = predictor_training.split_requests(traces, args.eval_fraction, seed=args.seed)
     common = dict(model_id=model_id, seed=args.seed, progress=not args.quiet)
     args.out.mkdir(parents=True, exist_ok=True)
     rows, results = [], {}
@@ -105,14 +104,16 @@ def main(argv: list[str] | None = None) -> dict:
         start = time.perf_counter()
         if kind == "promoe":
             hidden = tuple(int(w) for w in args.promoe_hidden.split(","))
-            predictor = predictors.train_promoe(
+            predictor = predictor_training.train_promoe(
                 train, stride=args.stride, hidden=hidden, epochs=args.promoe_epochs, **common
             )
         else:
             hidden = tuple(int(w) for w in args.duoserve_hidden.split(","))
-            predictor = predictors.train_duoserve(train, hidden=hidden, epochs=args.duoserve_epochs, **common)
+            predictor = predictor_training.train_duoserve(
+                train, hidden=hidden, epochs=args.duoserve_epochs, **common
+            )
         train_s = time.perf_counter() - start
-        scores = predictors.evaluate(predictor, held_out)
+        scores = predictor_training.evaluate(predictor, held_out)
         predictor.meta["held_out"] = scores
         path = predictor.save(args.out / kind)
         results[kind] = {"path": str(path), "train_s": train_s, "meta": predictor.meta, **scores}

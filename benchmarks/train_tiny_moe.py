@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from fmoe_jax.models import build_model, config_from_hf, expert_mixture, reference_mixture
+from fmoe_jax.research import train, workloads
 
 import fmoe_jax as fj
-from fmoe_jax import train, workloads
 from fmoe_jax.export import export_hf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +87,7 @@ Weights are stored in bfloat16.
 
 ## Training
 
-- Data: the train split (`fmoe_jax.workloads.split_corpus`: duplicates removed, last 5 % held out) of
+- Data: the train split (`fmoe_jax.research.workloads.split_corpus`: duplicates removed, last 5 % held out) of
   six corpora: arXiv, books, C4 web text, GitHub code and German Wikipedia (texts from the OLMoE
   repository, Apache-2.0) and Tiny Shakespeare (public domain); {record["train_tokens"]:,} tokens.
   Rows are `<s>` plus {tc["seq_len"] - 1} tokens starting at a line start, domains in proportion to size.

@@ -28,7 +28,7 @@ FALLBACK_PROMPTS = {
 def domain_prompts(data_dir: Path | None, per_domain: int, seed: int) -> list[tuple[str, str]]:
     """(domain, prompt) pairs from the held-out corpora when `data_dir` has them, else built-in prompts."""
     if data_dir is not None and (data_dir / "corpora").is_dir():
-        from fmoe_jax.workloads import domain_prompts as held_out
+        from fmoe_jax.research.workloads import domain_prompts as held_out
 
         prompts = held_out(data_dir / "corpora", per_domain, min_chars=120, max_chars=240, seed=seed)
         return [(p.category, p.text) for p in prompts]

@@ -25,7 +25,8 @@ from fmoe_jax.convert.hf import CheckpointError, HFCheckpoint
 from fmoe_jax.models import MoECausalLM, MoEConfig, abstract_model
 from fmoe_jax.models.moe import Kernel
 
-from .resident import ResidentEngine
+from .engines import Engine
+from .engines.resident import ResidentEngine
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 
@@ -40,7 +41,7 @@ class Model:
 
     config: MoEConfig
     module: MoECausalLM
-    engine: Any
+    engine: Engine
     tokenizer: Any = None
     source: str = ""
     eos_token_ids: tuple[int, ...] = ()
@@ -70,9 +71,7 @@ class Model:
             if self._closed:
                 return
             self._closed = True
-            close = getattr(self.engine, "close", None)
-            if close is not None:
-                close()
+            self.engine.close()
 
     def __enter__(self) -> Model:
         return self
@@ -242,7 +241,7 @@ def build(
     if offload is None:
         engine = ResidentEngine(module, kernel=kernel)
     else:
-        from .engine import OffloadEngine
+        from .engines.offload import OffloadEngine
 
         engine = OffloadEngine(module, offload, kernel=kernel)
     return Model(cfg, module, engine, tokenizer, source, eos, offload)

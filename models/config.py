@@ -7,6 +7,8 @@ Family modules (`mixtral.py`, `qwen2_moe.py`, `phimoe.py`) build a `MoEConfig` f
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import Any, Literal
 
 NormKind = Literal["rms", "layer"]
@@ -217,3 +219,10 @@ def eos_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
+
+
+def model_identity(cfg: MoEConfig) -> str:
+    """Names a model architecture for state saved about it (an fMoE store, a trained predictor, a routing
+    trace): the family plus a hash of the config."""
+    digest = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+    return f"{cfg.family}-{digest[:16]}"

@@ -140,7 +140,7 @@ def expert_parts(
         size, several per expert; "ragged" stacks the experts and uses `jax.lax.ragged_dot` (grouped GEMM
         on GPU/TPU); "blocked" sorts into tiles like "tiled" but gathers each tile's expert weights and
         runs one batched matmul (exact and differentiable; the training path on CPU, see
-        `fmoe_jax/train.py`); "auto" picks by size and backend.
+        `research/train.py`); "auto" picks by size and backend.
     Returns:
       `[N, k, D]` float32: `weight * expert(x)` of each assignment, zero for skipped ones. An assignment's
       value does not depend on which other experts are passed: tile sizes follow the layer's J
@@ -306,42 +306,61 @@ def tile_rows(n_assign: int, n_experts: int) -> int:
     return g
 
 
+class _Tiles(NamedTuple):
+    """Assignments sorted by expert into tiles of G rows, one expert per tile (the tiled and blocked
+    kernels): P = `count` tiles (a static bound on sum_e ceil(rows_e / G)); `tokens`, `weight`, `kept` of
+    the sorted assignments; `dest` each sorted assignment's row among the P * G (P * G: dropped);
+    `expert` each tile's expert (n: none)."""
+
+    rows: int  # G
+    count: int  # P
+    tokens: jax.Array  # [A]
+    weight: jax.Array  # [A], zero for skipped assignments
+    order: jax.Array  # [A], each sorted assignment's original index
+    dest: jax.Array  # [A]
+    expert: jax.Array  # [P]
+
+
+def _tile(local: jax.Array, weights: jax.Array, n_exp: int, num_layer_experts: int) -> _Tiles:
+    n, k = local.shape
+    a = n * k
+    g = tile_rows(a, num_layer_experts)
+    n_tiles = min(a, (a + min(n_exp, a) * (g - 1)) // g)
+    flat_e, se, st, sw, order = _sort_by_expert(local, weights, n_exp)
+    counts = jnp.bincount(flat_e, length=n_exp + 1).at[n_exp].set(0)  # [n+1]
+    tiles_per = (counts + g - 1) // g
+    tile_start = jnp.cumsum(tiles_per) - tiles_per  # exclusive
+    rank = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[se]
+    dest = jnp.where(se < n_exp, tile_start[se] * g + rank, n_tiles * g)
+    expert = jnp.searchsorted(jnp.cumsum(tiles_per[:n_exp]), jnp.arange(n_tiles), side="right")
+    return _Tiles(g, n_tiles, st, sw * (se < n_exp), order, dest, expert)
+
+
+def _untile(ys: jax.Array, tiles: _Tiles) -> jax.Array:
+    """Tile outputs `[P * G, D]` -> each assignment's weighted output `[A, D]` float32, assignment order."""
+    top = tiles.count * tiles.rows - 1
+    contrib = ys[jnp.minimum(tiles.dest, top)].astype(jnp.float32) * tiles.weight[:, None]
+    return _unsort(contrib, tiles.order)
+
+
 def _mixture_tiled(x, local, weights, experts, num_layer_experts):
     """Sort assignments by expert into tiles of G rows, one expert per tile, and switch per tile.
 
     Work is close to the routed work (each expert's rows are padded to a multiple of G) and each tile
     reads one expert's weights; the scan keeps the program small for any number of tiles.
     """
-    n, k = local.shape
     d = x.shape[-1]
-    n_exp = len(experts)
-    dtype = experts[0].gate.dtype
-    a = n * k
-    g = tile_rows(a, num_layer_experts)
-    n_tiles = min(a, (a + min(n_exp, a) * (g - 1)) // g)  # static bound on sum_e ceil(count_e / G)
-
-    flat_e, se, st, sw, order = _sort_by_expert(local, weights, n_exp)
-
-    counts = jnp.bincount(flat_e, length=n_exp + 1).at[n_exp].set(0)  # [n+1]
-    tiles_per = (counts + g - 1) // g
-    tile_start = jnp.cumsum(tiles_per) - tiles_per  # exclusive
-    group_start = jnp.cumsum(jnp.bincount(flat_e, length=n_exp + 1)) - jnp.bincount(flat_e, length=n_exp + 1)
-    rank = jnp.arange(a, dtype=jnp.int32) - group_start[se]
-    dest = jnp.where(se < n_exp, tile_start[se] * g + rank, n_tiles * g)  # [A], out of range = dropped
-
-    rows = jnp.zeros((n_tiles * g, d), x.dtype).at[dest].set(x[st], mode="drop")
-    tile_ends = jnp.cumsum(tiles_per[:n_exp])  # [n]
-    tile_expert = jnp.searchsorted(tile_ends, jnp.arange(n_tiles), side="right")  # n_exp past the end
-
-    branches = _branches(experts, dtype)
+    tiles = _tile(local, weights, len(experts), num_layer_experts)
+    g, p = tiles.rows, tiles.count
+    rows = jnp.zeros((p * g, d), x.dtype).at[tiles.dest].set(x[tiles.tokens], mode="drop")
+    branches = _branches(experts, experts[0].gate.dtype)  # tile.expert == n: the zeros branch
 
     def one_tile(args):
         e, tile = args
         return jax.lax.switch(e, branches, tile)
 
-    ys = jax.lax.map(one_tile, (tile_expert, rows.reshape(n_tiles, g, d))).reshape(n_tiles * g, d)
-    contrib = ys[jnp.minimum(dest, n_tiles * g - 1)].astype(jnp.float32) * (sw * (se < n_exp))[:, None]
-    return _unsort(contrib, order)
+    ys = jax.lax.map(one_tile, (tiles.expert, rows.reshape(p, g, d)))
+    return _untile(ys.reshape(p * g, d), tiles)
 
 
 def _mixture_ragged(x, local, weights, experts, num_layer_experts):
@@ -366,33 +385,20 @@ def _mixture_blocked(x, local, weights, experts, num_layer_experts):
     Reads P tile copies of expert weights (P ~ A/G + n), so it is for training and large prefills, not
     decode. On XLA:CPU its forward and backward run about 5x faster than a dense all-experts mixture for
     8 experts top-2 and faster than `lax.switch` tiles (measured in the training benchmark of
-    `fmoe_jax/train.py`), and unlike a capacity-limited dispatch it drops no token.
+    `research/train.py`), and unlike a capacity-limited dispatch it drops no token.
     """
-    n, k = local.shape
     d = x.shape[-1]
-    n_exp = len(experts)
     dtype = experts[0].gate.dtype
-    a = n * k
-    g = tile_rows(a, num_layer_experts)
-    n_tiles = min(a, (a + min(n_exp, a) * (g - 1)) // g)  # static bound on sum_e ceil(count_e / G)
-
-    flat_e, se, st, sw, order = _sort_by_expert(local, weights, n_exp)
-    counts = jnp.bincount(flat_e, length=n_exp + 1).at[n_exp].set(0)  # [n+1]
-    tiles_per = (counts + g - 1) // g
-    tile_start = jnp.cumsum(tiles_per) - tiles_per
-    rank = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[se]
-    dest = jnp.where(se < n_exp, tile_start[se] * g + rank, n_tiles * g)  # [A], out of range = dropped
-
-    rows = jnp.zeros((n_tiles * g, d), dtype).at[dest].set(x[st].astype(dtype), mode="drop")
-    tile_expert = jnp.searchsorted(jnp.cumsum(tiles_per[:n_exp]), jnp.arange(n_tiles), side="right")
-    tile_expert = jnp.minimum(tile_expert, n_exp - 1)  # [P]; unused tiles hold zero rows and are not read
+    tiles = _tile(local, weights, len(experts), num_layer_experts)
+    g, p = tiles.rows, tiles.count
+    rows = jnp.zeros((p * g, d), dtype).at[tiles.dest].set(x[tiles.tokens].astype(dtype), mode="drop")
+    expert = jnp.minimum(tiles.expert, len(experts) - 1)  # [P]; unused tiles hold zero rows, not read
     gate, up, down = (jnp.stack([getattr(w, name) for w in experts]) for name in ("gate", "up", "down"))
-    rows = rows.reshape(n_tiles, g, d)
-    h = jax.nn.silu(jnp.einsum("pgd,pfd->pgf", rows, gate[tile_expert]))
-    h = h * jnp.einsum("pgd,pfd->pgf", rows, up[tile_expert])
-    ys = jnp.einsum("pgf,pdf->pgd", h, down[tile_expert]).reshape(n_tiles * g, d)
-    contrib = ys[jnp.minimum(dest, n_tiles * g - 1)].astype(jnp.float32) * (sw * (se < n_exp))[:, None]
-    return _unsort(contrib, order)
+    rows = rows.reshape(p, g, d)
+    h = jax.nn.silu(jnp.einsum("pgd,pfd->pgf", rows, gate[expert]))
+    h = h * jnp.einsum("pgd,pfd->pgf", rows, up[expert])
+    ys = jnp.einsum("pgf,pdf->pgd", h, down[expert]).reshape(p * g, d)
+    return _untile(ys, tiles)
 
 
 def reference_mixture(x: jax.Array, routing: Routing, experts: Sequence[ExpertWeights]) -> jax.Array:

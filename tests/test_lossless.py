@@ -18,11 +18,12 @@ from fmoe_jax.models import Layout
 from fmoe_jax.offload import predictors
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.policies import POLICIES, DuoServe, Oracle, ProMoE
+from fmoe_jax.research import predictor_training
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import fmoe_jax as fj
-from fmoe_jax.engine import OffloadEngine
+from fmoe_jax.engines.offload import OffloadEngine
 
 SHIPPED = ["fmoe-tiny-mixtral", "fmoe-tiny-qwen-moe"]
 RANDOM = [
@@ -50,8 +51,8 @@ def _load(source, dtype=None) -> Subject:
     ]
     settings_ = dict(epochs=2, batch_size=32, progress=False)
     trained = {
-        "promoe": predictors.train_promoe(traces, stride=1, hidden=(16,), **settings_),
-        "duoserve": predictors.train_duoserve(traces, hidden=(16,), **settings_),
+        "promoe": predictor_training.train_promoe(traces, stride=1, hidden=(16,), **settings_),
+        "duoserve": predictor_training.train_duoserve(traces, hidden=(16,), **settings_),
     }
     return Subject(resident, offloaded, trained)
 
@@ -81,7 +82,9 @@ def serve(subject: Subject, policy: str, slots: int, reference_trace=None) -> fj
         policy_obj = policy
     offload = OffloadConfig(policy=policy_obj, cache_experts=slots, prefetch_distance=1)
     base = subject.offloaded
-    return dataclasses.replace(base, engine=OffloadEngine(base.module, offload), offload=offload)
+    return dataclasses.replace(
+        base, engine=OffloadEngine(base.module, offload, programs=base.engine.programs), offload=offload
+    )
 
 
 def run_steps(model: fj.Model, prompts: list[list[int]], new_tokens: int):

@@ -26,13 +26,15 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 
-from ..cache import Entry, Key
+from ..cache import CacheView, Entry, Key
+from ..events import IterationStart, LayerRouted
 from ..expert_map_store import ExpertMapStore
-from ..fmoe_select import select_experts
+from ..fmoe_select import keep_priority, prefetch_priority, select_experts
 from .base import Policy, PolicyContext
 
 
@@ -59,9 +61,10 @@ class FMoE(Policy):
       learn: add every iteration's expert maps to the store (online mode); off: the store is fixed
         (offline mode, e.g. built from traces with `store_from_traces`).
       store: a prebuilt `ExpertMapStore` to start from (else empty, or loaded from `store_path`).
+      store_capacity: expert maps the store keeps (for a new or loaded store; a prebuilt one keeps its own).
+      store_path: file of a saved store: loaded at start when it exists (a store of another model is
+        refused), saved back at `close()`; checked writable at start.
       queue_size: contexts waiting for the matcher at most; the oldest is dropped beyond that.
-      blas_threads: NumPy BLAS threads while the policy runs (the matcher's products are small; extra
-        BLAS threads only contend with XLA's for the cores). None leaves BLAS alone.
       admission: which selected experts are prefetched: "cost" (p >= T / (T + min(T, W)), see the module
         docstring), "all" (every one, as the paper), or a number (p >= it).
       copy_s, layer_s: T and the compute of one decode layer for "cost", in seconds. Default: the
@@ -84,8 +87,9 @@ class FMoE(Policy):
         asynchronous: bool = True,
         learn: bool = True,
         store: ExpertMapStore | None = None,
+        store_capacity: int = 1000,
+        store_path: str | os.PathLike | None = None,
         queue_size: int = 64,
-        blas_threads: int | None = 1,
         admission: Literal["cost", "all"] | float = "cost",
         copy_s: float | None = None,
         layer_s: float | None = None,
@@ -96,12 +100,15 @@ class FMoE(Policy):
             raise ValueError(f"admission must be 'cost', 'all' or a probability, got {admission!r}")
         if traj_target not in ("band", "single"):
             raise ValueError(f"traj_target must be 'band' or 'single', got {traj_target!r}")
+        if store_capacity < 1:
+            raise ValueError(f"store_capacity must be >= 1, got {store_capacity}")
         self.semantic, self.trajectory, self.dynamic_delta = semantic, trajectory, dynamic_delta
         self.eviction, self.traj_target = eviction, traj_target
         self.asynchronous, self.learn = asynchronous, learn
         self.store = store
+        self.store_capacity = store_capacity
+        self.store_path = None if store_path is None else os.fspath(store_path)
         self.queue_size = queue_size
-        self.blas_threads = blas_threads
         self.admission = admission
         self.copy_s, self.layer_s = copy_s, layer_s
         self._clock: tuple[float, float, int] | None = None  # (time, on-demand wait, misses), last layer
@@ -115,25 +122,34 @@ class FMoE(Policy):
         self._cv = threading.Condition()
         self._stop = False
         self._busy = False  # the matcher is processing a context it took off `_pending`
-        self._blas = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
-    def bind(self, ctx: PolicyContext, cache: Any) -> None:
+    @classmethod
+    def from_traces(
+        cls, traces: Sequence[Any], *, prefetch_distance: int, store_capacity: int, **options: Any
+    ) -> FMoE:
+        """Offline mode: starts from an expert-map store built from recorded traces (`store_from_traces`);
+        with no traces, from an empty store of `store_capacity` maps."""
+        if traces:
+            options["store"] = store_from_traces(
+                traces, capacity=store_capacity, prefetch_distance=prefetch_distance
+            )
+        return cls(store_capacity=store_capacity, **options)
+
+    def bind(self, ctx: PolicyContext, cache: CacheView) -> None:
         super().bind(ctx, cache)
         self.copy_s = self.copy_s if self.copy_s is not None else ctx.copy_s
         self.layer_s = self.layer_s if self.layer_s is not None else ctx.layer_s
         self._measure = self.admission == "cost" and (self.copy_s is None or self.layer_s is None)
         self.meta = {"model": ctx.model_id}
-        path = ctx.options.get("store_path")
+        path = self.store_path
         if path:  # refuse a location `close` could not save to now, not after serving
             ExpertMapStore.check_writable(path)
         if self.store is None and path and os.path.exists(path):
-            self.store = ExpertMapStore.load(
-                path, self._expected_meta(), capacity=ctx.options.get("store_capacity")
-            )
+            self.store = ExpertMapStore.load(path, self._expected_meta(), capacity=self.store_capacity)
         if self.store is None:
             self.store = ExpertMapStore(
-                capacity=ctx.options.get("store_capacity", 1000),
+                capacity=self.store_capacity,
                 num_layers=ctx.num_layers,
                 num_experts=ctx.num_experts,
                 embed_dim=ctx.embed_dim,
@@ -149,8 +165,6 @@ class FMoE(Policy):
                 f"H={self.store.embed_dim}; the model needs L={ctx.num_layers}, J={ctx.num_experts}, "
                 f"H={ctx.embed_dim}"
             )
-        if self.blas_threads is not None:
-            self._limit_blas(self.blas_threads)
         if self.asynchronous:
             self._thread = threading.Thread(target=self._run, name="fmoe-matcher", daemon=True)
             self._thread.start()
@@ -165,13 +179,6 @@ class FMoE(Policy):
             "prefetch_distance": min(ctx.prefetch_distance, ctx.num_layers),
         }
 
-    def _limit_blas(self, threads: int) -> None:
-        try:
-            from threadpoolctl import ThreadpoolController
-        except ImportError:  # optional: without it BLAS keeps its own thread count
-            return
-        self._blas = ThreadpoolController().limit(limits=threads, user_api="blas")
-
     def close(self) -> None:
         """Stops the matcher (after the contexts it has) and saves the store when `store_path` is set."""
         if self._thread is not None:
@@ -180,15 +187,12 @@ class FMoE(Policy):
                 self._cv.notify()
             self._thread.join()
             self._thread = None
-        if self._blas is not None:
-            self._blas.restore_original_limits()
-            self._blas = None
-        path = self.ctx.options.get("store_path") if hasattr(self, "ctx") else None
-        if path and self.store is not None:
-            self.store.save(path, self.meta)
+        if self.store_path and self.store is not None and hasattr(self, "ctx"):
+            self.store.save(self.store_path, self.meta)
 
     # -- events from the engine (engine thread: cheap, never waits for matching) -------------------------
-    def on_iteration_start(self, embeds: np.ndarray | None, valid: np.ndarray) -> None:
+    def on_iteration_start(self, event: IterationStart) -> None:
+        embeds, valid = event.embeds, event.valid
         rows, tokens = valid.shape
         self._valid = valid.reshape(-1)
         self._last = (
@@ -201,18 +205,11 @@ class FMoE(Policy):
         if self.semantic and self._embeds.shape[0]:
             self._publish(_Context("semantic", data=self._embeds))
 
-    def on_layer_routed(
-        self,
-        layer: int,
-        probs: np.ndarray | None,
-        ids: np.ndarray,
-        valid: np.ndarray,
-        *,
-        hidden: np.ndarray | None = None,
-    ) -> None:
+    def on_layer_routed(self, event: LayerRouted) -> None:
+        layer, valid = event.layer, event.valid
         if self._measure:
             self._measure_costs()
-        self._maps[:, layer] = probs
+        self._maps[:, layer] = event.probs
         if not self.trajectory or layer + self.ctx.prefetch_distance >= self.ctx.num_layers:
             return
         active = self._last[valid.any(1)]
@@ -223,10 +220,7 @@ class FMoE(Policy):
         """Live estimates of T and of one layer's compute (exponential averages), from the cache's on-demand
         wait and miss count at consecutive layers of a decode step: between two `on_layer_routed` events
         the engine computed one layer and waited for that layer's misses."""
-        timers, book = getattr(self.cache, "timers", None), getattr(self.cache, "book", None)
-        if timers is None or book is None:  # a cache without timings (unit tests): nothing to measure
-            return
-        now = (time.perf_counter(), timers.get("on_demand_wait", 0.0), book.stats.misses)
+        now = (time.perf_counter(), self.cache.on_demand_wait_s, self.cache.stats.misses)
         if self._clock is not None and self._decoding:
             elapsed, waited, misses = (a - b for a, b in zip(now, self._clock, strict=True))
             compute = max(elapsed - waited, 0.0)
@@ -360,8 +354,8 @@ class FMoE(Policy):
             chosen = np.flatnonzero(best[pos])
             admitted = chosen[best[pos, chosen] >= self.threshold(int(layer), current)]
             self.counts["not_admitted"] += len(chosen) - len(admitted)
-            for expert in admitted:
-                items.append(((int(layer), int(expert)), float(best[pos, expert]) / (int(layer) - current)))
+            priority = prefetch_priority(best[pos, admitted], int(layer), current)
+            items += [((int(layer), int(e)), float(pri)) for e, pri in zip(admitted, priority, strict=True)]
         return items
 
     # -- eviction ----------------------------------------------------------------------------------------
@@ -370,17 +364,17 @@ class FMoE(Policy):
         the arrival as one visit so a freshly prefetched expert is not the first to go."""
         if self.eviction == "lru":
             return float(entry.last_use)
-        freq = self.cache.book.freq.get(key, 0)
+        uses = self.cache.freq(key)
         if self.eviction == "lfu":
-            return float(freq)
-        return self.guide_prob.get(key, 0.0) * (freq + 1)
+            return float(uses)
+        return float(keep_priority(self.guide_prob.get(key, 0.0), uses))
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         """A prefetch evicts only an expert worth less than the one it brings (same p * freq measure)."""
         if self.eviction != "fmoe":
             return True
-        incoming = self.guide_prob.get(key, 0.0) * (self.cache.book.freq.get(key, 0) + 1)
-        return self.keep_score(victim, self.cache.book.entries[victim]) < incoming
+        incoming = float(keep_priority(self.guide_prob.get(key, 0.0), self.cache.freq(key)))
+        return self.keep_score(victim, self.cache.entry(victim)) < incoming
 
     def stats(self) -> dict[str, Any]:
         out = {"store_size": len(self.store) if self.store is not None else 0, **dict(self.counts)}
