@@ -92,6 +92,8 @@ Weights are stored in bfloat16.
   repository, Apache-2.0) and Tiny Shakespeare (public domain); {record["train_tokens"]:,} tokens.
   Rows are `<s>` plus {tc["seq_len"] - 1} tokens starting at a line start, domains in proportion to size.
 - Tokenizer: byte-level BPE, {h["vocab_size"]} entries, trained on the same split; it prepends `<s>`.
+  Its chat template (`chat_template.jinja`) renders turns as a play's speeches (`USER:` / `ASSISTANT:`);
+  the model never saw chat data, so its replies imitate the corpora, not an assistant.
 - Objective: next-token cross-entropy + {h["router_aux_loss_coef"]} x the load-balancing loss of
   `transformers` (`router_aux_loss_coef`).
 - Optimiser: AdamW (b2 0.95, weight decay {tc["weight_decay"]}), peak learning rate {tc["lr"]},

@@ -400,6 +400,7 @@ def prepare_tokenizer(
 
     from fmoe_jax.tokenizer import (
         BOS_TOKEN,
+        CHAT_TEMPLATE,
         EOS_TOKEN,
         PAD_TOKEN,
         UNK_TOKEN,
@@ -426,6 +427,7 @@ def prepare_tokenizer(
             pad_token=PAD_TOKEN,
             unk_token=UNK_TOKEN,
             clean_up_tokenization_spaces=False,
+            chat_template=CHAT_TEMPLATE,
         ).save_pretrained(str(out_dir))
     tokenizer = load_tokenizer(out_dir)
     if tokenizer("a")["input_ids"][:1] != [BOS_ID] or len(tokenizer) != vocab_size:
