@@ -39,7 +39,7 @@ def encode(model, texts: list[str], max_tokens: int) -> list[list[int]]:
     if model.tokenizer is None:
         print(f"{model.source} has no tokenizer: feeding prompts as byte ids")
         return [[b % model.config.vocab_size for b in t.encode()][:max_tokens] or [0] for t in texts]
-    from fmoe_jax.generation import encode_prompts
+    from fmoe_jax.prompts import encode_prompts
 
     return [ids[:max_tokens] for ids in encode_prompts(model, texts)]
 
