@@ -5,10 +5,12 @@ Benchmarks print a table, write `<name>.json` and `<name>.png` into `--out` (def
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import platform
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,6 +19,58 @@ from typing import Any
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+# One colour per policy in every figure (fmoe always red, the on-demand baselines blue).
+POLICY_COLOURS = {
+    "resident": "#7f7f7f",
+    "on_demand_lru": "#1f77b4",
+    "on_demand_lfu": "#17becf",
+    "mixtral_offload": "#2ca02c",
+    "moe_infinity": "#9467bd",
+    "promoe": "#8c564b",
+    "duoserve": "#e377c2",
+    "fmoe": "#d62728",
+    "oracle": "#000000",
+}
+OTHER_COLOURS = ("#ff7f0e", "#bcbd22", "#aec7e8", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d")
+HARDWARE_NAMES = {
+    "rtx_3090": "RTX 3090",
+    "h100_sxm": "H100 SXM",
+    "h100_pcie": "H100 PCIe",
+    "a100_sxm": "A100 SXM",
+}
+
+
+def colours(labels: Sequence[str]) -> dict[str, str]:
+    """Each label's colour: a policy's own; others (ablation variants, models) in order."""
+    others = iter(OTHER_COLOURS * 4)
+    return {label: POLICY_COLOURS.get(label) or next(others) for label in dict.fromkeys(labels)}
+
+
+def mode_title(mode: str, backend: str = "cpu") -> str:
+    """How a figure names where its numbers come from: "live (cpu)" or "simulated: RTX 3090 preset"."""
+    if mode == "live":
+        return f"live ({backend})"
+    return f"simulated: {HARDWARE_NAMES.get(mode, mode)} preset"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`--help` keeps the module docstring's layout and shows every option's default."""
+
+
+_PATHS = [  # absolute paths of the machine a result was made on -> portable ones
+    (re.compile(r"(?:/[\w.+-]+)*?/benchmarks/results\b"), "benchmarks/results"),
+    (re.compile(r"(?:/[\w.+-]+)*?/shared/data\b"), "../shared/data"),
+    (re.compile(r"(?:/home/[\w.+-]+|/root)(?=/)"), "~"),
+    (re.compile(r"/tmp(?=/)"), "$TMPDIR"),
+]
+
+
+def scrub_paths(text: str) -> str:
+    """`text` with this machine's absolute paths made relative (results are committed and shared)."""
+    for pattern, replacement in _PATHS:
+        text = pattern.sub(replacement, text)
+    return text
 
 
 def machine() -> dict[str, Any]:
@@ -90,7 +144,7 @@ def save(name: str, payload: dict[str, Any], out_dir: str | os.PathLike = RESULT
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine(), **payload}, indent=1, default=float))
+    path.write_text(scrub_paths(json.dumps({"machine": machine(), **payload}, indent=1, default=float)))
     print(f"wrote {path}")
     return path
 
@@ -100,15 +154,16 @@ def bar_plot(path: Path, title: str, groups: dict[str, dict[str, float]], ylabel
     import matplotlib
 
     matplotlib.use("Agg")
+    import jax
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
     for ax, (group, values) in zip(axes[0], groups.items(), strict=True):
-        bars = ax.bar(list(values), list(values.values()), color=["#3b6ea5", "#c0504d", "#9bbb59", "#8064a2"])
+        bars = ax.bar(list(values), list(values.values()), color=list(colours(list(values)).values()))
         ax.bar_label(bars, fmt="%.3g")
         ax.set_title(group)
         ax.set_ylabel(ylabel)
-    fig.suptitle(title)
+    fig.suptitle(f"{mode_title('live', jax.default_backend())}: {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import RESULTS, machine, print_table, save
+from benchmarks.common import RESULTS, colours, machine, mode_title, print_table, save, scrub_paths  # noqa: F401 (experiments use h.colours, h.mode_title)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -532,7 +532,7 @@ def write_results(
     for caption, rows in tables.items():
         print(f"\n{caption}")
         print_table(rows)
-    save(name, {"command": command, **payload, "tables": tables}, out)
+    save(name, {"command": command, **payload, "tables": tables, "notes": list(notes)}, out)
     m = machine()
     lines = [
         f"# {title}",
@@ -547,9 +547,23 @@ def write_results(
     if notes:
         lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
     path = Path(out) / f"{name}.md"
-    path.write_text("\n".join(lines))
+    path.write_text(scrub_paths("\n".join(lines)))
     print(f"wrote {path}")
     return path
+
+
+def saved(name: str, out: Path) -> dict[str, Any]:
+    """The JSON results an experiment wrote (figures are drawn from these, so `make_readme --replot` can
+    redraw them without rerunning anything)."""
+    return json.loads((Path(out) / f"{name}.json").read_text())
+
+
+def simulated_sizes(payload: dict[str, Any], model: str) -> str:
+    """The real model whose sizes the simulator charged for `model`'s traces, read from the table captions."""
+    for caption in payload.get("tables", {}):
+        if caption.startswith(f"{model}, simulated at ") and " sizes on " in caption:
+            return caption.split("simulated at ", 1)[1].split(" sizes on ", 1)[0]
+    return "preset"
 
 
 def settings_note(workload: Workload) -> str:
@@ -565,37 +579,44 @@ def settings_note(workload: Workload) -> str:
 
 
 def grouped_bars(
-    path: Path, title: str, panels: dict[str, dict[str, dict[str, float]]], log: bool = False
+    path: Path,
+    title: str,
+    panels: dict[str, dict[str, dict[str, float]]],
+    log: bool = False,
+    ncols: int = 3,
+    ylabels: dict[str, str] | None = None,
 ) -> None:
-    """One panel per entry; in each, groups of bars (group -> bar label -> value), bar colours by label."""
+    """One panel per entry (`ncols` to a row); in each, groups of bars (group -> bar label -> value). A bar
+    label keeps its colour in every panel (policies: `common.POLICY_COLOURS`); one legend under the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = list(dict.fromkeys(k for groups in panels.values() for bars in groups.values() for k in bars))
-    colours = dict(zip(labels, plt.get_cmap("tab10").colors * 2, strict=False))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
-    for ax, (panel, groups) in zip(axes[0], panels.items(), strict=True):
-        width = 0.8 / max(1, len(labels))
+    colour = colours(labels)
+    ncols = min(ncols, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.4 * ncols, 3.6 * nrows + 0.9), squeeze=False)
+    width = 0.8 / max(1, len(labels))
+    for ax, (panel, groups) in zip(axes.flat, panels.items(), strict=False):
         for g, bars in enumerate(groups.values()):
             for i, label in enumerate(labels):
                 if label in bars:
-                    ax.bar(
-                        g + (i - len(labels) / 2 + 0.5) * width,
-                        bars[label],
-                        width,
-                        color=colours[label],
-                        label=label if g == 0 else None,
-                    )
-        ax.set_xticks(range(len(groups)), list(groups), fontsize=8)
-        ax.set_title(panel, fontsize=10)
+                    x = g + (i - len(labels) / 2 + 0.5) * width
+                    ax.bar(x, bars[label], width, color=colour[label], label=label)
+        ax.set_xticks(range(len(groups)), [name.replace(" ", "\n", 1) for name in groups], fontsize=8)
+        ax.set_title(panel, fontsize=9)
+        if ylabels and panel in ylabels:
+            ax.set_ylabel(ylabels[panel], fontsize=8)
         if log:
             ax.set_yscale("log")
-    handles, names = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=min(len(labels), 9), fontsize=8)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colour[label]) for label in labels]
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 9), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.tight_layout(rect=(0, 0.9 / (3.6 * nrows + 0.9), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"wrote {path}")
@@ -616,7 +637,6 @@ def versus_fmoe(rows: Sequence[dict[str, Any]], tpot: str, label: str = "fmoe") 
             tpot=r[tpot],
             fmoe_tpot=f[tpot],
             fmoe_tpot_ratio=f[tpot] / r[tpot],
-            fmoe_wins=(f["hit_rate"] >= r["hit_rate"]) + (f[tpot] <= r[tpot]) == 2,
         )
         for name, r in by.items()
         if name != label

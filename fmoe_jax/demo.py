@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # fmoe_jax uses transformers for tokenizers only: its advice that PyTorch is missing does not apply.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
     import jax
 
