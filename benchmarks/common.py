@@ -59,7 +59,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 _PATHS = [  # absolute paths of the machine a result was made on -> portable ones
-    (re.compile(r"(?:/[\w.+-]+)*?/benchmarks/results\b"), "benchmarks/results"),
+    (re.compile(r"(?:/[\w.+-]+)*?/(benchmarks|fmoe_jax|models|offload|convert|tests)/"), r"\1/"),
     (re.compile(r"(?:/[\w.+-]+)*?/shared/data\b"), "../shared/data"),
     (re.compile(r"(?:/home/[\w.+-]+|/root)(?=/)"), "~"),
     (re.compile(r"/tmp(?=/)"), "$TMPDIR"),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, bar_plot, print_table, save
+from benchmarks.common import RESULTS, HelpFormatter, bar_plot, print_table, save
 
 TARGET_MB_S = 150.0
 TARGET_RSS_MB = 1500.0
@@ -87,13 +87,13 @@ def run_child(task: str, src: Path, out: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", type=Path, help="HF directory (default: bench-s in /tmp/fmoe-bench)")
     parser.add_argument("--converted", type=Path, help="where to write the converted checkpoint")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="directory for the JSON, PNG and markdown results"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, bar_plot, print_table, read_bandwidth_gbs, save
+from benchmarks.common import RESULTS, HelpFormatter, bar_plot, print_table, read_bandwidth_gbs, save
 
 
 def bytes_per_token(cfg, dtype_bytes: int, context: int) -> int:
@@ -78,15 +78,17 @@ def transformers_runner(path: Path, prompt: list[int], new_tokens: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", type=Path, help="HF directory (default: bench-s in /tmp/fmoe-bench)")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--repeats", type=int, default=5, help="rounds; each runs every system once")
-    parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--skip-transformers", action="store_true", help="do not time transformers (torch) for comparison"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="directory for the JSON, PNG and markdown results"
+    )
     args = parser.parse_args()
 
     from fmoe_jax.resident import TRACE_COUNTS

@@ -16,6 +16,7 @@ import argparse
 import numpy as np
 
 from benchmarks import harness as h
+from benchmarks.common import HelpFormatter
 
 NAME = "exp4_cache_budget"
 
@@ -78,12 +79,18 @@ def plot(payload: dict, path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     h.add_arguments(parser, live_requests=8)
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.125, 0.25, 0.375, 0.5, 0.75])
-    parser.add_argument("--policies", nargs="+", default=list(h.POLICIES))
+    parser.add_argument(
+        "--budgets",
+        type=float,
+        nargs="+",
+        default=[0.125, 0.25, 0.375, 0.5, 0.75],
+        help="expert cache budgets, fractions of all routed experts",
+    )
+    parser.add_argument(
+        "--policies", nargs="+", default=list(h.POLICIES), choices=h.POLICIES, help="policies compared"
+    )
     args = parser.parse_args(argv)
 
     tables, payload, notes = {}, {"models": {}}, []

@@ -30,7 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import RESULTS, colours, machine, mode_title, print_table, save, scrub_paths  # noqa: F401 (experiments use h.colours, h.mode_title)
+from benchmarks.common import (  # noqa: F401 (experiments use h.colours, h.mode_title, h.HARDWARE_NAMES)
+    HARDWARE_NAMES,
+    RESULTS,
+    colours,
+    machine,
+    mode_title,
+    print_table,
+    save,
+    scrub_paths,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -91,7 +100,15 @@ def add_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     a("--max-inflight", type=int, default=d["max_inflight"], help="prefetch copies in flight at once")
     a("--warmup", type=int, default=d["warmup"], help="store prompts served first, not measured")
     a("--live-requests", type=int, default=d["live_requests"], help="eval prompts served live (first ones)")
-    a("--hardware", nargs="+", default=d["hardware"], help="simulator hardware presets (cost_model.HARDWARE)")
+    from fmoe_jax.offload.cost_model import HARDWARE
+
+    a(
+        "--hardware",
+        nargs="+",
+        default=d["hardware"],
+        choices=list(HARDWARE),
+        help="simulator hardware presets",
+    )
     a(
         "--sim-model",
         default="preset",
@@ -598,12 +615,13 @@ def grouped_bars(
     ncols = min(ncols, len(panels))
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.4 * ncols, 3.6 * nrows + 0.9), squeeze=False)
-    width = 0.8 / max(1, len(labels))
     for ax, (panel, groups) in zip(axes.flat, panels.items(), strict=False):
+        present = [label for label in labels if any(label in bars for bars in groups.values())]
+        width = 0.8 / max(1, len(present))
         for g, bars in enumerate(groups.values()):
-            for i, label in enumerate(labels):
+            for i, label in enumerate(present):
                 if label in bars:
-                    x = g + (i - len(labels) / 2 + 0.5) * width
+                    x = g + (i - len(present) / 2 + 0.5) * width
                     ax.bar(x, bars[label], width, color=colour[label], label=label)
         ax.set_xticks(range(len(groups)), [name.replace(" ", "\n", 1) for name in groups], fontsize=8)
         ax.set_title(panel, fontsize=9)

@@ -192,10 +192,23 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).parent / "results",
+        help="directory for the JSON, PNG and markdown results",
+    )
     parser.add_argument("--repeats", type=int, default=100, help="timed calls per measurement")
-    parser.add_argument("--capacities", type=int, nargs="+", default=list(CAPACITIES))
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument(
+        "--capacities",
+        type=int,
+        nargs="+",
+        default=list(CAPACITIES),
+        help="store capacities (expert maps) swept",
+    )
+    parser.add_argument(
+        "--models", nargs="+", default=list(MODELS), choices=list(MODELS), help="models to run"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 

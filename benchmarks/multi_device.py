@@ -22,20 +22,22 @@ jax.config.update("jax_num_cpu_devices", max(4, jax.config.jax_num_cpu_devices))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import RESULTS, bar_plot, print_table, save  # noqa: E402
+from benchmarks.common import RESULTS, HelpFormatter, bar_plot, print_table, save  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", type=Path, help="HF or converted directory (default: bench-s)")
-    parser.add_argument("--policy", default="on_demand_lru")
+    from fmoe_jax.offload.policies import POLICIES
+
+    parser.add_argument("--policy", default="on_demand_lru", choices=sorted(POLICIES), help="offload policy")
     parser.add_argument("--budget", type=float, default=0.25, help="fraction of experts cached (all devices)")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--repeats", type=int, default=2, help="timed repeats (the median is reported)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="directory for the JSON, PNG and markdown results"
+    )
     args = parser.parse_args()
 
     import fmoe_jax as fj

@@ -259,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--corpora", default=str(ROOT.parent / "shared" / "data" / "corpora"))
+    parser.add_argument(
+        "--corpora",
+        default=str(ROOT.parent / "shared" / "data" / "corpora"),
+        help="directory of the domain corpora",
+    )
     parser.add_argument("--preset", choices=sorted(train.PRESETS), default="fmoe-tiny-mixtral")
     parser.add_argument("--workdir", default=None, help="checkpoints (default /tmp/fmoe-train/<preset>)")
     parser.add_argument(
@@ -280,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         "--eval-windows", type=int, default=64, help="held-out windows per domain for the card"
     )
     parser.add_argument("--bench-dispatch", action="store_true")
-    parser.add_argument("--repeats", type=int, default=4)
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--repeats", type=int, default=4, help="timed repeats (the median is reported)")
+    parser.add_argument(
+        "--out", default=str(RESULTS), help="directory for the JSON, PNG and markdown results"
+    )
     args = parser.parse_args(argv)
     if args.bench_dispatch:
         bench_dispatch(args)
