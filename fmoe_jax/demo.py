@@ -102,7 +102,10 @@ def say(text: str, indent: int = 13) -> None:
     import textwrap
 
     for paragraph in text.split("\n"):
-        print(textwrap.fill(paragraph, 100, subsequent_indent=" " * indent) if paragraph else "")
+        wrapped = textwrap.fill(
+            paragraph, 100, subsequent_indent=" " * indent, break_on_hyphens=False, break_long_words=False
+        )
+        print(wrapped if paragraph else "")
 
 
 def serve(model: Any, prompts: list, new_tokens: int, label: str) -> list:
