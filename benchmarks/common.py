@@ -58,11 +58,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     """`--help` keeps the module docstring's layout and shows every option's default."""
 
 
-_PATHS = [  # absolute paths of the machine a result was made on -> portable ones
-    (re.compile(r"(?:/[\w.+-]+)*?/(benchmarks|fmoe_jax|models|offload|convert|tests)/"), r"\1/"),
-    (re.compile(r"(?:/[\w.+-]+)*?/shared/data\b"), "../shared/data"),
-    (re.compile(r"(?:/home/[\w.+-]+|/root)(?=/)"), "~"),
-    (re.compile(r"/tmp(?=/)"), "$TMPDIR"),
+_PATHS = [  # absolute paths of the machine a result was made on -> portable ones (each starts a path)
+    (re.compile(r"(?<![\w.+/-])(?:/[\w.+-]+)*?/(benchmarks|fmoe_jax|models|offload|convert|tests)/"), r"\1/"),
+    (re.compile(r"(?<![\w.+/-])(?:/[\w.+-]+)*?/shared/data\b"), "../shared/data"),
+    (re.compile(r"(?<![\w.+/-])(?:/home/[\w.+-]+|/root)(?=/)"), "~"),
+    (re.compile(r"(?<![\w.+/-])/tmp(?=/)"), "$TMPDIR"),
 ]
 
 
@@ -149,21 +149,33 @@ def save(name: str, payload: dict[str, Any], out_dir: str | os.PathLike = RESULT
     return path
 
 
-def bar_plot(path: Path, title: str, groups: dict[str, dict[str, float]], ylabel: str) -> None:
-    """One panel per group; bars are the group's entries."""
+def saved(name: str, out: str | os.PathLike = RESULTS) -> dict[str, Any]:
+    """The JSON results a benchmark wrote (figures are drawn from these, so `make_readme --replot` can
+    redraw them without rerunning anything)."""
+    return json.loads((Path(out) / f"{name}.json").read_text())
+
+
+def bar_plot(
+    path: Path, title: str, groups: dict[str, dict[str, float]], ylabel: str, backend: str | None = None
+) -> None:
+    """One panel per group; bars are the group's entries. The numbers are live: the title names the backend
+    they were measured on (`backend`; default: this process's)."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import jax
     import matplotlib.pyplot as plt
 
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
     fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
     for ax, (group, values) in zip(axes[0], groups.items(), strict=True):
         bars = ax.bar(list(values), list(values.values()), color=list(colours(list(values)).values()))
         ax.bar_label(bars, fmt="%.3g")
         ax.set_title(group)
         ax.set_ylabel(ylabel)
-    fig.suptitle(f"{mode_title('live', jax.default_backend())}: {title}")
+    fig.suptitle(f"{mode_title('live', backend)}: {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

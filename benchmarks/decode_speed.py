@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, HelpFormatter, bar_plot, print_table, read_bandwidth_gbs, save
+from benchmarks.common import RESULTS, HelpFormatter, bar_plot, print_table, read_bandwidth_gbs, save, saved
 
 
 def bytes_per_token(cfg, dtype_bytes: int, context: int) -> int:
@@ -175,14 +175,21 @@ def main() -> None:
         ),
         args.out,
     )
+    plot(saved("decode_speed", args.out), args.out / "decode_speed.png")
+
+
+def plot(payload: dict, path: Path) -> None:
+    """The figure from the saved results."""
+    ours, hf = payload["fmoe"], payload["transformers"]
     groups = {
-        "TPOT (ms)": {"fmoe_jax": ours["tpot_ms"], "floor": floor_ms},
+        "TPOT (ms)": {"fmoe_jax": ours["tpot_ms"], "floor": payload["floor_ms"]},
         "TTFT (ms)": {"fmoe_jax": ours["ttft_ms"]},
     }
     if hf:
         groups["TPOT (ms)"]["transformers"] = hf["tpot_ms"]
         groups["TTFT (ms)"]["transformers"] = hf["ttft_ms"]
-    bar_plot(args.out / "decode_speed.png", "bench-s resident decode, batch 1", groups, "ms")
+    title = "bench-s resident decode, batch 1"
+    bar_plot(path, title, groups, "ms", backend=payload["machine"]["backend"])
 
 
 if __name__ == "__main__":

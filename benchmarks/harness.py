@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import (  # noqa: F401 (experiments use h.colours, h.mode_title, h.HARDWARE_NAMES)
+from benchmarks.common import (  # noqa: F401 (experiments use h.colours, h.mode_title, h.saved, ...)
     HARDWARE_NAMES,
     RESULTS,
     colours,
@@ -38,6 +38,7 @@ from benchmarks.common import (  # noqa: F401 (experiments use h.colours, h.mode
     mode_title,
     print_table,
     save,
+    saved,
     scrub_paths,
 )
 
@@ -567,12 +568,6 @@ def write_results(
     path.write_text(scrub_paths("\n".join(lines)))
     print(f"wrote {path}")
     return path
-
-
-def saved(name: str, out: Path) -> dict[str, Any]:
-    """The JSON results an experiment wrote (figures are drawn from these, so `make_readme --replot` can
-    redraw them without rerunning anything)."""
-    return json.loads((Path(out) / f"{name}.json").read_text())
 
 
 def simulated_sizes(payload: dict[str, Any], model: str) -> str:

@@ -227,8 +227,8 @@ def drop_column(markdown: str, column: str) -> str:
 
 
 def replot(results: Path = RESULTS) -> None:
-    """Redraws each experiment's figure from its JSON (nothing is rerun), and scrubs the result files: this
-    machine's paths out, the dropped `fmoe_wins` column out."""
+    """Redraws each experiment's and benchmark's figure from its JSON (nothing is rerun), and scrubs the
+    result files: this machine's paths out, the dropped `fmoe_wins` column out."""
     for path in sorted(results.glob("*.json")):
         text = scrub_paths(path.read_text())
         if '"fmoe_wins"' in text:  # written by `common.save`, whose layout json.dumps(indent=1) reproduces
@@ -241,7 +241,7 @@ def replot(results: Path = RESULTS) -> None:
             path.write_text(text)
     for path in sorted(results.glob("*.md")):
         path.write_text(drop_column(scrub_paths(path.read_text()), "fmoe_wins"))
-    for name, _, _ in EXPERIMENTS:
+    for name in [name for name, _, _ in EXPERIMENTS] + [name for name, _ in BENCHMARKS]:
         path = results / f"{name}.json"
         if path.exists():
             importlib.import_module(f"benchmarks.{name}").plot(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, HelpFormatter, bar_plot, print_table, save
+from benchmarks.common import RESULTS, HelpFormatter, bar_plot, print_table, save, saved
 
 
 def measure(model, prompt: list[int], new_tokens: int, repeats: int) -> dict:
@@ -112,15 +112,17 @@ def main() -> None:
         ),
         args.out,
     )
-    bar_plot(
-        args.out / "offload_overhead.png",
-        "bench-s decode, batch 1",
-        {
-            "TPOT (ms)": {k.split(",")[0]: v["tpot_ms"] for k, v in rows.items()},
-            "expert hit rate": {k.split(",")[0]: v["hit_rate"] for k, v in rows.items()},
-        },
-        "",
-    )
+    plot(saved("offload_overhead", args.out), args.out / "offload_overhead.png")
+
+
+def plot(payload: dict, path: Path) -> None:
+    """The figure from the saved results."""
+    rows = payload["rows"]
+    groups = {
+        "TPOT (ms)": {k.split(",")[0]: v["tpot_ms"] for k, v in rows.items()},
+        "expert hit rate": {k.split(",")[0]: v["hit_rate"] for k, v in rows.items()},
+    }
+    bar_plot(path, "bench-s decode, batch 1", groups, "", backend=payload["machine"]["backend"])
 
 
 if __name__ == "__main__":
