@@ -151,7 +151,7 @@ def generate(
         record_hidden=record_hidden,
     )
     stream = make_streamer(streamer, model.pad_token_id)
-    steps = _generation(model, request)
+    steps = _generation(model, request, text_pieces=stream is not None)
     if stream is not None:
         stream.start(request.prompt_ids)
     while True:
@@ -187,12 +187,15 @@ def generate_stream(
     if "streamer" in options:
         raise ValueError("generate_stream yields the pieces itself; pass streamer= to generate instead")
     request = make_request(model, prompts, max_new_tokens, sampling, seed, **options)
-    return GenerationStream(_generation(model, request))
+    return GenerationStream(_generation(model, request, text_pieces=True))
 
 
-def _generation(model: Model, request: Request) -> Generator[list[StreamPiece], None, GenerateOutput]:
+def _generation(
+    model: Model, request: Request, *, text_pieces: bool
+) -> Generator[list[StreamPiece], None, GenerateOutput]:
     """The generation loop: prefill, then one decode step per token. Yields each step's new pieces (one per
-    row still generating) and returns the `GenerateOutput`."""
+    row still generating; their text only with `text_pieces` or stop strings, which need it) and returns the
+    `GenerateOutput`."""
     ids = request.prompt_ids
     max_new_tokens, sampling = request.max_new_tokens, request.sampling
     record_trace, record_hidden = request.record_trace, request.record_hidden
@@ -208,7 +211,7 @@ def _generation(model: Model, request: Request) -> Generator[list[StreamPiece], 
     active = np.ones((batch,), bool)
     rows = Rows(
         batch,
-        model.tokenizer,
+        model.tokenizer if text_pieces or request.stop else None,
         request.eos,
         request.stop,
         max_new_tokens,

@@ -64,7 +64,7 @@ class Rows:
 
     Args:
       batch: number of rows.
-      tokenizer: the model's tokenizer, or None (then `text` stays "" and stop strings are refused earlier).
+      tokenizer: makes the text pieces; None: `text` stays "" (stop strings need a tokenizer).
       eos: token ids that end a row (empty: none).
       stop: strings that end a row once its text contains one (the row keeps the token that completed it).
       max_new_tokens: the length limit.
