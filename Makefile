@@ -1,33 +1,35 @@
 # Two entry points, each working from a fresh clone: `make demo` and `make test`.
-# `make test` (and `make lint`) install the project editable with its test extras: the development setup,
-# whose .venv imports the working tree. `make demo` needs only the runtime dependencies (the test extras'
-# torch alone is 750 MB): on a clone without the development setup it installs the project as a user would
-# (not editable, so the build backend has nothing to warn about), again whenever a source file changes.
+# Both install the project editable into .venv, so that .venv/bin/python imports the working tree from any
+# directory. `make demo` installs only the runtime dependencies (the test extras' torch alone is 750 MB);
+# `make test` and `make lint` add the test extras.
+#
+# setuptools emits one information-only note (its class is InformationOnly) on every editable install of a
+# package whose subpackages live outside its folder (fmoe_jax.models is models/, see pyproject.toml): "be
+# careful with folders in your working directory with the same name as your package". It does not apply
+# here and is filtered by its message; any other warning of the build backend still shows.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+PIP := PYTHONWARNINGS="ignore:Editable installation" $(VENV)/bin/pip
 DEV := $(VENV)/.installed
 RUNTIME := $(VENV)/.runtime
-SOURCES := $(shell find fmoe_jax models offload convert -type f -not -path '*/__pycache__/*' 2>/dev/null)
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 
 $(DEV): pyproject.toml | $(PY)
-	$(VENV)/bin/pip install -q -e ".[test]"
+	$(PIP) install -q -e ".[test]"
 	touch $(DEV)
 
-$(RUNTIME): pyproject.toml $(SOURCES) | $(PY)
-	$(VENV)/bin/pip install -q .
+$(RUNTIME): pyproject.toml | $(PY)
+	$(PIP) install -q -e .
 	touch $(RUNTIME)
 
-# The console script, not `python -m`: that would put the working tree first on sys.path, where
-# fmoe_jax.models (models/) is not under fmoe_jax/.
 demo: $(if $(wildcard $(DEV)),$(DEV),$(RUNTIME))
-	$(VENV)/bin/fmoe-demo
+	$(PY) -m fmoe_jax.demo
 
 test: $(DEV)
 	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers, one test file each at a time

@@ -40,7 +40,7 @@ def domain_prompts(data_dir: Path | None, per_domain: int, seed: int) -> list[tu
     if data_dir is not None and (data_dir / "corpora").is_dir():
         from fmoe_jax.workloads import domain_prompts as held_out
 
-        prompts = held_out(data_dir / "corpora", per_domain, min_chars=120, max_chars=240, seed=seed)
+        prompts = held_out(data_dir / "corpora", per_domain, min_chars=100, max_chars=170, seed=seed)
         return [(p.category, p.text) for p in prompts]
     return [(domain, text) for domain, text in FALLBACK_PROMPTS.items()]
 
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget", type=float, default=0.25, help="expert cache, fraction of all routed experts"
     )
-    parser.add_argument("--new-tokens", type=int, default=40, help="tokens generated per prompt")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
     parser.add_argument("--per-domain", type=int, default=1, help="measured prompts per domain")
     parser.add_argument("--out", type=Path, default=Path("demo-out"), help="where the plot goes")
     parser.add_argument(
