@@ -1,7 +1,8 @@
 # Two entry points, each working from a fresh clone: `make demo` and `make test`.
 # Both install the project editable into .venv, so that .venv/bin/python imports the working tree from any
 # directory. `make demo` installs only the runtime dependencies (the test extras' torch alone is 750 MB);
-# `make test` and `make lint` add the test extras.
+# `make test` and `make lint` add the test extras. Installs skip compiling every installed module to
+# bytecode (--no-compile: transformers alone has thousands of files); Python compiles what it imports.
 #
 # setuptools emits one information-only note (its class is InformationOnly) on every editable install of a
 # package whose subpackages live outside its folder (fmoe_jax.models is models/, see pyproject.toml): "be
@@ -21,11 +22,11 @@ $(PY):
 	$(VENV)/bin/pip install -q --upgrade pip
 
 $(DEV): pyproject.toml | $(PY)
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-compile -e ".[test]"
 	touch $(DEV)
 
 $(RUNTIME): pyproject.toml | $(PY)
-	$(PIP) install -q -e .
+	$(PIP) install -q --no-compile -e .
 	touch $(RUNTIME)
 
 demo: $(if $(wildcard $(DEV)),$(DEV),$(RUNTIME))
