@@ -180,3 +180,48 @@ def bar_plot(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+def grouped_bars(
+    path: Path,
+    title: str,
+    panels: dict[str, dict[str, dict[str, float]]],
+    log: bool = False,
+    ncols: int = 3,
+    ylabels: dict[str, str] | None = None,
+) -> None:
+    """One panel per entry (`ncols` to a row); in each, groups of bars (group -> bar label -> value). A bar
+    label keeps its colour in every panel (policies: `common.POLICY_COLOURS`); one legend under the panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(k for groups in panels.values() for bars in groups.values() for k in bars))
+    colour = colours(labels)
+    ncols = min(ncols, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.4 * ncols, 3.6 * nrows + 0.9), squeeze=False)
+    for ax, (panel, groups) in zip(axes.flat, panels.items(), strict=False):
+        present = [label for label in labels if any(label in bars for bars in groups.values())]
+        width = 0.8 / max(1, len(present))
+        for g, bars in enumerate(groups.values()):
+            for i, label in enumerate(present):
+                if label in bars:
+                    x = g + (i - len(present) / 2 + 0.5) * width
+                    ax.bar(x, bars[label], width, color=colour[label], label=label)
+        ax.set_xticks(range(len(groups)), [name.replace(" ", "\n", 1) for name in groups], fontsize=8)
+        ax.set_title(panel, fontsize=9)
+        if ylabels and panel in ylabels:
+            ax.set_ylabel(ylabels[panel], fontsize=8)
+        if log:
+            ax.set_yscale("log")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colour[label]) for label in labels]
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 9), fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.9 / (3.6 * nrows + 0.9), 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
