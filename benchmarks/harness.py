@@ -29,7 +29,18 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import RESULTS, machine, print_table, save
+from benchmarks.common import (  # noqa: F401 (experiments use h.colours, h.mode_title, h.saved, ...)
+    HARDWARE_NAMES,
+    RESULTS,
+    colours,
+    grouped_bars,
+    machine,
+    mode_title,
+    print_table,
+    save,
+    saved,
+    scrub_paths,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -90,7 +101,15 @@ def add_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     a("--max-inflight", type=int, default=d["max_inflight"], help="prefetch copies in flight at once")
     a("--warmup", type=int, default=d["warmup"], help="store prompts served first, not measured")
     a("--live-requests", type=int, default=d["live_requests"], help="eval prompts served live (first ones)")
-    a("--hardware", nargs="+", default=d["hardware"], help="simulator hardware presets (cost_model.HARDWARE)")
+    from fmoe_jax.offload.cost_model import HARDWARE
+
+    a(
+        "--hardware",
+        nargs="+",
+        default=d["hardware"],
+        choices=list(HARDWARE),
+        help="simulator hardware presets",
+    )
     a(
         "--sim-model",
         default="preset",
@@ -523,7 +542,7 @@ def write_results(
     for caption, rows in tables.items():
         print(f"\n{caption}")
         print_table(rows)
-    save(name, {"command": command, **payload, "tables": tables}, out)
+    save(name, {"command": command, **payload, "tables": tables, "notes": list(notes)}, out)
     m = machine()
     lines = [
         f"# {title}",
@@ -538,9 +557,17 @@ def write_results(
     if notes:
         lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
     path = Path(out) / f"{name}.md"
-    path.write_text("\n".join(lines))
+    path.write_text(scrub_paths("\n".join(lines)))
     print(f"wrote {path}")
     return path
+
+
+def simulated_sizes(payload: dict[str, Any], model: str) -> str:
+    """The real model whose sizes the simulator charged for `model`'s traces, read from the table captions."""
+    for caption in payload.get("tables", {}):
+        if caption.startswith(f"{model}, simulated at ") and " sizes on " in caption:
+            return caption.split("simulated at ", 1)[1].split(" sizes on ", 1)[0]
+    return "preset"
 
 
 def settings_note(workload: Workload) -> str:
@@ -553,43 +580,6 @@ def settings_note(workload: Workload) -> str:
         f"d = {a.prefetch_distance}, store capacity {a.store_capacity}, {a.warmup} warm-up store prompts; "
         f"simulated sizes: {workload.preset.name} ({workload.preset.expert_bytes / 2**20:.0f} MiB per expert)"
     )
-
-
-def grouped_bars(
-    path: Path, title: str, panels: dict[str, dict[str, dict[str, float]]], log: bool = False
-) -> None:
-    """One panel per entry; in each, groups of bars (group -> bar label -> value), bar colours by label."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = list(dict.fromkeys(k for groups in panels.values() for bars in groups.values() for k in bars))
-    colours = dict(zip(labels, plt.get_cmap("tab10").colors * 2, strict=False))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
-    for ax, (panel, groups) in zip(axes[0], panels.items(), strict=True):
-        width = 0.8 / max(1, len(labels))
-        for g, bars in enumerate(groups.values()):
-            for i, label in enumerate(labels):
-                if label in bars:
-                    ax.bar(
-                        g + (i - len(labels) / 2 + 0.5) * width,
-                        bars[label],
-                        width,
-                        color=colours[label],
-                        label=label if g == 0 else None,
-                    )
-        ax.set_xticks(range(len(groups)), list(groups), fontsize=8)
-        ax.set_title(panel, fontsize=10)
-        if log:
-            ax.set_yscale("log")
-    handles, names = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=min(len(labels), 9), fontsize=8)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
 
 
 def versus_fmoe(rows: Sequence[dict[str, Any]], tpot: str, label: str = "fmoe") -> list[dict[str, Any]]:
@@ -607,7 +597,6 @@ def versus_fmoe(rows: Sequence[dict[str, Any]], tpot: str, label: str = "fmoe") 
             tpot=r[tpot],
             fmoe_tpot=f[tpot],
             fmoe_tpot_ratio=f[tpot] / r[tpot],
-            fmoe_wins=(f["hit_rate"] >= r["hit_rate"]) + (f[tpot] <= r[tpot]) == 2,
         )
         for name, r in by.items()
         if name != label

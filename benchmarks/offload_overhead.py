@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, bar_plot, print_table, save
+from benchmarks.common import RESULTS, HelpFormatter, bar_plot, print_table, save, saved
 
 
 def measure(model, prompt: list[int], new_tokens: int, repeats: int) -> dict:
@@ -45,15 +45,15 @@ def measure(model, prompt: list[int], new_tokens: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", type=Path, help="HF or converted directory (default: bench-s)")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
     parser.add_argument("--budget", type=float, default=0.25, help="fraction of experts the cache holds")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="directory for the JSON, PNG and markdown results"
+    )
     args = parser.parse_args()
 
     import fmoe_jax as fj
@@ -111,15 +111,17 @@ def main() -> None:
         ),
         args.out,
     )
-    bar_plot(
-        args.out / "offload_overhead.png",
-        "bench-s decode, batch 1",
-        {
-            "TPOT (ms)": {k.split(",")[0]: v["tpot_ms"] for k, v in rows.items()},
-            "expert hit rate": {k.split(",")[0]: v["hit_rate"] for k, v in rows.items()},
-        },
-        "",
-    )
+    plot(saved("offload_overhead", args.out), args.out / "offload_overhead.png")
+
+
+def plot(payload: dict, path: Path) -> None:
+    """The figure from the saved results."""
+    rows = payload["rows"]
+    groups = {
+        "TPOT (ms)": {k.split(",")[0]: v["tpot_ms"] for k, v in rows.items()},
+        "expert hit rate": {k.split(",")[0]: v["hit_rate"] for k, v in rows.items()},
+    }
+    bar_plot(path, "bench-s decode, batch 1", groups, "", backend=payload["machine"]["backend"])
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import fmoe_jax as fj
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.common import print_table, save  # noqa: E402
+from benchmarks.common import HelpFormatter, print_table, save  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("fmoe-tiny-mixtral", "fmoe-tiny-qwen-moe")
@@ -485,16 +485,26 @@ def report(results: list[dict], args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--corpora",
+        default=str(ROOT.parent / "shared" / "data" / "corpora"),
+        help="directory of the domain corpora",
     )
-    parser.add_argument("--corpora", default=str(ROOT.parent / "shared" / "data" / "corpora"))
-    parser.add_argument("--models", nargs="+", default=list(MODELS))
-    parser.add_argument("--prompts-per-domain", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--sample-tokens", type=int, default=48)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    parser.add_argument("--report", default=str(ROOT / "benchmarks" / "TRAINED_MODELS.md"))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), help="models to run")
+    parser.add_argument("--prompts-per-domain", type=int, default=8, help="held-out prompts per domain")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument(
+        "--sample-tokens", type=int, default=48, help="tokens sampled per prompt for the sample texts"
+    )
+    parser.add_argument(
+        "--out",
+        default=str(ROOT / "benchmarks" / "results"),
+        help="directory for the JSON, PNG and markdown results",
+    )
+    parser.add_argument(
+        "--report", default=str(ROOT / "benchmarks" / "TRAINED_MODELS.md"), help="markdown report to write"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

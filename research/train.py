@@ -397,6 +397,7 @@ def prepare_tokenizer(
     import transformers
     from fmoe_jax.research.tokenizer import (
         BOS_TOKEN,
+        CHAT_TEMPLATE,
         EOS_TOKEN,
         PAD_TOKEN,
         UNK_TOKEN,
@@ -424,6 +425,7 @@ def prepare_tokenizer(
             pad_token=PAD_TOKEN,
             unk_token=UNK_TOKEN,
             clean_up_tokenization_spaces=False,
+            chat_template=CHAT_TEMPLATE,
         ).save_pretrained(str(out_dir))
     tokenizer = load_tokenizer(out_dir)
     if tokenizer("a")["input_ids"][:1] != [BOS_ID] or len(tokenizer) != vocab_size:
