@@ -54,8 +54,8 @@ The experiments run live on this machine with the shipped trained models (`fmoe-
 `fmoe-tiny-qwen-moe`) and, through the trace-replay simulator (`fmoe_jax.offload.simulator`), at the real
 sizes of Mixtral-8x7B, Qwen1.5-MoE-A2.7B and Phi-3.5-MoE on the hardware presets of
 `fmoe_jax.offload.cost_model` (H100 SXM / PCIe 5, A100, RTX 3090 / PCIe 4). Store-building and
-evaluation prompts are disjoint (7:3 split, `fmoe_jax.workloads`). Recorded traces and trained predictors
-are cached in `~/.cache/fmoe-jax-benchmarks` (`--cache-dir`).
+evaluation prompts are disjoint (7:3 split, `fmoe_jax.research.workloads`). Recorded traces and trained
+predictors are cached in `~/.cache/fmoe-jax-benchmarks` (`--cache-dir`).
 
 ## Reading the results
 

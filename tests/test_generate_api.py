@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fmoe_jax.research.tokenizer import CHAT_TEMPLATE
 
 import fmoe_jax as fj
 from fmoe_jax.prompts import encode_prompts
 from fmoe_jax.sampling import from_hf_arguments, sampler_key
-from fmoe_jax.tokenizer import CHAT_TEMPLATE
 
 PROMPTS = ["Once upon a time", "def fibonacci(n):\n    "]
 # One length and one sampling setting throughout, so that the tests share their compiled programs.
