@@ -326,12 +326,14 @@ def batches(requests: Sequence[Request], size: int) -> list[list[Request]]:
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """A policy as one row of a table: `options` are extra policy options (ablation switches); `knowledge`
-    False starts learned policies empty (online serving: fmoe's store, MoE-Infinity's EAMs)."""
+    False starts learned policies empty (online serving: fmoe's store, MoE-Infinity's EAMs); `execution`
+    "hybrid" lets the host compute misses (`OffloadConfig.execution`)."""
 
     label: str
     policy: str
     options: tuple[tuple[str, Any], ...] = ()
     knowledge: bool = True
+    execution: str = "copy"
 
 
 def variants(names: Sequence[str]) -> list[Variant]:
@@ -387,15 +389,19 @@ def offload_config(
     elif variant.policy == "oracle":
         options["traces"] = [batch_trace(c) for c in calls]
     store = [r.trace for r in workload.store] if variant.knowledge else []
-    policy = ALL_POLICIES[variant.policy].from_traces(
-        store, prefetch_distance=d, store_capacity=capacity, **options
-    )
+    if variant.policy == "oracle":  # it knows the calls it serves and learns nothing from other requests
+        policy = ALL_POLICIES["oracle"](**options)
+    else:
+        policy = ALL_POLICIES[variant.policy].from_traces(
+            store, prefetch_distance=d, store_capacity=capacity, **options
+        )
     return fj.OffloadConfig(
         policy=policy,
         cache_experts=workload.slots(budget if budget is not None else args.budget),
         prefetch_distance=d,
         max_inflight=args.max_inflight,
         synchronous_transfers=synchronous,
+        execution=variant.execution,
     )
 
 
@@ -479,10 +485,14 @@ def run_sim(
     *,
     measured: Sequence[Sequence[Request]] | None = None,
     warmup: Sequence[Sequence[Request]] | None = None,
+    host: str | None = None,
+    model: Any = None,
     **config: Any,
 ) -> Any:
-    """Replays the warm-up batches, then the measured ones, at the preset's sizes on `hardware`."""
-    from fmoe_jax.offload.cost_model import HARDWARE
+    """Replays the warm-up batches, then the measured ones, at the preset's sizes (or `model`'s, a
+    `ModelPreset`) on `hardware`, with the `host` CPU preset beside it (`cost_model.HOSTS`; for hybrid
+    execution)."""
+    from fmoe_jax.offload.cost_model import HARDWARE, HOSTS
     from fmoe_jax.offload.simulator import simulate
 
     measured = measured if measured is not None else batches(workload.eval, 1)
@@ -491,8 +501,9 @@ def run_sim(
     return simulate(
         [batch_trace(b) for b in measured],
         offload,
-        model=workload.preset,
+        model=model or workload.preset,
         hardware=HARDWARE[hardware],
+        host=HOSTS[host] if host else None,
         router_weights=workload.router_weights,
         warmup=[batch_trace(b) for b in warmup],
     )

@@ -8,7 +8,9 @@ Definitions (also in the README):
 - hit: a needed expert that was fully resident when its layer asked for it;
 - miss: any other needed expert, loaded on demand; a *late prefetch* is a miss whose prefetch was already
   in flight (the layer waits for it) and is counted in both `misses` and `late_prefetches`;
-- wasted prefetch: an expert fetched by a prefetch and evicted without ever being used.
+- wasted prefetch: an expert fetched by a prefetch and evicted without ever being used;
+- host computed (hybrid execution): a miss the host computed from its own copy instead of waiting for a copy
+  (counted in `misses` too, and in `late_prefetches` when a prefetch of it was in flight).
 Each (iteration, layer, expert) counts once, however many tokens route to it.
 """
 
@@ -36,6 +38,7 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     late_prefetches: int = 0
+    host_computed: int = 0
     prefetches: int = 0
     wasted_prefetches: int = 0
     dropped_prefetches: int = 0  # requested, never started (no longer wanted, or no room)
@@ -220,6 +223,21 @@ class CacheBook:
         s.layer_hits[layer] = s.layer_hits.get(layer, 0) + len(hits)
         s.layer_needed[layer] = s.layer_needed.get(layer, 0) + len(hits) + len(late) + len(misses)
         return hits, late, misses
+
+    def count_host(self, layer: int, keys: Iterable[Key]) -> None:
+        """Counts needed experts the host computes (hybrid execution): misses, late prefetches when a copy of
+        them is arriving, and a use each in `freq` (a use is a use, wherever it ran: LFU's and fMoE's
+        eviction rank by it). A cached copy of one is not used, so its entry does not change."""
+        keys = list(keys)
+        late = sum(1 for key in keys if key in self.entries and not self.entries[key].ready)
+        for key in keys:
+            self.freq[key] = self.freq.get(key, 0) + 1
+        s = self.stats
+        s.misses += len(keys)
+        s.late_prefetches += late
+        s.host_computed += len(keys)
+        s.layer_hits.setdefault(layer, 0)
+        s.layer_needed[layer] = s.layer_needed.get(layer, 0) + len(keys)
 
     def victim(self, keep_score: Callable[[Key, Entry], float], *, protect: Iterable[Key] = ()) -> Key | None:
         """The ready, unpinned expert with the lowest keep score (ties: least recently used), or None."""

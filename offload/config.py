@@ -34,6 +34,12 @@ class OffloadConfig:
         budget. These loads count in no request's statistics (a warm cache, as after earlier requests).
       policy_options: keyword arguments of the policy: every setting a policy has (fmoe's store, ablation
         switches, a baseline's predictor...), as its constructor documents them.
+      execution: "copy" (every expert runs on the device; a miss waits for its copy) or "hybrid" (a miss
+        the host CPU would finish sooner than its copy would land runs on the host, from its host copy,
+        concurrently with the device's experts; `offload/hybrid.py`). Any policy runs with either.
+      host_threads: hybrid execution: threads of the host's expert programs. None: XLA:CPU's own pool (every
+        core the process may use); 1: single-threaded programs; n > 1: the host's experts of a layer split
+        over n single-threaded programs that run concurrently.
     """
 
     policy: Any = "on_demand_lru"
@@ -48,8 +54,18 @@ class OffloadConfig:
     synchronous_transfers: bool = False
     preload: bool = False
     policy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    execution: str = "copy"
+    host_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.execution not in ("copy", "hybrid"):
+            raise ValueError(f"execution must be 'copy' or 'hybrid', got {self.execution!r}")
+        if self.host_threads is not None and (
+            not isinstance(self.host_threads, int)
+            or isinstance(self.host_threads, bool)
+            or self.host_threads < 1
+        ):
+            raise ValueError(f"host_threads must be None or a positive int, got {self.host_threads!r}")
         if self.cache_experts is not None and self.cache_bytes is not None:
             raise ValueError("give cache_experts or cache_bytes, not both")
         if self.cache_experts is not None and self.cache_experts < 1:
@@ -77,7 +93,6 @@ class OffloadConfig:
 
         options = dict(self.policy_options)
         if isinstance(self.policy, str) and self.policy in POLICIES:
-
             accepted = accepted_options(self.policy)
             for name in ("store_capacity", "store_path"):
                 value = getattr(self, name)

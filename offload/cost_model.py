@@ -125,6 +125,92 @@ HARDWARE: dict[str, HardwarePreset] = {
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class HostPreset:
+    """The host CPU beside an accelerator, for hybrid execution (experts computed where their weights are).
+
+    Attributes:
+      name: what the preset describes.
+      mem_bytes_per_s: host memory bandwidth, nominal (channels x transfer rate x 8 bytes).
+      flops_per_s: dense FLOPs on bf16 weights (FP32 accumulation), nominal.
+      mem_efficiency: fraction of `mem_bytes_per_s` a bf16 GEMV streaming one expert achieves.
+      flops_efficiency: fraction of `flops_per_s` an expert's GEMMs achieve (prefill).
+      call_latency_s: fixed cost of one host call (dispatch, waking the thread pool), per layer.
+      transfer_latency_s: fixed cost of one small activation transfer over the link, each way.
+    """
+
+    name: str
+    mem_bytes_per_s: float
+    flops_per_s: float
+    mem_efficiency: float = 0.7
+    flops_efficiency: float = 0.5
+    call_latency_s: float = 50e-6
+    transfer_latency_s: float = 10e-6
+
+    def __post_init__(self) -> None:
+        for name in ("mem_bytes_per_s", "flops_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"host {self.name!r}: {name} must be positive, got {getattr(self, name)}")
+        for name in ("mem_efficiency", "flops_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"host {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")
+        for name in ("call_latency_s", "transfer_latency_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"host {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
+
+    def roofline_s(self, bytes_read: float, flops: float) -> float:
+        """Seconds of host work that reads `bytes_read` from host memory and does `flops`."""
+        return max(
+            bytes_read / (self.mem_bytes_per_s * self.mem_efficiency),
+            flops / (self.flops_per_s * self.flops_efficiency),
+        )
+
+
+# Host memory: a DDR4/DDR5 channel moves 8 bytes per transfer (JEDEC JESD79-4 / JESD79-5; a DDR5 DIMM's two
+# 32-bit subchannels together), so DDR4-3200 gives 25.6 GB/s per channel, DDR5-5600 44.8, DDR5-4800 38.4.
+# FLOPs: cores x base clock x FLOP per cycle from the vendors' core descriptions. Assumptions, not datasheet
+# values: a bf16 GEMV over one expert reaches 70 % of the nominal bandwidth (STREAM typically reaches 75-85 %
+# on these platforms), expert GEMMs 50 % of the vector peak (25 % of AMX's, whose tiles suit large GEMMs);
+# a host call costs 50 us and a small transfer 10 us each way (typical launch and PCIe round-trip costs).
+#
+# A desktop of the RTX 3090's generation: AMD Ryzen 9 5950X (16 Zen 3 cores, 3.4 GHz base, two 256-bit FMA
+# pipes: 32 FP32 FLOP/cycle; no bf16 instructions, weights widened in registers), dual-channel DDR4-3200.
+DESKTOP_DDR4 = HostPreset(
+    "Ryzen 9 5950X, 2x DDR4-3200",
+    mem_bytes_per_s=2 * 3200e6 * 8,
+    flops_per_s=16 * 3.4e9 * 32,
+)
+# A current desktop: AMD Ryzen 9 9950X (16 Zen 5 cores, 4.3 GHz base, full-width AVX-512: two 512-bit FMA
+# pipes, 64 FP32 FLOP/cycle), dual-channel DDR5-5600 (the platform's rated speed).
+DESKTOP_DDR5 = HostPreset(
+    "Ryzen 9 9950X, 2x DDR5-5600",
+    mem_bytes_per_s=2 * 5600e6 * 8,
+    flops_per_s=16 * 4.3e9 * 64,
+)
+# The host of a DGX H100: Intel Xeon Platinum 8480C (56 cores, 2.0 GHz base, AMX: 1,024 BF16 FLOP/cycle per
+# core), 8 channels of DDR5-4800 per socket; one socket (the GPU's NUMA node) computes.
+SERVER_8CH = HostPreset(
+    "Xeon Platinum 8480C (1 socket), 8x DDR5-4800",
+    mem_bytes_per_s=8 * 4800e6 * 8,
+    flops_per_s=56 * 2.0e9 * 1024,
+    flops_efficiency=0.25,
+)
+# AMD EPYC 9654 (96 Zen 4 cores, 2.4 GHz base, AVX512_BF16 dot products: 64 bf16 FLOP/cycle on two 256-bit
+# pipes), 12 channels of DDR5-4800; one socket.
+SERVER_12CH = HostPreset(
+    "EPYC 9654 (1 socket), 12x DDR5-4800",
+    mem_bytes_per_s=12 * 4800e6 * 8,
+    flops_per_s=96 * 2.4e9 * 64,
+)
+
+HOSTS: dict[str, HostPreset] = {
+    "desktop_ddr4": DESKTOP_DDR4,
+    "desktop_ddr5": DESKTOP_DDR5,
+    "server_8ch": SERVER_8CH,
+    "server_12ch": SERVER_12CH,
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ModelPreset:
     """The sizes of a model that the cost model needs (gated-MLP experts; weights of `bytes_per_param`).
 

@@ -5,7 +5,9 @@ what the policy and the cache see cannot differ between them.
 
 A caller supplies two functions: `route(layer)` (compute attention and the router of one MoE layer, or read
 them from a trace, and return the routing) and `compute(layer, chunk, arrays, is_last)` (run some of the
-layer's experts, or advance a simulated clock). The driver does the rest, in this order (DESIGN.md,
+layer's experts, or advance a simulated clock); for hybrid execution also `host(layer, keys)` (start the
+host's share of the layer: the engine dispatches it to the CPU, the simulator books the host's time) and a
+`HybridPlanner` (`offload/hybrid.py`) at construction. The driver does the rest, in this order (DESIGN.md,
 "One decode iteration"):
 
     RequestStart                                    once per generate call / replayed batch (`begin`)
@@ -14,9 +16,14 @@ layer's experts, or advance a simulated clock). The driver does the rest, in thi
         route(l)                                    attention and router; the caller's one host read
         protect l's needed experts                  from here on no prefetch may evict them
         LayerRouted(l, trajectory context)          the policy may request prefetches now
-        for each chunk of l's needed experts:       one chunk unless l needs more than the cache holds
+        hybrid: plan -> host(l, keys)               misses the host finishes before their copy would land;
+                                                    counted as misses and as `host_computed`
+        for each chunk of l's other needed experts: one chunk unless l needs more than the cache holds
             ensure -> compute -> release            hits counted, misses loaded, weights pinned meanwhile
-                                                    (per device, with several devices)
+                                                    (per device, with several devices); the last `compute`
+                                                    of the layer adds the host's share
+        hybrid: background copies of the host's     when the policy wants them (`Policy.host_fill`), behind
+        experts                                     every prefetch
     on_iteration_end
 """
 
@@ -25,13 +32,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from .cache import CacheStats, Key
 from .events import IterationStart, LayerRouted, RequestStart, needed_experts
+from .hybrid import FILL_PRIORITY, HybridPlanner
 
 
 class Routed(NamedTuple):
@@ -44,6 +52,7 @@ class Routed(NamedTuple):
 
 Route = Callable[[int], Routed]
 Compute = Callable[[int, list[Key], dict[Key, Any], bool], Any]
+Host = Callable[[int, list[Key]], Any]
 
 
 @dataclasses.dataclass
@@ -55,11 +64,13 @@ class Measured:
 
 
 class Driver:
-    """Feeds one policy and one expert cache (a `DeviceExpertCache` or a `CacheGroup`) the event stream."""
+    """Feeds one policy and one expert cache (a `DeviceExpertCache` or a `CacheGroup`) the event stream;
+    with a `planner` (hybrid execution), also decides which experts the host computes."""
 
-    def __init__(self, policy: Any, cache: Any):
+    def __init__(self, policy: Any, cache: Any, planner: HybridPlanner | None = None):
         self.policy = policy
         self.cache = cache
+        self.planner = planner
         # Host seconds by stage: "policy_events" (the policy's hooks on this thread) is the driver's own;
         # callers add theirs (the engine's "context_collection").
         self.timers: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -93,15 +104,25 @@ class Driver:
         """A batch of requests begins: the policy hears `RequestStart`."""
         self._tell(self.policy.on_request_start, RequestStart(batch))
 
-    def iteration(self, valid: np.ndarray, embeds: np.ndarray | None, route: Route, compute: Compute) -> None:
+    def iteration(
+        self,
+        valid: np.ndarray,
+        embeds: np.ndarray | None,
+        route: Route,
+        compute: Compute,
+        host: Host | None = None,
+    ) -> None:
         """Runs one iteration over the MoE layers (see the module docstring for the order).
 
         Args:
           valid: `[B, T]` bool, the iteration's valid tokens.
           embeds: `[N, H]` float32 semantic context, or None when the policy does not need it.
           route: `route(layer)` -> `Routed`, called once per MoE layer in order.
-          compute: `compute(layer, chunk, arrays, is_last)`, called per chunk of a layer's needed experts
-            with their device arrays (`chunk` empty and `is_last` True when the layer needs none).
+          compute: `compute(layer, chunk, arrays, is_last)`, called per chunk of the device's share of a
+            layer's needed experts with their device arrays (`chunk` empty and `is_last` True when the device
+            has none).
+          host: `host(layer, keys)` starts the host's share of a layer, before the device's first `compute`
+            (hybrid execution, with a planner; None: every expert on the device).
         """
         policy = self.policy
         token_valid = valid.reshape(-1)
@@ -121,14 +142,34 @@ class Driver:
                 hidden=routed.hidden if policy.needs_hidden else None,
             )
             self._tell(policy.on_layer_routed, event)
-            self.serve(layer, needed, compute)
+            on_host = self.plan(layer, needed, routed.ids, token_valid) if host is not None else []
+            if on_host:
+                host(layer, on_host)
+            self.serve(layer, [e for e in needed if (layer, e) not in on_host], compute)
+            if on_host and policy.host_fill:
+                fill = [(key, FILL_PRIORITY) for key in on_host if self.cache.entry(key) is None]
+                self.cache.request_prefetch(fill, replace=False)
         self._tell(policy.on_iteration_end)
 
-    def serve(self, layer: int, needed: tuple[int, ...], compute: Compute) -> None:
+    def plan(self, layer: int, needed: tuple[int, ...], ids: np.ndarray, valid: np.ndarray) -> list[Key]:
+        """The needed experts the host computes (none without a planner), counted as misses and as
+        `host_computed` in the statistics of the device that holds them."""
+        if self.planner is None or not needed:
+            return []
+        start = time.perf_counter()
+        counts = collections.Counter(int(e) for e in ids[valid].ravel())
+        on_host = self.planner.split(self.cache.parts([(layer, e) for e in needed]), counts, int(valid.sum()))
+        for part, keys in self.cache.parts(on_host):
+            part.book.count_host(layer, keys)
+        self.timers["hybrid_planning"] += time.perf_counter() - start
+        return on_host
+
+    def serve(self, layer: int, needed: Sequence[int], compute: Compute) -> None:
         """For each device's share of the layer's needed experts, chunk by chunk: ensure, compute, release.
 
         `is_last` is True for the layer's last chunk over all devices (the engine finishes the layer
-        there); a layer that needs nothing gets one `compute` with an empty chunk."""
+        there); a layer that needs nothing (or only host-computed experts) gets one `compute` with an empty
+        chunk."""
         try:
             parts = self.cache.parts([(layer, e) for e in needed])
             chunks = [

@@ -8,6 +8,11 @@ asynchronous ones, prefetches overlap the modelled compute.
 
 Routing comes from the trace (layer, expert and top-k counts included); byte and FLOP sizes come from a
 `ModelPreset` (e.g. `MIXTRAL_8X7B`), so a trace of a small model replays at a real model's size.
+
+Hybrid execution (`OffloadConfig(execution="hybrid")`, with a `HostPreset`): the same planner as the live
+engine (`offload/hybrid.py`) picks the misses the host computes; the host's call for a layer starts when the
+layer has routed and runs concurrently with the device's experts (and with the link's copies), and the layer
+finishes when both have (the device waits for the host's result: `host_wait_s`).
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from fmoe_jax.trace import RoutingTrace
 
 from .cache import Key
 from .config import OffloadConfig
-from .cost_model import CostModel, HardwarePreset, ModelPreset
+from .cost_model import CostModel, HardwarePreset, HostPreset, ModelPreset
 from .driver import Driver, Routed
+from .hybrid import HybridPlanner, ModelledHostCost
 from .policies import Policy, PolicyContext
 from .transfer import DeviceExpertCache
 
@@ -64,6 +70,14 @@ class SimulatedLink:
     def is_ready(self, handle: Copy) -> bool:
         return handle.done_s <= self.clock
 
+    def landing_in(self, handle: Copy) -> float:
+        """Seconds from now until `handle`'s copy lands (0 once it has): the hybrid planner's question."""
+        return max(0.0, handle.done_s - self.clock)
+
+    def load_in(self, ahead: int = 0) -> float:
+        """Seconds from now until an on-demand copy issued now, behind `ahead` others, would land."""
+        return max(self.free_at - self.clock, 0.0) + (ahead + 1) * self.copy_s
+
     def wait(self, handles: Sequence[Copy]) -> None:
         until = max((h.done_s for h in handles), default=self.clock)
         if until > self.clock:
@@ -90,8 +104,8 @@ class SimResult:
     layer_hits: list[int]  # [L]
     layer_needed: list[int]  # [L]
     stall_s: float  # compute waiting for experts (on-demand loads, late prefetches, synchronous copies)
-    compute_s: float
-    total_s: float  # compute_s + stall_s
+    compute_s: float  # the device's
+    total_s: float  # compute_s + stall_s + host_wait_s
     link_busy_s: float  # time the link spent copying (transfers overlapping compute included)
     ttft_s: list[float]  # per request: its batch's prefill iteration, LM head included
     tpot_s: list[float]  # per request: mean decode iteration while it was active (nan without decode)
@@ -100,6 +114,14 @@ class SimResult:
     device_bytes: int  # cache budget + resident weights (no KV cache, no activations)
     fits_device: bool  # device_bytes within the hardware's memory
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # the policy's `stats()`
+    host_computed: int = 0  # misses the host computed (hybrid execution; also in `misses`)
+    host_compute_s: float = 0.0  # the host's busy time (calls overlap the device's compute)
+    host_wait_s: float = 0.0  # the device waiting for the host's results
+
+    @property
+    def link_busy_share(self) -> float:
+        """Fraction of the replay's time the link spent copying experts."""
+        return self.link_busy_s / self.total_s if self.total_s > 0 else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -132,6 +154,7 @@ class SimResult:
         out = dataclasses.asdict(self)
         for name in (
             "hit_rate",
+            "link_busy_share",
             "layer_hit_rate",
             "mean_ttft_s",
             "median_ttft_s",
@@ -148,6 +171,7 @@ def simulate(
     *,
     model: ModelPreset | Any,
     hardware: HardwarePreset,
+    host: HostPreset | None = None,
     router_weights: Sequence[np.ndarray] | None = None,
     warmup: Sequence[RoutingTrace] = (),
 ) -> SimResult:
@@ -169,6 +193,7 @@ def simulate(
         a thread of its own must run inline here (fmoe: `policy_options={"asynchronous": False}`).
       model: byte and FLOP sizes: a `ModelPreset` (`MIXTRAL_8X7B`, ...) or a model config (`model.config`).
       hardware: a `HardwarePreset` (`H100_SXM`, `H100_PCIE`, `A100_SXM`, `RTX_3090`, or your own).
+      host: the host CPU beside it, a `HostPreset` (`cost_model.HOSTS`); needed for `execution="hybrid"`.
       router_weights: per MoE layer the router kernel `[D, J]` float32, for policies that `needs_hidden`
         (the trace must then hold hidden states: `generate(..., record_trace=True, record_hidden=True)`).
       warmup: traces replayed first through the same policy and cache, left out of the result (cache and
@@ -186,6 +211,7 @@ def simulate(
         meta=_common_meta(everything),
         model=model,
         hardware=hardware,
+        host=host,
         router_weights=router_weights,
         check=everything,
     )
@@ -217,10 +243,16 @@ class Replay:
         meta: dict[str, Any],
         model: ModelPreset | Any,
         hardware: HardwarePreset,
+        host: HostPreset | None = None,
         router_weights: Sequence[np.ndarray] | None = None,
         check: Sequence[RoutingTrace] = (),
     ):
         offload = offload or OffloadConfig()
+        if offload.execution == "hybrid" and host is None:
+            raise ValueError(
+                "execution='hybrid' computes misses on the host: pass host=, a HostPreset such as "
+                "fmoe_jax.offload.cost_model.HOSTS['desktop_ddr5']"
+            )
         if offload.devices not in (None, 1) or offload.placement is not None:
             raise ValueError(
                 f"the simulator models one device behind one host link; got devices={offload.devices!r}, "
@@ -270,11 +302,19 @@ class Replay:
             layer_s=decode_layer_s,
         )
         self.policy.bind(ctx, self.cache)
-        self.driver = Driver(self.policy, self.cache)
+        self.host: SimulatedHost | None = None
+        planner = None
+        if offload.execution == "hybrid":
+            cost = ModelledHostCost(model, host, hardware.link_effective)
+            self.host = SimulatedHost(cost)
+            planner = HybridPlanner(cost)
+        self.driver = Driver(self.policy, self.cache, planner)
         self._closed = False
         try:
             if self.policy.preload_all:
                 self.cache.preload([(m, e) for m in range(self.num_layers) for e in range(num_experts)])
+            elif self.policy.initial_experts():
+                self.cache.preload(self.policy.initial_experts())
         except BaseException:
             self.close()
             raise
@@ -287,9 +327,9 @@ class Replay:
 
     def reset_statistics(self) -> None:
         """Counts hits, times and requests from here on (after a warm-up); cache and policy keep state."""
-        link = self.link
+        link, host = self.link, self.host or SimulatedHost(None)
         self.driver.reset()
-        self._start = (link.clock, link.stall_s, link.compute_s, link.busy_s)
+        self._start = (link.clock, link.stall_s, link.compute_s, link.busy_s, host.busy_s, host.wait_s)
         self.ttft_s: list[float] = []
         self.tpot_s: list[float] = []
 
@@ -302,7 +342,7 @@ class Replay:
                     f"{self.meta.get(key)}; replay traces of one model together"
                 )
         _check_policy(self.policy, [trace], self.router_weights, self.num_layers)
-        ttft, tpot = _replay_batch(trace, self.driver, self.link, self.costs)
+        ttft, tpot = _replay_batch(trace, self.driver, self.link, self.costs, self.host)
         self.ttft_s += ttft
         self.tpot_s += tpot
         return ttft, tpot
@@ -312,8 +352,9 @@ class Replay:
         if not self._closed:
             self._closed = True
             self.policy.close()
-        clock, stall, compute, busy = self._start
+        clock, stall, compute, busy, host_busy, host_wait = self._start
         s, link, layers = self.driver.measure().cache, self.link, range(self.num_layers)
+        host = self.host or SimulatedHost(None)
         num_experts = self.meta["num_experts"]
         device_bytes = self.capacity * self.model.expert_bytes + self.model.resident_bytes(
             self.num_layers, num_experts
@@ -339,7 +380,34 @@ class Replay:
             device_bytes=device_bytes,
             fits_device=device_bytes <= self.hardware.memory_bytes,
             extra=self.policy.stats(),
+            host_computed=s.host_computed,
+            host_compute_s=host.busy_s - host_busy,
+            host_wait_s=host.wait_s - host_wait,
         )
+
+
+class SimulatedHost:
+    """The host CPU on the simulated clock: a layer's host call starts when the layer has routed, runs
+    concurrently with the device and the link, and takes `ModelledHostCost.call_s`; the device waits for its
+    result before finishing the layer."""
+
+    def __init__(self, cost: ModelledHostCost | None):
+        self.cost = cost
+        self.busy_s = 0.0
+        self.wait_s = 0.0
+        self.done_at: float | None = None  # the pending call's result, simulated time
+
+    def start(self, now: float, tokens: int, expert_tokens: list[int]) -> None:
+        seconds = self.cost.call_s(tokens, expert_tokens)
+        self.busy_s += seconds
+        self.done_at = now + seconds
+
+    def join(self, link: SimulatedLink) -> None:
+        """The device takes the pending call's result: the clock moves on to it if it is not there yet."""
+        if self.done_at is not None and self.done_at > link.clock:
+            self.wait_s += self.done_at - link.clock
+            link.clock = self.done_at
+        self.done_at = None
 
 
 # -- replay ---------------------------------------------------------------------------------------------
@@ -357,7 +425,7 @@ class _Step:
 
 
 def _replay_batch(
-    trace: RoutingTrace, driver: Driver, link: SimulatedLink, costs: CostModel
+    trace: RoutingTrace, driver: Driver, link: SimulatedLink, costs: CostModel, host: SimulatedHost | None
 ) -> tuple[list[float], list[float]]:
     """Replays one batch (one `generate` call); returns per-request TTFT and mean decode-iteration time."""
     requests = trace.requests
@@ -382,13 +450,22 @@ def _replay_batch(
                 None if step.hidden is None else step.hidden[:, m],
             )
 
-        def compute(m: int, chunk: list[Key], arrays: dict, is_last: bool, step=step, tokens=tokens) -> None:
-            routed = np.bincount(step.ids[:, m][step.valid.reshape(-1)].ravel(), minlength=costs.num_experts)
+        def routed_to(m: int, step=step) -> np.ndarray:
+            return np.bincount(step.ids[:, m][step.valid.reshape(-1)].ravel(), minlength=costs.num_experts)
+
+        def compute(m: int, chunk: list[Key], arrays: dict, is_last: bool, tokens=tokens) -> None:
+            routed = routed_to(m)
             link.compute(costs.experts_s([int(routed[e]) for _, e in chunk]))
             if is_last:
+                if host is not None:
+                    host.join(link)
                 link.compute(costs.shared_s(tokens))
 
-        driver.iteration(step.valid, step.embeds, route, compute)
+        def on_host(m: int, keys: list[Key], tokens=tokens) -> None:
+            routed = routed_to(m)
+            host.start(link.clock, tokens, [int(routed[e]) for _, e in keys])
+
+        driver.iteration(step.valid, step.embeds, route, compute, on_host if host is not None else None)
         active = step.valid.any(axis=1)
         link.compute(costs.head_s(int(active.sum())))
         for b in np.flatnonzero(active):

@@ -282,6 +282,18 @@ class DeviceExpertCache(BookView):
         self.mover.wait([self.arrays[key]])
         self.book.mark_ready(key)
 
+    def copy_eta(self, key: Key, ahead: int = 0) -> float:
+        """Seconds until `key` could be used on the device, as the mover estimates it: 0 when resident, the
+        rest of its copy when arriving, else an on-demand load issued now behind `ahead` others. The hybrid
+        planner's question (`offload/hybrid.py`); the mover must answer `landing_in(handle)` and
+        `load_in(ahead)` (the simulator's link, or the live engine's `TimedMover`)."""
+        with self.lock:
+            self._poll()
+            entry = self.book.entries.get(key)
+            if entry is None:
+                return self.mover.load_in(ahead)
+            return 0.0 if entry.ready else self.mover.landing_in(self.arrays[key])
+
     def release(self, keys: Iterable[Key]) -> None:
         with self.lock:
             self.book.unpin(keys)

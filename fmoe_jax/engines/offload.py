@@ -10,6 +10,10 @@ computes the experts it holds and the layer's outputs meet on the mesh (`engines
 Full-cache fast path: whenever every routed expert is resident (preloaded, or brought by earlier
 requests), a step is the whole-model program with the cached arrays for the experts, and the driver replays
 the step's routing to the policy and the cache afterwards: the same events and statistics, no per-layer sync.
+
+Hybrid execution (`OffloadConfig(execution="hybrid")`): the driver's planner hands some misses to the host;
+`host` dispatches them to the CPU backend (`engines/host.py`) before the device's chunks are dispatched, and
+the layer's last `compute` adds the host's assignment outputs to the device's before finishing the layer.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from fmoe_jax.models.moe import ExpertWeights, Kernel, Routing
 from fmoe_jax.offload.cache import Key
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.driver import Driver, Routed
+from fmoe_jax.offload.hybrid import HostCost, HybridPlanner, MeasuredHostCost
 from fmoe_jax.offload.placement import CacheGroup, placement_from
 from fmoe_jax.offload.policies import PolicyContext
 from fmoe_jax.offload.transfer import DeviceExpertCache, JaxMover
@@ -35,10 +40,13 @@ from fmoe_jax.offload.transfer import DeviceExpertCache, JaxMover
 from ..sampling import Sampling
 from . import StepOutput
 from .devices import DeviceSet, per_device_slots, resolve_devices
+from .host import HostCompute, TimedMover
 from .programs import (
     Graph,
     Programs,
     Recorded,
+    add_parts,
+    chunk_width,
     embed_step,
     forward_inputs,
     head_step,
@@ -55,21 +63,6 @@ def router_weights(module: MoECausalLM) -> tuple[np.ndarray, ...]:
     return tuple(np.asarray(module.layers[i].router.weight[...], np.float32).T for i in cfg.moe_layer_ids)
 
 
-def chunk_width(n: int, capacity: int, num_experts: int, tokens: int) -> int:
-    """How many expert arguments a chunk of `n` experts passes to its jitted step (the rest repeat the first;
-    no token is routed to them, so the switch kernels run nothing for them, while "ragged" and "blocked" still
-    stack their weights). Decode steps pad to a power of two up to the cache capacity, so a few programs cover
-    every count. Steps of several tokens (prefill) route to any number of experts per layer, so they always
-    pass one width, min(J, capacity): a prompt whose layer happens to use fewer experts than any before it
-    does not compile a new program mid-request."""
-    if tokens > 1:
-        n = max(n, min(num_experts, capacity))
-    size = 1
-    while size < n:
-        size *= 2
-    return max(n, min(size, capacity))
-
-
 class OffloadEngine:
     """Serves a model whose routed experts live in host memory (see the module docstring).
 
@@ -79,6 +72,8 @@ class OffloadEngine:
       offload: the policy, budget and transfer settings.
       kernel: expert-mixture kernel.
       programs: compiled programs to share with another engine of the same weights (default: its own).
+      host_cost: hybrid execution: the host's cost the planner weighs (default: measured online,
+        `MeasuredHostCost`); tests pass a `FixedHostCost` to send every miss to the host.
     """
 
     def __init__(
@@ -88,6 +83,7 @@ class OffloadEngine:
         *,
         kernel: Kernel = "auto",
         programs: Programs | None = None,
+        host_cost: HostCost | None = None,
     ):
         cfg = module.config
         self.module, self.config, self.offload, self.kernel = module, cfg, offload, kernel
@@ -126,17 +122,34 @@ class OffloadEngine:
             ),
             self.cache,
         )
-        self.driver = Driver(self.policy, self.cache)
+        self.host: HostCompute | None = None
+        planner = None
+        if offload.execution == "hybrid":
+            cost = host_cost if host_cost is not None else MeasuredHostCost()
+            self.host = HostCompute(module, self.programs, kernel, offload.host_threads, cost)
+            planner = HybridPlanner(cost)
+            for mover, key in zip(self._movers, self.all_keys, strict=False):
+                mover.calibrate(key)
+        self._add_parts = add_parts(self.programs)
+        self.driver = Driver(self.policy, self.cache, planner)
         # A policy may hold a thread (fMoE's matcher) that would outlive a model nobody closes: close it
         # when the engine is collected, or on `close()`, whichever comes first (once).
         self._close_policy = weakref.finalize(self, _close_quietly, self.policy)
         if self.policy.preload_all or offload.preload:
             self.cache.preload(self.all_keys)
+        elif self.policy.initial_experts():
+            self.cache.preload(self.policy.initial_experts())
         self._whole: tuple[Any, list[Any], list[tuple[int, Key, str]]] | None = None
 
     def _make_cache(self, slots: int) -> DeviceExpertCache | CacheGroup:
+        self._movers: list[TimedMover] = []
+
         def one(index: int, capacity: int) -> DeviceExpertCache:
-            mover = JaxMover(functools.partial(_host_expert, self.module), self.devices.cache_target(index))
+            jax_mover = JaxMover(
+                functools.partial(_host_expert, self.module), self.devices.cache_target(index)
+            )
+            mover = TimedMover(jax_mover)
+            self._movers.append(mover)
             return DeviceExpertCache(
                 mover,
                 capacity,
@@ -163,6 +176,8 @@ class OffloadEngine:
         """Starts a `generate` call: statistics count from here."""
         self.devices.barrier("fmoe-generate")
         self.driver.reset()
+        self._began = (time.perf_counter(), [m.busy_s for m in self._movers])
+        self._host_began = (self.host.busy_s, self.host.calls) if self.host is not None else (0.0, 0)
         self.driver.begin(batch)
 
     def finish(self, stats: Any) -> None:
@@ -178,6 +193,15 @@ class OffloadEngine:
         )
         stats.layer_hit_rate = s.layer_hit_rate(self.config.num_moe_layers)
         stats.overhead_s = measured.overhead_s
+        stats.host_computed = s.host_computed
+        began, busy = self._began
+        wall = time.perf_counter() - began
+        shares = [(m.busy_s - b) / wall for m, b in zip(self._movers, busy, strict=True)] if wall > 0 else []
+        stats.link_busy_share = float(np.mean(shares)) if shares else 0.0
+        if self.host is not None:
+            stats.host_compute_s = self.host.busy_s - self._host_began[0]
+            stats.extra["host_calls"] = self.host.calls - self._host_began[1]
+            stats.extra["host_copies_alias_pinned"] = self.host.aliased
         stats.extra.update(self.policy.stats())
         stats.extra["cache_slots"] = self.cache.capacity
         stats.extra["expert_bytes"] = self.expert_bytes
@@ -279,6 +303,7 @@ class OffloadEngine:
             )
             timers["context_collection"] += time.perf_counter() - start
             state.update(h=h, z=z, routing=routing, acc=[None] * len(devices), next=layer_id + 1)
+            state.update(ids=routed.ids, pending=None)
             if record:
                 routed_layers.append(routed)
             return routed
@@ -286,19 +311,38 @@ class OffloadEngine:
         def compute(m: int, chunk: list[Key], arrays: dict[Key, ExpertWeights], is_last: bool) -> None:
             layer_id = layer_of[m]
             fns, params = self.layer_fns[layer_id], self.layer_params[layer_id]
-            h, z, routing, acc = state["h"], state["z"], state["routing"], state["acc"]
+            h, z, routing, acc, pending = (
+                state["h"],
+                state["z"],
+                state["routing"],
+                state["acc"],
+                state["pending"],
+            )
             d = self.cache.device_of(chunk[0]) if chunk else 0
             z_d, routing_d, valid_d = devices.on((z, routing, valid), d)
             if acc[d] is None:
                 acc[d] = devices.put(no_parts(z_d, routing_d), d)
             experts, slots = self._chunk_arguments(chunk, arrays, int(h.shape[1]), d)
-            if is_last and devices.single:  # the last chunk, the shared expert and the residual: one program
+            if (
+                is_last and devices.single and pending is None
+            ):  # last chunk, shared expert, residual: one program
                 state["x"] = fns.experts_finish(params, h, z, routing, experts, slots, valid, acc[0])
                 return
             if experts:
                 acc[d] = fns.experts_partial(z_d, routing_d, experts, slots, valid_d, acc[d])
             if not is_last:
                 acc[d].block_until_ready()  # the next chunk may evict these experts: let this one finish
+                return
+            if pending is not None:  # the host's assignment outputs join the device's (disjoint places)
+                start = time.perf_counter()
+                first = devices.local.index(True)
+                host_parts = self.host.finish(pending, devices.devices[first], self._add_parts)
+                timers["host_wait"] += time.perf_counter() - start
+                if acc[first] is None:
+                    acc[first] = devices.put(no_parts(*devices.on((z, routing), first)), first)
+                acc[first] = self._add_parts(acc[first], host_parts)
+            if devices.single:  # every expert already in `acc`: the shared expert and the residual
+                state["x"] = fns.experts_finish(params, h, z, routing, (), slots, valid, acc[0])
                 return
             partials = [
                 a if a is not None else devices.put(no_parts(*devices.on((z, routing), i)), i)
@@ -307,7 +351,18 @@ class OffloadEngine:
             ]
             state["x"] = fns.combine(params, h, z, devices.gather(partials))
 
-        self.driver.iteration(valid_bt, embeds, route, compute)
+        valid_rows = valid_bt.reshape(-1)
+
+        def host(m: int, keys: list[Key]) -> None:
+            start = time.perf_counter()
+            ids = state["ids"][valid_rows]  # [valid tokens, k]
+            tokens = [int(np.sum(ids == e)) for _, e in keys]
+            first = devices.local.index(True)
+            z, routing, valid_0 = devices.on((state["z"], state["routing"], valid), first)
+            state["pending"] = self.host.start(keys, tokens, t, z, routing, valid_0)
+            timers["host_dispatch"] += time.perf_counter() - start
+
+        self.driver.iteration(valid_bt, embeds, route, compute, host if self.host is not None else None)
         run_dense_until(len(self.layer_fns))
         recorded = None
         if record:

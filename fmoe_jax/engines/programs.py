@@ -74,9 +74,12 @@ class Programs:
         self.compilations[label] += 1
         self._traced += 1
 
-    def jit(self, fn: Callable, **jit_kwargs: Any) -> Callable:
-        """`jax.jit(fn)` with exact rounding; a call that traced (and so compiled) adds to `compile_s`."""
-        jitted = jax.jit(fn, compiler_options=EXACT_ROUNDING, **jit_kwargs)
+    def jit(
+        self, fn: Callable, *, compiler_options: dict[str, Any] | None = None, **jit_kwargs: Any
+    ) -> Callable:
+        """`jax.jit(fn)` with exact rounding (and any other `compiler_options`); a call that traced (and so
+        compiled) adds to `compile_s`."""
+        jitted = jax.jit(fn, compiler_options={**EXACT_ROUNDING, **(compiler_options or {})}, **jit_kwargs)
 
         def call(*args: Any, **kwargs: Any) -> Any:
             start, before = time.perf_counter(), self._traced
@@ -203,6 +206,17 @@ def layer_steps(programs: Programs, graph: Graph, kernel: Kernel) -> LayerSteps:
     return programs.memo(("layer", graph, kernel), make)
 
 
+def add_parts(programs: Programs) -> Callable:
+    """Two assignment-output buffers `[N, k, D]` float32 added (hybrid execution: the host's places and the
+    device's are disjoint, so the sum is exact)."""
+
+    def add(a, b):
+        programs.count(f"add_parts_N{a.shape[0]}")
+        return a + b
+
+    return programs.memo("add_parts", lambda: programs.jit(add))
+
+
 def embed_step(programs: Programs, graph: Graph, cfg: Any) -> Callable:
     def embed(state, tokens, layout):
         programs.count(f"embed_T{tokens.shape[1]}")
@@ -224,6 +238,21 @@ def head_step(programs: Programs, graph: Graph) -> Callable:
     return programs.memo(
         ("head", graph), lambda: programs.jit(head, static_argnums=3, static_argnames="all_positions")
     )
+
+
+def chunk_width(n: int, capacity: int, num_experts: int, tokens: int) -> int:
+    """How many expert arguments a chunk of `n` experts passes to its jitted step (the rest repeat the first;
+    no token is routed to them, so the switch kernels run nothing for them, while "ragged" and "blocked" still
+    stack their weights). Decode steps pad to a power of two up to the cache capacity, so a few programs cover
+    every count. Steps of several tokens (prefill) route to any number of experts per layer, so they always
+    pass one width, min(J, capacity): a prompt whose layer happens to use fewer experts than any before it
+    does not compile a new program mid-request."""
+    if tokens > 1:
+        n = max(n, min(num_experts, capacity))
+    size = 1
+    while size < n:
+        size *= 2
+    return max(n, min(size, capacity))
 
 
 def no_parts(z: jax.Array, routing: Routing) -> jax.Array:

@@ -7,12 +7,14 @@ from typing import Any
 
 from .base import Policy, PolicyContext
 from .duoserve import DuoServe
+from .fiddler import Fiddler
 from .fmoe import FMoE, store_from_traces
 from .mixtral_offload import MixtralOffload
 from .moe_infinity import MoEInfinity
 from .on_demand import OnDemandLFU, OnDemandLRU, Resident
 from .oracle import Oracle
 from .promoe import ProMoE
+from .static_split import StaticSplit
 
 POLICIES: dict[str, type[Policy]] = {
     "resident": Resident,
@@ -24,6 +26,8 @@ POLICIES: dict[str, type[Policy]] = {
     "promoe": ProMoE,
     "duoserve": DuoServe,
     "oracle": Oracle,
+    "fiddler": Fiddler,
+    "static_split": StaticSplit,
 }
 
 
@@ -68,11 +72,13 @@ def make_policy(policy: str | Policy, **options: Any) -> Policy:
 __all__ = [
     "POLICIES",
     "FMoE",
+    "Fiddler",
     "OnDemandLFU",
     "OnDemandLRU",
     "Policy",
     "PolicyContext",
     "Resident",
+    "StaticSplit",
     "make_policy",
     "store_from_traces",
 ]

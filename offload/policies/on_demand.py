@@ -11,9 +11,11 @@ from .base import Policy
 
 
 class OnDemandLRU(Policy):
-    """No prefetch; evicts the least recently used expert."""
+    """No prefetch; evicts the least recently used expert. With hybrid execution, an expert the host computed
+    is copied in the background (`host_fill`), so that the cache still holds the most recently used."""
 
     name = "on_demand_lru"
+    host_fill = True
 
 
 class OnDemandLFU(Policy):
