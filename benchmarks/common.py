@@ -31,6 +31,12 @@ POLICY_COLOURS = {
     "duoserve": "#e377c2",
     "fmoe": "#d62728",
     "oracle": "#000000",
+    # hybrid execution (exp8): a policy's hybrid variant in a lighter shade of its colour
+    "on_demand_lru+hybrid": "#9ecae1",
+    "fmoe+hybrid": "#ff9896",
+    "oracle+hybrid": "#a0a0a0",
+    "fiddler": "#ff7f0e",
+    "static_split": "#bcbd22",
 }
 OTHER_COLOURS = ("#ff7f0e", "#bcbd22", "#aec7e8", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d")
 HARDWARE_NAMES = {

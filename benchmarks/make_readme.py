@@ -32,6 +32,7 @@ EXPERIMENTS = [
     ("exp5_ablation", "ablations of fMoE's matching and caching", "12"),
     ("exp6_sensitivity", "prefetch distance, store capacity, batch size", "13, 14"),
     ("exp7_overhead", "one iteration's time by stage; store memory by capacity", "15, 16"),
+    ("exp8_hybrid", "hybrid execution: TPOT and TTFT, copy-only against hybrid, fiddler, static split", ""),
 ]
 BENCHMARKS = [
     ("decode_speed", "resident TTFT/TPOT against transformers and a bandwidth floor"),

@@ -1,5 +1,6 @@
 """Offloading is lossless: under every policy and every budget from one slot to all routed experts, in
-bfloat16 and float32, offloaded logits are bit-identical to the resident model's and greedy tokens equal.
+bfloat16 and float32, offloaded logits are bit-identical to the resident model's and greedy tokens equal;
+with hybrid execution too, whatever share of a layer the host computes.
 
 The models: the shipped trained checkpoints (bfloat16, as they ship) and a tiny random model of each family
 in both dtypes. A layer that needs more experts than the cache holds runs in chunks; these tests are the
@@ -9,6 +10,7 @@ ones that catch a chunk rounding its partial sum (which moved logits by up to 1.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,7 @@ import pytest
 from fmoe_jax.models import Layout
 from fmoe_jax.offload import predictors
 from fmoe_jax.offload.config import OffloadConfig
+from fmoe_jax.offload.hybrid import FixedHostCost
 from fmoe_jax.offload.policies import POLICIES, DuoServe, Oracle, ProMoE
 from fmoe_jax.research import predictor_training
 from hypothesis import HealthCheck, Phase, given, settings
@@ -70,8 +73,9 @@ def subjects(hf_dirs):
     return get
 
 
-def serve(subject: Subject, policy: str, slots: int, reference_trace=None) -> fj.Model:
-    """The subject's weights behind a fresh offload engine for `policy` at `slots` (no reload)."""
+def serve(subject: Subject, policy: str, slots: int, reference_trace=None, host_cost=None) -> fj.Model:
+    """The subject's weights behind a fresh offload engine for `policy` at `slots` (no reload); with a
+    `host_cost`, hybrid execution deciding by it."""
     if policy == "oracle":
         policy_obj = Oracle(reference_trace)
     elif policy == "promoe":
@@ -80,11 +84,11 @@ def serve(subject: Subject, policy: str, slots: int, reference_trace=None) -> fj
         policy_obj = DuoServe(predictor=subject.predictors["duoserve"])
     else:
         policy_obj = policy
-    offload = OffloadConfig(policy=policy_obj, cache_experts=slots, prefetch_distance=1)
+    execution = "copy" if host_cost is None else "hybrid"
+    offload = OffloadConfig(policy=policy_obj, cache_experts=slots, prefetch_distance=1, execution=execution)
     base = subject.offloaded
-    return dataclasses.replace(
-        base, engine=OffloadEngine(base.module, offload, programs=base.engine.programs), offload=offload
-    )
+    engine = OffloadEngine(base.module, offload, programs=base.engine.programs, host_cost=host_cost)
+    return dataclasses.replace(base, engine=engine, offload=offload)
 
 
 def run_steps(model: fj.Model, prompts: list[list[int]], new_tokens: int):
@@ -110,15 +114,18 @@ def run_steps(model: fj.Model, prompts: list[list[int]], new_tokens: int):
     return np.stack(generated, 1), np.stack(logits, 1)
 
 
-def check_lossless(subject: Subject, policy: str, slots: int, prompts: list[list[int]], new_tokens: int):
-    label = f"{policy} at {slots} slots, prompts {[len(p) for p in prompts]}"
+def check_lossless(
+    subject: Subject, policy: str, slots: int, prompts: list[list[int]], new_tokens: int, host_cost=None
+) -> int:
+    """Asserts bit-identical generation; returns how many experts the host computed (hybrid)."""
+    label = f"{policy} at {slots} slots, prompts {[len(p) for p in prompts]}, host {host_cost}"
     if policy == "oracle":
         # The oracle serves exactly the generation it was given: compare `generate` calls, tokens and every
         # MoE layer's router input bit for bit (run_steps would be a different generation).
         ref = fj.generate(
             subject.resident, prompts, new_tokens, stop_at_eos=False, record_trace=True, record_hidden=True
         )
-        model = serve(subject, policy, slots, ref.trace)
+        model = serve(subject, policy, slots, ref.trace, host_cost)
         try:
             out = fj.generate(
                 model, prompts, new_tokens, stop_at_eos=False, record_trace=True, record_hidden=True
@@ -129,9 +136,9 @@ def check_lossless(subject: Subject, policy: str, slots: int, prompts: list[list
         for a, b in zip(ref.trace.requests, out.trace.requests, strict=True):
             for x, y in zip(a.iterations, b.iterations, strict=True):
                 np.testing.assert_array_equal(x.hidden, y.hidden, err_msg=label)
-        return
+        return out.stats.host_computed
     ref_tokens, ref_logits = run_steps(subject.resident, prompts, new_tokens)
-    model = serve(subject, policy, slots)
+    model = serve(subject, policy, slots, host_cost=host_cost)
     try:
         tokens, logits = run_steps(model, prompts, new_tokens)
         full = np.asarray(fj.forward(model, [prompts[0]]))
@@ -142,6 +149,7 @@ def check_lossless(subject: Subject, policy: str, slots: int, prompts: list[list
     np.testing.assert_array_equal(tokens, ref_tokens, err_msg=label)
     np.testing.assert_array_equal(logits, ref_logits, err_msg=label)  # bit-identical: no tolerance
     np.testing.assert_array_equal(full, np.asarray(fj.forward(subject.resident, [prompts[0]])), err_msg=label)
+    return book.stats.host_computed
 
 
 MODELS = [*SHIPPED, *RANDOM]
@@ -190,3 +198,38 @@ def test_shipped_models_chunked_budgets(name, policy, subjects):
             assert fj.generate(model, ["def fibonacci(n):"], 24, stop_at_eos=False).tokens == reference.tokens
         finally:
             model.close()
+
+
+class OneTokenOnHost:
+    """A host cost under which the host takes every missed expert that one token uses and the device the
+    others: layers computed on both at once (a padded prefill, a batch's decode step)."""
+
+    def overhead_s(self, tokens: int) -> float:
+        return 0.0
+
+    def expert_s(self, tokens: int) -> float:
+        return 0.0 if tokens <= 1 else math.inf
+
+    def __repr__(self) -> str:
+        return "OneTokenOnHost()"
+
+
+HYBRID_PROMPTS = {
+    1: [[5, 100, 200, 31, 47, 17, 9]],
+    3: [[3, 14, 15], list(range(20, 44)), [7, 7, 7, 7, 7, 7]],
+}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "phimoe"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_hybrid_execution_is_bit_identical_to_resident(family, policy, subjects):
+    """Every policy, budgets of one slot and 25 %, batches of 1 and 3: batch 1 with every miss on the host,
+    batch 3 with the host taking the single-token experts and the device the rest of the same layers."""
+    subject = subjects((family, "bfloat16"))
+    cfg = subject.resident.config
+    host_computed = 0
+    for slots in (1, max(1, cfg.num_moe_layers * cfg.num_experts // 4)):
+        for batch, host_cost in ((1, FixedHostCost(0.0)), (3, OneTokenOnHost())):
+            host_computed += check_lossless(subject, policy, slots, HYBRID_PROMPTS[batch], 5, host_cost)
+    if policy != "resident":
+        assert host_computed > 0, f"{family} {policy}: the host computed nothing; the test compares little"
