@@ -142,9 +142,13 @@ class Driver:
                 hidden=routed.hidden if policy.needs_hidden else None,
             )
             self._tell(policy.on_layer_routed, event)
-            on_host = self.plan(layer, needed, routed.ids, token_valid) if host is not None else []
-            if on_host:
-                host(layer, on_host)
+            try:
+                on_host = self.plan(layer, needed, routed.ids, token_valid) if host is not None else []
+                if on_host:
+                    host(layer, on_host)
+            except BaseException:
+                self.cache.protect(())  # as `serve` would have: a failed call leaves the cache usable
+                raise
             self.serve(layer, [e for e in needed if (layer, e) not in on_host], compute)
             if on_host and policy.host_fill:
                 fill = [(key, FILL_PRIORITY) for key in on_host if self.cache.entry(key) is None]

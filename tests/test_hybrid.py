@@ -170,6 +170,32 @@ def test_static_split_places_whole_layers_and_restores_them():
         StaticSplit(device_layers="middle")
 
 
+def test_a_failing_host_call_leaves_the_cache_usable():
+    from fmoe_jax.offload.driver import Driver, Routed
+    from fmoe_jax.offload.policies import OnDemandLRU
+    from fmoe_jax.offload.simulator import SimulatedLink
+    from fmoe_jax.offload.transfer import DeviceExpertCache
+
+    policy = OnDemandLRU()
+    cache = DeviceExpertCache(SimulatedLink(100, 1e3), 2, 100, policy)
+    policy.bind(
+        PolicyContext(num_layers=1, num_experts=4, top_k=1, embed_dim=2, prefetch_distance=1, capacity=2),
+        cache,
+    )
+    driver = Driver(policy, cache, HybridPlanner(FixedHostCost(0.0)))
+
+    def host(layer, keys):
+        raise RuntimeError("host backend gone")
+
+    route = lambda layer: Routed(np.asarray([[1]], np.int32))  # noqa: E731
+    with pytest.raises(RuntimeError, match="host backend gone"):
+        driver.iteration(np.ones((1, 1), bool), None, route, lambda *a: None, host)
+    assert cache.protected == set() and cache.serving is None
+    assert cache.stats.host_computed == 1  # it was planned, and counted, before the call failed
+    driver.iteration(np.ones((1, 1), bool), None, route, lambda *a: None)  # copy-only afterwards: a miss
+    assert (cache.stats.misses, cache.stats.loads) == (2, 1)
+
+
 # -- the simulator's host ------------------------------------------------------------------------------------
 # Round numbers as in tests/test_simulator.py: memory-bound, link and device memory at 1 GB/s.
 TOY_HARDWARE = HardwarePreset(
