@@ -67,6 +67,20 @@ else:
             assert len(per_device) == DEVICES
             assert sum(d["hits"] + d["misses"] for d in per_device) == out.stats.hits + out.stats.misses
 
+    def test_hybrid_on_four_devices(hf_dirs, references):
+        """The host's share of a layer joins the first device's partial sum; tokens stay the resident ones.
+        Costs are measured online: until the host is measured it costs nothing, so it computes the first
+        misses. One family, the one with a dense layer and a shared expert (test_lossless covers the others
+        on one device)."""
+        family = "qwen2_moe"
+        offload = fj.OffloadConfig(
+            policy="on_demand_lru", cache_experts=DEVICES, devices=DEVICES, execution="hybrid"
+        )
+        with fj.load_model(hf_dirs[family], offload=offload) as model:
+            out = fj.generate(model, PROMPTS, max_new_tokens=6, stop_at_eos=False)
+        assert out.tokens == references[family], family
+        assert 0 < out.stats.host_computed <= out.stats.misses
+
     def test_placement_and_per_device_budgets(hf_dirs):
         offload = fj.OffloadConfig(policy="on_demand_lru", cache_experts=6, devices=DEVICES)
         with fj.load_model(hf_dirs["mixtral"], offload=offload) as model:
