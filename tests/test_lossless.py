@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import fmoe_jax as fj
 from fmoe_jax.engines.offload import OffloadEngine
+from fmoe_jax.generation import bucket_length
 
 SHIPPED = ["fmoe-tiny-mixtral", "fmoe-tiny-qwen-moe"]
 RANDOM = [
@@ -88,19 +89,19 @@ def serve(subject: Subject, policy: str, slots: int, reference_trace=None) -> fj
 
 
 def run_steps(model: fj.Model, prompts: list[list[int]], new_tokens: int):
-    """Prefill + greedy decode through the engine's `step`; each step's tokens `[B]` and logits `[B, V]`."""
+    """Prefill + greedy decode through the engine's `step`; each step's tokens `[B]` and logits `[B, V]`.
+    Padding and cache length are bucketed as `generate` buckets them, so few shapes compile."""
     engine = model.engine
-    b, t_pad = len(prompts), max(len(p) for p in prompts)
+    b, t_pad = len(prompts), bucket_length(max(len(p) for p in prompts))
     tokens = np.zeros((b, t_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, t_pad - len(p) :] = p
     key_start = np.asarray([t_pad - len(p) for p in prompts], np.int32)
     active = np.ones((b,), bool)
-    kv = engine.init_cache(b, t_pad + new_tokens)
+    kv = engine.init_cache(b, bucket_length(t_pad + new_tokens))
     key = jax.random.key(0)
-    out, kv = engine.step(
-        jnp.asarray(tokens), kv, Layout(np.int32(0), key_start, active, t_pad), key, fj.Greedy()
-    )
+    layout = Layout(np.int32(0), key_start, active, t_pad)
+    out, kv = engine.step(jnp.asarray(tokens), kv, layout, key, fj.Greedy())
     logits, generated = [np.asarray(out.logits)], [np.asarray(out.tokens)]
     for step in range(new_tokens - 1):
         layout = Layout(np.int32(t_pad + step), key_start, active, 1)
@@ -150,7 +151,7 @@ MODELS = [*SHIPPED, *RANDOM]
 # No shrinking: each example loads engines and compiles, and a failure already names its model, policy,
 # budget and prompts.
 @settings(
-    max_examples=30,
+    max_examples=25,
     deadline=None,
     phases=(Phase.explicit, Phase.reuse, Phase.generate),
     suppress_health_check=[HealthCheck.function_scoped_fixture],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +24,7 @@ from fmoe_jax.offload.cost_model import (
     ModelPreset,
 )
 from fmoe_jax.offload.policies import POLICIES, Policy
-from fmoe_jax.offload.simulator import Copy, SimulatedLink, simulate
+from fmoe_jax.offload.simulator import SimulatedLink, simulate
 
 import fmoe_jax as fj
 from fmoe_jax.engines.offload import router_weights
@@ -331,18 +332,34 @@ def test_prefetch_overlaps_compute_by_hand():
     assert r.ttft_s == [pytest.approx(1140.6e-6, rel=1e-9)]
 
 
-def test_simulated_link_is_fifo_and_counts_stall():
-    link = SimulatedLink(expert_bytes=100, bytes_per_s=1000.0)  # 0.1 s per copy
-    a, b = link.start((0, 0)), link.start((0, 1))
-    assert (a.done_s, b.done_s) == (pytest.approx(0.1), pytest.approx(0.2))
-    link.compute(0.15)
+def test_simulated_link_serves_prefetches_in_order_and_counts_stall():
+    link = SimulatedLink(expert_bytes=300, bytes_per_s=1000.0)  # 0.3 s per copy, 3 chunks of 0.1 s
+    a, b = link.start((0, 0)), link.start((0, 1))  # prefetches: back to back
+    link.compute(0.35)
     assert link.is_ready(a) and not link.is_ready(b)
+    assert a.done_s == pytest.approx(0.3) and b.done_s == math.inf  # b's last chunk has not started
     link.wait([a, b])
-    assert link.clock == pytest.approx(0.2) and link.stall_s == pytest.approx(0.05)
+    assert b.done_s == pytest.approx(0.6)
+    assert link.clock == pytest.approx(0.6) and link.stall_s == pytest.approx(0.25)
     c = link.start((0, 2))  # the link is idle: starts now
-    assert c == Copy((0, 2), pytest.approx(0.3))
-    link.wait([])
-    assert link.stall_s == pytest.approx(0.05)
+    link.wait([c])
+    assert c.done_s == pytest.approx(0.9) and link.busy_s == pytest.approx(0.9)
+
+
+def test_on_demand_load_waits_behind_one_chunk_and_prefetches_cancel_between_chunks():
+    link = SimulatedLink(expert_bytes=300, bytes_per_s=1000.0)  # 3 chunks of 0.1 s
+    first, second = link.start((1, 0)), link.start((1, 1))  # two prefetches queue (0.6 s of link)
+    link.compute(0.05)  # the first prefetch's first chunk is under way
+    miss = link.start((0, 3), urgent=True)
+    link.wait([miss])
+    # It waited for the chunk under way (to 0.1), then took the link: 0.1 + 0.3.
+    assert miss.done_s == pytest.approx(0.4) and link.stall_s == pytest.approx(0.35)
+    assert link.cancel(second) == pytest.approx(1.0)  # not started: nothing of it was sent
+    link.compute(0.05)  # t = 0.45: the first prefetch resumed at 0.4, its second chunk is under way
+    assert link.cancel(first) == pytest.approx(1 / 3)  # stops before its last chunk
+    link.compute(1.0)
+    assert link.busy_s == pytest.approx(0.1 + 0.3 + 0.1)  # two chunks of the first, the whole miss
+    assert link.cancel(miss) is None  # done: nothing to cancel
 
 
 def random_trace(seed: int, requests: int = 1, decode: int = 40, layers: int = 4, experts: int = 8):
