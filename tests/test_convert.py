@@ -260,5 +260,7 @@ def test_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("HF_DIR", "OUT_DIR", "--dtype", "bfloat16", "--overwrite", "--quiet", "verify"):
         assert option in text
+    for model_type in ("mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2"):
+        assert model_type in text
     assert main(["verify", "--help"]) == 0
     assert "--against" in capsys.readouterr().out
