@@ -54,7 +54,11 @@ class DecoderLayer(nnx.Module):
 
     def route(self, z: jax.Array) -> Routing:
         """z `[N, D]` -> routing of N tokens (probabilities in float32)."""
-        return self.route_fn(self.router(z), self.config)
+        if self.config.router_matmul_float32:
+            logits = linear(z.astype(jnp.float32), self.router.weight[...].astype(jnp.float32))
+        else:
+            logits = self.router(z)
+        return self.route_fn(logits, self.config)
 
     def moe_output(
         self,

@@ -102,6 +102,9 @@ class MoEConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # DeepSeek-V2 computes the router's matmul in float32 (input and weight cast up); the others in the
+    # model's dtype. Only bfloat16 / float16 models see the difference.
+    router_matmul_float32: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None

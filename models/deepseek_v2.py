@@ -59,6 +59,7 @@ def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
         n_group=(hf.get("n_group") or 1) if group_limited else 1,
         topk_group=(hf.get("topk_group") or 1) if group_limited else 1,
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        router_matmul_float32=True,
     )
 
 

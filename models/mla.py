@@ -2,8 +2,8 @@
 
 `DecoderLayer` (`models/base.py`) uses it instead of `Attention` when `MoEConfig.kv_lora_rank > 0`. The cache
 (`LayerKV`, `models/layers.py`) holds per token the normalised latent `c` `[kv_lora_rank]` and the rotated
-rotary key `k_pe` `[qk_rope_head_dim]` shared by every head: 576 numbers per token and layer in
-DeepSeek-V2-Lite instead of 2 x 16 x 192 for full keys and values.
+rotary key `k_pe` `[qk_rope_head_dim]` shared by every head: 512 + 64 = 576 numbers per token and layer in
+DeepSeek-V2-Lite instead of 16 heads x (192 + 128) = 5,120 for full keys and values.
 
 Dimension letters: B batch, T new tokens, S cache length, D hidden, H heads, N qk_nope_head_dim,
 P qk_rope_head_dim, V v_head_dim, R kv_lora_rank.

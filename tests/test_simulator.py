@@ -433,7 +433,7 @@ def test_model_presets_match_published_parameter_counts(preset, published):
 def test_presets_are_registered_and_sane():
     assert MIXTRAL_8X7B.expert_bytes == 3 * 4096 * 14336 * 2
     assert set(MODELS) == {"mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2"}
-    # DeepSeek-V2-Lite's latent cache: 512 + 64 numbers per token and layer, not 2 x 16 heads x 192.
+    # DeepSeek-V2-Lite's latent cache: 512 + 64 numbers per token and layer, not 16 heads x (192 + 128).
     assert DEEPSEEK_V2_LITE.kv_bytes_per_token == (512 + 64) * 2
     for hardware in HARDWARE.values():
         assert 20e9 < hardware.link_effective < hardware.link_bytes_per_s < 70e9
