@@ -5,10 +5,12 @@ Benchmarks print a table, write `<name>.json` and `<name>.png` into `--out` (def
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import platform
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,6 +19,58 @@ from typing import Any
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+# One colour per policy in every figure (fmoe always red, the on-demand baselines blue).
+POLICY_COLOURS = {
+    "resident": "#7f7f7f",
+    "on_demand_lru": "#1f77b4",
+    "on_demand_lfu": "#17becf",
+    "mixtral_offload": "#2ca02c",
+    "moe_infinity": "#9467bd",
+    "promoe": "#8c564b",
+    "duoserve": "#e377c2",
+    "fmoe": "#d62728",
+    "oracle": "#000000",
+}
+OTHER_COLOURS = ("#ff7f0e", "#bcbd22", "#aec7e8", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d")
+HARDWARE_NAMES = {
+    "rtx_3090": "RTX 3090",
+    "h100_sxm": "H100 SXM",
+    "h100_pcie": "H100 PCIe",
+    "a100_sxm": "A100 SXM",
+}
+
+
+def colours(labels: Sequence[str]) -> dict[str, str]:
+    """Each label's colour: a policy's own; others (ablation variants, models) in order."""
+    others = iter(OTHER_COLOURS * 4)
+    return {label: POLICY_COLOURS.get(label) or next(others) for label in dict.fromkeys(labels)}
+
+
+def mode_title(mode: str, backend: str = "cpu") -> str:
+    """How a figure names where its numbers come from: "live (cpu)" or "simulated: RTX 3090 preset"."""
+    if mode == "live":
+        return f"live ({backend})"
+    return f"simulated: {HARDWARE_NAMES.get(mode, mode)} preset"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`--help` keeps the module docstring's layout and shows every option's default."""
+
+
+_PATHS = [  # absolute paths of the machine a result was made on -> portable ones (each starts a path)
+    (re.compile(r"(?<![\w.+/-])(?:/[\w.+-]+)*?/(benchmarks|fmoe_jax|models|offload|convert|tests)/"), r"\1/"),
+    (re.compile(r"(?<![\w.+/-])(?:/[\w.+-]+)*?/shared/data\b"), "../shared/data"),
+    (re.compile(r"(?<![\w.+/-])(?:/home/[\w.+-]+|/root)(?=/)"), "~"),
+    (re.compile(r"(?<![\w.+/-])/tmp(?=/)"), "$TMPDIR"),
+]
+
+
+def scrub_paths(text: str) -> str:
+    """`text` with this machine's absolute paths made relative (results are committed and shared)."""
+    for pattern, replacement in _PATHS:
+        text = pattern.sub(replacement, text)
+    return text
 
 
 def machine() -> dict[str, Any]:
@@ -90,26 +144,84 @@ def save(name: str, payload: dict[str, Any], out_dir: str | os.PathLike = RESULT
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine(), **payload}, indent=1, default=float))
+    path.write_text(scrub_paths(json.dumps({"machine": machine(), **payload}, indent=1, default=float)))
     print(f"wrote {path}")
     return path
 
 
-def bar_plot(path: Path, title: str, groups: dict[str, dict[str, float]], ylabel: str) -> None:
-    """One panel per group; bars are the group's entries."""
+def saved(name: str, out: str | os.PathLike = RESULTS) -> dict[str, Any]:
+    """The JSON results a benchmark wrote (figures are drawn from these, so `make_readme --replot` can
+    redraw them without rerunning anything)."""
+    return json.loads((Path(out) / f"{name}.json").read_text())
+
+
+def bar_plot(
+    path: Path, title: str, groups: dict[str, dict[str, float]], ylabel: str, backend: str | None = None
+) -> None:
+    """One panel per group; bars are the group's entries. The numbers are live: the title names the backend
+    they were measured on (`backend`; default: this process's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
     fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
     for ax, (group, values) in zip(axes[0], groups.items(), strict=True):
-        bars = ax.bar(list(values), list(values.values()), color=["#3b6ea5", "#c0504d", "#9bbb59", "#8064a2"])
+        bars = ax.bar(list(values), list(values.values()), color=list(colours(list(values)).values()))
         ax.bar_label(bars, fmt="%.3g")
         ax.set_title(group)
         ax.set_ylabel(ylabel)
-    fig.suptitle(title)
+    fig.suptitle(f"{mode_title('live', backend)}: {title}")
     fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def grouped_bars(
+    path: Path,
+    title: str,
+    panels: dict[str, dict[str, dict[str, float]]],
+    log: bool = False,
+    ncols: int = 3,
+    ylabels: dict[str, str] | None = None,
+) -> None:
+    """One panel per entry (`ncols` to a row); in each, groups of bars (group -> bar label -> value). A bar
+    label keeps its colour in every panel (policies: `common.POLICY_COLOURS`); one legend under the panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(k for groups in panels.values() for bars in groups.values() for k in bars))
+    colour = colours(labels)
+    ncols = min(ncols, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.4 * ncols, 3.6 * nrows + 0.9), squeeze=False)
+    for ax, (panel, groups) in zip(axes.flat, panels.items(), strict=False):
+        present = [label for label in labels if any(label in bars for bars in groups.values())]
+        width = 0.8 / max(1, len(present))
+        for g, bars in enumerate(groups.values()):
+            for i, label in enumerate(present):
+                if label in bars:
+                    x = g + (i - len(present) / 2 + 0.5) * width
+                    ax.bar(x, bars[label], width, color=colour[label], label=label)
+        ax.set_xticks(range(len(groups)), [name.replace(" ", "\n", 1) for name in groups], fontsize=8)
+        ax.set_title(panel, fontsize=9)
+        if ylabels and panel in ylabels:
+            ax.set_ylabel(ylabels[panel], fontsize=8)
+        if log:
+            ax.set_yscale("log")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colour[label]) for label in labels]
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 9), fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.9 / (3.6 * nrows + 0.9), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"wrote {path}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, bar_plot, print_table, save
+from benchmarks.common import RESULTS, HelpFormatter, bar_plot, print_table, save, saved
 
 TARGET_MB_S = 150.0
 TARGET_RSS_MB = 1500.0
@@ -87,13 +87,13 @@ def run_child(task: str, src: Path, out: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", type=Path, help="HF directory (default: bench-s in /tmp/fmoe-bench)")
     parser.add_argument("--converted", type=Path, help="where to write the converted checkpoint")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="directory for the JSON, PNG and markdown results"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -176,10 +176,11 @@ def main() -> None:
     )
 
     save("convert_speed", summary, args.out)
-    plot(summary, args.out)
+    plot(saved("convert_speed", args.out), args.out / "convert_speed.png")
 
 
-def plot(summary: dict, out_dir: Path) -> None:
+def plot(summary: dict, path: Path) -> None:
+    """The figure from the saved results."""
     c = summary["convert"]
     labels = {
         "restore_pinned_host": "restore\npinned",
@@ -190,7 +191,7 @@ def plot(summary: dict, out_dir: Path) -> None:
     }
     load_times = {labels[n]: e["median_s"] for n, e in summary["load"].items() if e["median_s"] is not None}
     bar_plot(
-        out_dir / "convert_speed.png",
+        path,
         "bench-s: fmoe-convert and loading the result",
         {
             "conversion throughput (MB/s)": {"measured": c["mb_per_s"], "target": TARGET_MB_S},
@@ -198,6 +199,7 @@ def plot(summary: dict, out_dir: Path) -> None:
             "load time (s)": load_times,
         },
         "see panel title",
+        backend=summary["machine"]["backend"],
     )
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, bar_plot, print_table, read_bandwidth_gbs, save
+from benchmarks.common import RESULTS, HelpFormatter, bar_plot, print_table, read_bandwidth_gbs, save, saved
 
 
 def bytes_per_token(cfg, dtype_bytes: int, context: int) -> int:
@@ -44,6 +44,7 @@ def fmoe_runner(path: Path, prompt: list[int], new_tokens: int):
         stats = fj.generate(model, [prompt], max_new_tokens=new_tokens, stop_at_eos=False).stats
         return stats.ttft_s, list(stats.decode_step_s)
 
+    once.compilations = model.engine.programs.compilations  # the model's own compilation counts
     return once, model.config
 
 
@@ -78,18 +79,19 @@ def transformers_runner(path: Path, prompt: list[int], new_tokens: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", type=Path, help="HF directory (default: bench-s in /tmp/fmoe-bench)")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--repeats", type=int, default=5, help="rounds; each runs every system once")
-    parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--skip-transformers", action="store_true", help="do not time transformers (torch) for comparison"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="directory for the JSON, PNG and markdown results"
+    )
     args = parser.parse_args()
 
-    from fmoe_jax.resident import TRACE_COUNTS
     from fmoe_jax.testing import ensure_checkpoint
 
     path = args.checkpoint or ensure_checkpoint("bench-s")
@@ -99,7 +101,8 @@ def main() -> None:
     runners["fmoe_jax resident"] = runners["fmoe_jax resident"][0]
     if not args.skip_transformers:
         runners["transformers eager"] = transformers_runner(path, prompt, args.new_tokens)
-    traces_before = sum(TRACE_COUNTS.values())
+    compiled = runners["fmoe_jax resident"].compilations
+    traces_before = sum(compiled.values())
     # This machine's memory bandwidth varies with its neighbours' load, so the systems take turns, round
     # by round, with a bandwidth sample per round: every ratio compares measurements of the same minutes.
     ttft = {name: [] for name in runners}
@@ -122,7 +125,7 @@ def main() -> None:
         for name in runners
     }
     ours = measured["fmoe_jax resident"]
-    ours["recompilations"] = sum(TRACE_COUNTS.values()) - traces_before
+    ours["recompilations"] = sum(compiled.values()) - traces_before
     hf = measured.get("transformers eager")
     bandwidth = {key: max(b[key] for b in bandwidths) for key in bandwidths[0]}
     context = args.prompt_len + args.new_tokens // 2
@@ -173,14 +176,21 @@ def main() -> None:
         ),
         args.out,
     )
+    plot(saved("decode_speed", args.out), args.out / "decode_speed.png")
+
+
+def plot(payload: dict, path: Path) -> None:
+    """The figure from the saved results."""
+    ours, hf = payload["fmoe"], payload["transformers"]
     groups = {
-        "TPOT (ms)": {"fmoe_jax": ours["tpot_ms"], "floor": floor_ms},
+        "TPOT (ms)": {"fmoe_jax": ours["tpot_ms"], "floor": payload["floor_ms"]},
         "TTFT (ms)": {"fmoe_jax": ours["ttft_ms"]},
     }
     if hf:
         groups["TPOT (ms)"]["transformers"] = hf["tpot_ms"]
         groups["TTFT (ms)"]["transformers"] = hf["ttft_ms"]
-    bar_plot(args.out / "decode_speed.png", "bench-s resident decode, batch 1", groups, "ms")
+    title = "bench-s resident decode, batch 1"
+    bar_plot(path, title, groups, "ms", backend=payload["machine"]["backend"])
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import argparse
 import numpy as np
 
 from benchmarks import harness as h
+from benchmarks.common import HelpFormatter
 from benchmarks.routing_analysis import entropy_bits
 
 NAME = "exp1_granularity"
@@ -130,33 +131,37 @@ def prediction_hit_rates(w: h.Workload, distances: list[int]) -> dict[str, dict[
     return out
 
 
-def plot(path, results: dict) -> None:
+def plot(payload: dict, path) -> None:
+    """Figures 3 and 4 from the saved results (routing recorded live, greedy decoding)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(results), 3, figsize=(14, 3.6 * len(results)), squeeze=False)
+    results = payload["results"]
+    where = f"{h.mode_title('live', payload['machine']['backend'])} routing traces"
+    fig, axes = plt.subplots(len(results), 3, figsize=(14, 3.8 * len(results)), squeeze=False)
     for row, (name, r) in zip(axes, results.items(), strict=True):
         e = r["entropy"]
         layers = np.arange(len(e["fine"]))
         row[0].bar(layers - 0.2, e["coarse"], 0.4, label="coarse (request)")
         row[0].bar(layers + 0.2, e["fine"], 0.4, label="fine (iteration)")
         row[0].axhline(r["max_entropy"], color="grey", lw=0.8, ls="--", label="uniform")
-        row[0].set(title=f"{name}: routing entropy per layer", xlabel="MoE layer", ylabel="bits")
-        row[0].legend(fontsize=8)
+        row[0].set(xlabel="MoE layer", ylabel="bits")
+        row[0].set_title(f"{where}\n{name}: routing entropy per layer", fontsize=9)
+        row[0].set_ylim(0, 1.3 * r["max_entropy"])  # headroom for the legend, clear of the bars
+        row[0].legend(fontsize=8, loc="upper center", ncol=3)
         row[1].plot(e["through_iterations"])
-        row[1].set(
-            title="entropy of the aggregate through iterations", xlabel="decode iterations", ylabel="bits"
-        )
+        row[1].set(xlabel="decode iterations", ylabel="bits")
+        row[1].set_title(f"{where}\n{name}: entropy of the aggregate through iterations", fontsize=9)
         for method, by_d in r["hit_rate_by_distance"].items():
             ds = sorted(by_d, key=int)
             row[2].plot([int(d) for d in ds], [np.nanmean(by_d[d]) for d in ds], marker="o", label=method)
-        row[2].set(
-            title="prediction hit rate vs prefetch distance", xlabel="d (layers)", ylabel="top-k hit rate"
-        )
-        row[2].set_ylim(0, 1.02)
-        row[2].legend(fontsize=8)
+        row[2].set(xlabel="d (layers)", ylabel="top-k hit rate")
+        row[2].set_title(f"{where}\n{name}: prediction hit rate vs prefetch distance", fontsize=9)
+        row[2].set_ylim(0, 1.25)
+        row[2].set_yticks(np.linspace(0, 1, 6))
+        row[2].legend(fontsize=8, loc="upper center", ncol=4)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -164,9 +169,7 @@ def plot(path, results: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     h.add_arguments(parser)
     args = parser.parse_args(argv)
     results, tables, notes = {}, {}, []
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     h.write_results(
         NAME, "Experiment 1: coarse vs fine routing (figures 3 and 4)", payload, tables, notes, args.out
     )
-    plot(args.out / f"{NAME}.png", results)
+    plot(h.saved(NAME, args.out), args.out / f"{NAME}.png")
     return payload
 
 

@@ -16,6 +16,7 @@ import argparse
 import jax
 
 from benchmarks import harness as h
+from benchmarks.common import HelpFormatter
 
 NAME = "exp2_overall"
 
@@ -33,14 +34,18 @@ def live_row(label: str, r: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     h.add_arguments(parser)
-    parser.add_argument("--policies", nargs="+", default=["resident", *h.POLICIES])
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=["resident", *h.POLICIES],
+        choices=["resident", *h.POLICIES],
+        help="policies compared (resident: every expert on the device, the reference)",
+    )
     args = parser.parse_args(argv)
 
-    tables, payload, notes, panels = {}, {"models": {}}, [], {}
+    tables, payload, notes = {}, {"models": {}}, []
     for name in args.model:
         w = h.load_workload(name, args)
         notes.append(h.settings_note(w))
@@ -53,10 +58,6 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append(live_row(v.label, r))
             tables[f"{w.name}, live ({jax.default_backend()})"] = rows
             tables[f"{w.name}, live: fmoe against each"] = h.versus_fmoe(rows, "tpot_ms")
-            panels.setdefault("hit rate", {})[f"{w.name} live"] = {r["policy"]: r["hit_rate"] for r in rows}
-            panels.setdefault("TPOT (relative to resident)", {})[f"{w.name} live"] = {
-                r["policy"]: r["tpot_ms"] / rows[0]["tpot_ms"] for r in rows
-            }
         if not args.no_sim:
             for hw in args.hardware:
                 rows = []
@@ -79,19 +80,38 @@ def main(argv: list[str] | None = None) -> dict:
                         )
                     )
                 tables[f"{w.name}, simulated at {w.preset.name} sizes on {hw}"] = rows
-                group = f"{w.name} sim {hw}"
-                panels.setdefault("hit rate", {})[group] = {r["policy"]: r["hit_rate"] for r in rows}
-                panels.setdefault("TPOT (relative to resident)", {})[group] = {
-                    r["policy"]: r["tpot_s"] / rows[0]["tpot_s"] for r in rows
-                }
                 tables[f"{w.name}, simulated on {hw}: fmoe against each"] = h.versus_fmoe(rows, "tpot_s")
         w.model.close()
     payload["args"] = {k: str(v) for k, v in vars(args).items()}
     h.write_results(
         NAME, "Experiment 2: overall TTFT, TPOT and hit rate (figure 9)", payload, tables, notes, args.out
     )
-    h.grouped_bars(args.out / f"{NAME}.png", "Overall performance per policy (figure 9)", panels)
+    plot(h.saved(NAME, args.out), args.out / f"{NAME}.png")
     return payload
+
+
+def plot(payload: dict, path) -> None:
+    """Figure 9 from the saved results: per source of numbers (live, each simulated preset) the hit rate and
+    the TPOT relative to resident, one group of bars per model."""
+    backend = payload["machine"]["backend"]
+    panels, ylabels = {}, {}
+    for model, result in payload["models"].items():
+        modes = {"live": result["live"]} if result["live"] else {}
+        modes |= {
+            hw: {p: r["async"] for p, r in by_policy.items()} for hw, by_policy in result["sim"].items()
+        }
+        for mode, by_policy in modes.items():
+            where = h.mode_title(mode, backend)
+            group = model if mode == "live" else f"{model} (at {h.simulated_sizes(payload, model)} sizes)"
+            ref = "resident" if "resident" in by_policy else next(iter(by_policy))
+            reference = by_policy[ref]["median_tpot_s"]
+            hit, tpot = f"{where}: expert hit rate", f"{where}: TPOT / {ref}'s"
+            panels.setdefault(hit, {})[group] = {p: r["hit_rate"] for p, r in by_policy.items()}
+            panels.setdefault(tpot, {})[group] = {
+                p: r["median_tpot_s"] / reference for p, r in by_policy.items()
+            }
+            ylabels[tpot] = f"median TPOT, relative to {ref}"
+    h.grouped_bars(path, "Overall performance per policy (figure 9)", panels, ncols=2, ylabels=ylabels)
 
 
 if __name__ == "__main__":

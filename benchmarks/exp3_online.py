@@ -31,6 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 from benchmarks import harness as h
+from benchmarks.common import HelpFormatter
 
 NAME = "exp3_online"
 POLICIES = ("on_demand_lru", "on_demand_lfu", "mixtral_offload", "moe_infinity", "promoe", "duoserve", "fmoe")
@@ -128,13 +129,21 @@ def latency_row(label: str, latency: np.ndarray, sizes: list[int]) -> dict:
     )
 
 
-def plot(path, cdfs: dict[str, dict[str, list[float]]]) -> None:
+def plot(payload: dict, path) -> None:
+    """Figure 10 from the saved results: latency CDF per policy, one panel per model and source of numbers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(cdfs), figsize=(5 * len(cdfs), 3.8), squeeze=False)
+    backend = payload["machine"]["backend"]
+    cdfs = {}
+    for model, result in payload["models"].items():
+        for mode, run in [*result["live"].items(), *result["sim"].items()]:
+            sizes = "" if mode == "live" else f" at {h.simulated_sizes(payload, model)} sizes"
+            cdfs[f"{h.mode_title(mode, backend)}\n{model}{sizes}"] = run["latency"]
+    colour = h.colours([p for by_policy in cdfs.values() for p in by_policy])
+    fig, axes = plt.subplots(1, len(cdfs), figsize=(5 * len(cdfs), 4.2), squeeze=False)
     for ax, (title, by_policy) in zip(axes[0], cdfs.items(), strict=True):
         for policy, latency in by_policy.items():
             xs = np.sort(latency)
@@ -142,38 +151,41 @@ def plot(path, cdfs: dict[str, dict[str, list[float]]]) -> None:
                 xs,
                 np.arange(1, len(xs) + 1) / len(xs),
                 where="post",
-                label=policy,
+                color=colour[policy],
                 lw=2.2 if policy == "fmoe" else 1.2,
             )
-        ax.set(title=title, xlabel="end-to-end request latency (s)", ylabel="CDF")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+        ax.set_title(title, fontsize=9)
+        ax.set(xlabel="end-to-end request latency (s)", ylabel="CDF")
+    handles = [plt.Line2D([], [], color=c, lw=2) for c in colour.values()]
+    fig.legend(handles, list(colour), loc="lower center", ncol=len(colour), fontsize=8, frameon=False)
+    fig.suptitle("Online serving at Azure trace arrival times (figure 10)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     h.add_arguments(parser)
     parser.add_argument(
         "--arrivals", default="azure_llm_2023_conv.csv", help="file under DATA/arrivals or a path"
     )
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--max-batch", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=64, help="requests taken from the arrival trace")
+    parser.add_argument("--max-batch", type=int, default=4, help="largest batch the FCFS server forms")
     parser.add_argument("--load", type=float, default=1.0, help="arrival rate / on_demand_lru's batch-1 rate")
     parser.add_argument("--calibration", type=int, default=4, help="store prompts timed for the time scale")
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument(
+        "--policies", nargs="+", default=list(POLICIES), choices=h.POLICIES, help="policies compared"
+    )
     args = parser.parse_args(argv)
 
-    from fmoe_jax import workloads
+    from fmoe_jax.research import workloads
 
     path = args.data / "arrivals" / args.arrivals if "/" not in args.arrivals else args.arrivals
     trace = workloads.load_azure_arrivals(path, limit=args.requests)
     gaps = float(np.mean(np.diff(trace.arrival_s)))
-    tables, payload, notes, cdfs = {}, {"models": {}}, [], {}
+    tables, payload, notes = {}, {"models": {}}, []
     for name in args.model:
         w = h.load_workload(name, args)
         by_uid = {r.prompt.uid: r for r in w.eval}
@@ -214,7 +226,6 @@ def main(argv: list[str] | None = None) -> dict:
                 curves[v.label] = latency.tolist()
             where = "live" if mode == "live" else f"simulated at {w.preset.name} sizes on {mode}"
             tables[f"{w.name}, {where}: end-to-end latency (s)"] = rows
-            cdfs[f"{w.name} {'live' if mode == 'live' else mode}"] = curves
             result["live" if mode == "live" else "sim"][mode] = dict(
                 time_scale=scale, single_request_s=service, rows=rows, latency=curves
             )
@@ -228,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     payload["args"] = {k: str(v) for k, v in vars(args).items()}
     h.write_results(NAME, "Experiment 3: online serving (figure 10)", payload, tables, notes, args.out)
-    plot(args.out / f"{NAME}.png", cdfs)
+    plot(h.saved(NAME, args.out), args.out / f"{NAME}.png")
     return payload
 
 

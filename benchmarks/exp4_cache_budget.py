@@ -16,6 +16,7 @@ import argparse
 import numpy as np
 
 from benchmarks import harness as h
+from benchmarks.common import HelpFormatter
 
 NAME = "exp4_cache_budget"
 
@@ -30,38 +31,69 @@ def pivot(rows: list[dict], key: str, budget_gb: dict | None = None) -> list[dic
     return list(out.values())
 
 
-def plot(path, curves: dict[str, dict[str, dict[float, float]]], ylabel: str) -> None:
+def plot(payload: dict, path) -> None:
+    """Figure 11 from the saved results: median TPOT against the budget, one panel per model and source of
+    numbers (live, each simulated preset), one line per policy (the same colours in every figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.8), squeeze=False)
-    for ax, (title, by_policy) in zip(axes[0], curves.items(), strict=True):
+    backend = payload["machine"]["backend"]
+    curves = {}
+    for model, result in payload["models"].items():
+        sources = {"live": (result["live"], "tpot_ms", "ms")} if result["live"] else {}
+        sources |= {hw: (rows, "median_tpot_s", "s") for hw, rows in result["sim"].items()}
+        for mode, (rows, key, unit) in sources.items():
+            sizes = "" if mode == "live" else f" at {h.simulated_sizes(payload, model)} sizes"
+            title = f"{h.mode_title(mode, backend)}\n{model}{sizes}"
+            by_policy = {}
+            for r in rows:
+                by_policy.setdefault(r["policy"], {})[r["budget"]] = r[key]
+            curves[title] = (by_policy, f"median TPOT ({unit}, log scale)")
+    colour = h.colours([p for by_policy, _ in curves.values() for p in by_policy])
+    ncols = min(3, len(curves))
+    nrows = -(-len(curves) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows + 0.8), squeeze=False)
+    for ax, (title, (by_policy, ylabel)) in zip(axes.flat, curves.items(), strict=False):
         for policy, points in by_policy.items():
             xs = sorted(points)
             ax.plot(
-                xs, [points[x] for x in xs], marker="o", label=policy, lw=2.2 if policy == "fmoe" else 1.2
+                xs,
+                [points[x] for x in xs],
+                marker="o",
+                color=colour[policy],
+                lw=2.2 if policy == "fmoe" else 1.2,
             )
-        ax.set(title=title, xlabel="expert cache budget (fraction of experts)", ylabel=ylabel)
-        ax.set_yscale("log")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+        ax.set_title(title, fontsize=9)
+        ax.set(xlabel="expert cache budget (fraction of experts)", ylabel=ylabel, yscale="log")
+    for ax in list(axes.flat)[len(curves) :]:
+        ax.axis("off")
+    handles = [plt.Line2D([], [], color=c, marker="o", lw=2) for c in colour.values()]
+    fig.legend(handles, list(colour), loc="lower center", ncol=len(colour), fontsize=8, frameon=False)
+    fig.suptitle("TPOT against the expert cache budget (figure 11)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.8 / (3.6 * nrows + 0.8), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     h.add_arguments(parser, live_requests=8)
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.125, 0.25, 0.375, 0.5, 0.75])
-    parser.add_argument("--policies", nargs="+", default=list(h.POLICIES))
+    parser.add_argument(
+        "--budgets",
+        type=float,
+        nargs="+",
+        default=[0.125, 0.25, 0.375, 0.5, 0.75],
+        help="expert cache budgets, fractions of all routed experts",
+    )
+    parser.add_argument(
+        "--policies", nargs="+", default=list(h.POLICIES), choices=h.POLICIES, help="policies compared"
+    )
     args = parser.parse_args(argv)
 
-    tables, payload, notes, curves = {}, {"models": {}}, [], {}
+    tables, payload, notes = {}, {"models": {}}, []
     for name in args.model:
         w = h.load_workload(name, args)
         notes.append(h.settings_note(w) + " (the budget varies here)")
@@ -86,10 +118,6 @@ def main(argv: list[str] | None = None) -> dict:
             rows = result["live"]
             tables[f"{w.name}, live: median TPOT (ms)"] = pivot(rows, "tpot_ms")
             tables[f"{w.name}, live: hit rate"] = pivot(rows, "hit_rate")
-            curves[f"{w.name} live TPOT (ms)"] = {
-                v.label: {r["budget"]: r["tpot_ms"] for r in rows if r["policy"] == v.label}
-                for v in h.variants(args.policies)
-            }
         if not args.no_sim:
             for hw in args.hardware:
                 rows = result["sim"][hw] = []
@@ -110,10 +138,6 @@ def main(argv: list[str] | None = None) -> dict:
                 caption = f"{w.name}, simulated at {w.preset.name} sizes on {hw}"
                 tables[f"{caption}: median TPOT (s)"] = pivot(rows, "median_tpot_s", gb)
                 tables[f"{caption}: hit rate"] = pivot(rows, "hit_rate", gb)
-                curves[f"{w.name} sim {hw} TPOT (s)"] = {
-                    v.label: {r["budget"]: r["median_tpot_s"] for r in rows if r["policy"] == v.label}
-                    for v in h.variants(args.policies)
-                }
                 unfit = sorted({r["budget"] for r in rows if not r["fits_device"]})
                 if unfit:
                     notes.append(f"{hw}: budgets {unfit} exceed the device memory (cache + dense weights)")
@@ -132,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         notes,
         args.out,
     )
-    plot(args.out / f"{NAME}.png", curves, "median TPOT")
+    plot(h.saved(NAME, args.out), args.out / f"{NAME}.png")
     return payload
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks import harness as h
+from benchmarks.common import HelpFormatter
 
 NAME = "exp5_ablation"
 ALL = (("admission", "all"),)  # prefetch every selected expert, as the paper: the rows compare prediction
@@ -57,12 +58,10 @@ def rows_for(w: h.Workload, group: list[h.Variant], args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     h.add_arguments(parser)
     args = parser.parse_args(argv)
-    tables, payload, notes, panels = {}, {"models": {}}, [], {}
+    tables, payload, notes = {}, {"models": {}}, []
     for name in args.model:
         w = h.load_workload(name, args)
         notes.append(h.settings_note(w))
@@ -70,18 +69,34 @@ def main(argv: list[str] | None = None) -> dict:
         payload["models"][w.name] = {"tracking": tracking, "caching": caching}
         tables[f"{w.name}: (a) expert-pattern tracking"] = tracking
         tables[f"{w.name}: (b) prefetching and caching (eviction)"] = caching
-        for key in ("live_hit_rate", "sim_hit_rate_sync"):
-            if tracking and key in tracking[0]:
-                panels.setdefault(f"(a) tracking: {key}", {})[w.name] = {
-                    r["variant"]: r[key] for r in tracking
-                }
-                panels.setdefault(f"(b) caching: {key}", {})[w.name] = {r["variant"]: r[key] for r in caching}
         w.model.close()
     notes.append("sim_hit_rate_sync: simulated on the first --hardware preset with synchronous copies")
     payload["args"] = {k: str(v) for k, v in vars(args).items()}
     h.write_results(NAME, "Experiment 5: ablation study (figure 12)", payload, tables, notes, args.out)
-    h.grouped_bars(args.out / f"{NAME}.png", "Ablations of fMoE (figure 12): expert hit rate", panels)
+    plot(h.saved(NAME, args.out), args.out / f"{NAME}.png")
     return payload
+
+
+def plot(payload: dict, path) -> None:
+    """Figure 12 from the saved results: hit rate of each ablation variant, live and simulated (synchronous
+    copies on the first preset: prediction and caching alone)."""
+    backend = payload["machine"]["backend"]
+    hardware = payload["args"].get("hardware", "")
+    first = hardware.strip("[]").split(",")[0].strip(" '\"") if hardware else ""
+    sources = {
+        "live_hit_rate": h.mode_title("live", backend),
+        "sim_hit_rate_sync": f"{h.mode_title(first)}, synchronous copies" if first else "simulated",
+    }
+    panels = {}
+    for model, result in payload["models"].items():
+        for part, name in (("tracking", "(a) expert-pattern tracking"), ("caching", "(b) eviction")):
+            rows = result[part]
+            for key, where in sources.items():
+                if rows and key in rows[0]:
+                    panels.setdefault(f"{where}\n{name}: hit rate", {})[model] = {
+                        r["variant"]: r[key] for r in rows
+                    }
+    h.grouped_bars(path, "Ablations of fMoE (figure 12): expert hit rate", panels, ncols=2)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks import harness as h
+from benchmarks.common import HelpFormatter
 
 NAME = "exp6_sensitivity"
 BATCH_POLICIES = ("on_demand_lru", "mixtral_offload", "promoe", "moe_infinity", "fmoe")
@@ -53,40 +54,92 @@ def measure(
     return row
 
 
-def plot(path, tables: dict[str, list[dict]], args) -> None:
+def plot(payload: dict, path) -> None:
+    """Figures 13 and 14 from the saved results: per swept setting (rows), the hit rate and the TPOT, live and
+    simulated in separate panels; colour = policy, line style = where the numbers come from."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, axes = plt.subplots(len(tables), 3, figsize=(15, 3.4 * len(tables)), squeeze=False)
-    for row_axes, (caption, rows) in zip(axes, tables.items(), strict=True):
-        x_key = next(iter(rows[0]))
-        series = {}
-        for r in rows:
+    backend = payload["machine"]["backend"]
+    parts = {"distance": ("d", "prefetch distance d"), "capacity": ("capacity", "store capacity (maps)")}
+    parts["batch"] = ("batch", "batch size")
+    rows = [(model, part, result[part]) for model, result in payload["models"].items() for part in parts]
+    hardware = sorted(
+        {k.removesuffix("_hit_rate") for _, _, rs in rows for k in rs[0] if k.endswith("_hit_rate")}
+    )
+    hardware = [hw for hw in hardware if hw not in ("live", "sim")]
+    styles = {"live": "-", **{hw: style for hw, style in zip(hardware, ("--", ":", "-."), strict=False)}}
+    colour = h.colours([r.get("policy", "fmoe") for _, _, rs in rows for r in rs])
+    fig, axes = plt.subplots(len(rows), 3, figsize=(15, 3.3 * len(rows) + 0.8), squeeze=False)
+    for row_axes, (model, part, rs) in zip(axes, rows, strict=True):
+        x_key, x_label = parts[part]
+        series: dict[str, list[dict]] = {}
+        for r in rs:
             series.setdefault(r.get("policy", "fmoe"), []).append(r)
-        for ax, metric in zip(row_axes, ("hit_rate", "ttft", "tpot"), strict=True):
-            for policy, rs in series.items():
-                for key in [k for k in rs[0] if metric in k and "score" not in k]:
-                    ax.plot([r[x_key] for r in rs], [r[key] for r in rs], marker="o", label=f"{policy} {key}")
-            ax.set(title=f"{caption.split(': ')[-1]}: {metric}", xlabel=x_key)
-            if metric != "hit_rate":
+        panels = [
+            (row_axes[0], "hit_rate", list(styles), "expert hit rate", "live and simulated"),
+            (row_axes[1], "tpot", ["live"], "median TPOT (ms)", h.mode_title("live", backend)),
+            (
+                row_axes[2],
+                "tpot",
+                hardware,
+                "median TPOT (s)",
+                "simulated: " + ", ".join(f"{h.HARDWARE_NAMES.get(hw, hw)}" for hw in hardware) + " presets",
+            ),
+        ]
+        for ax, metric, sources, ylabel, where in panels:
+            drawn = False
+            for policy, points in series.items():
+                for source in sources:
+                    key = next((k for k in points[0] if k.startswith(f"{source}_{metric}")), None)
+                    if key is None:
+                        continue
+                    xs = [p[x_key] for p in points]
+                    ax.plot(xs, [p[key] for p in points], styles[source], marker="o", color=colour[policy])
+                    drawn = True
+            ax.set_title(f"{where}\n{model}: {metric.replace('_', ' ')} vs {x_label}", fontsize=9)
+            ax.set(xlabel=x_label, ylabel=ylabel)
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+            if metric == "tpot" and drawn:
                 ax.set_yscale("log")
-            ax.legend(fontsize=6)
-    fig.tight_layout()
+            if not drawn:
+                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="grey")
+    handles = [plt.Line2D([], [], color=c, lw=2) for c in colour.values()]
+    handles += [plt.Line2D([], [], color="grey", ls=style) for style in styles.values()]
+    names = [*colour, *(h.mode_title(source, backend) for source in styles)]
+    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=8, frameon=False)
+    fig.suptitle(
+        "Sensitivity to prefetch distance, store capacity and batch size (figures 13, 14)", fontsize=11
+    )
+    fig.tight_layout(rect=(0, 0.8 / (3.3 * len(rows) + 0.8), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     h.add_arguments(parser, live_requests=8)
-    parser.add_argument("--distances", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
-    parser.add_argument("--capacities", type=int, nargs="+", default=[125, 250, 500, 1000, 2000, 4000])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument(
+        "--distances",
+        type=int,
+        nargs="+",
+        default=[1, 2, 3, 4, 5, 6],
+        help="prefetch distances d swept in (a)",
+    )
+    parser.add_argument(
+        "--capacities",
+        type=int,
+        nargs="+",
+        default=[125, 250, 500, 1000, 2000, 4000],
+        help="store capacities (expert maps) swept",
+    )
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 2, 3, 4], help="batch sizes swept in (c)"
+    )
     parser.add_argument("--live-capacities", action="store_true", help="also serve (b) live (slow)")
     args = parser.parse_args(argv)
     tables, payload, notes = {}, {"models": {}}, []
@@ -119,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
         w.model.close()
     payload["args"] = {k: str(v) for k, v in vars(args).items()}
     h.write_results(NAME, "Experiment 6: sensitivity (figures 13 and 14)", payload, tables, notes, args.out)
-    plot(args.out / f"{NAME}.png", tables, args)
+    plot(h.saved(NAME, args.out), args.out / f"{NAME}.png")
     return payload
 
 

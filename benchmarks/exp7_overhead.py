@@ -22,6 +22,7 @@ import argparse
 import numpy as np
 
 from benchmarks import harness as h
+from benchmarks.common import HelpFormatter
 
 NAME = "exp7_overhead"
 STAGES = ("context_collection", "policy_events", "on_demand_wait", "prefetch_issue")
@@ -101,13 +102,19 @@ def memory_rows(capacities: list[int], prefetch_distance: int) -> list[dict]:
     return rows
 
 
-def plot(path, live: dict[str, list[dict]], memory: list[dict], capacities: list[int]) -> None:
+def plot(payload: dict, path) -> None:
+    """Figures 15 and 16 from the saved results: one iteration's time by stage (live), and the expert-map
+    store's memory by capacity (computed at the real models' sizes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8))
+    live = {model: result["live"] for model, result in payload["models"].items() if result.get("live")}
+    memory = payload["memory"]
+    capacities = [int(k.removesuffix("_MiB")) for k in memory[0] if k.endswith("_MiB")]
+    backend = payload["machine"]["backend"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2))
     stages = [*(f"{k}_ms" for k in STAGES), "inference_ms", *(f"{k}_ms (thread)" for k in BACKGROUND)]
     rows = [(f"{name} {r['policy']}", r) for name, rs in live.items() for r in rs]
     for s, stage in enumerate(stages):
@@ -115,12 +122,15 @@ def plot(path, live: dict[str, list[dict]], memory: list[dict], capacities: list
         left.barh(range(len(rows)), [r.get(stage, 0.0) for _, r in rows], left=base, label=stage)
     labels = [label for label, _ in rows]
     left.set_yticks(range(len(rows)), labels, fontsize=8)
-    left.set(title="one iteration, live (thread stages run beside it)", xlabel="ms")
-    left.legend(fontsize=7)
+    left.set(xlabel="ms per decode iteration")
+    left.set_title(
+        f"{h.mode_title('live', backend)}: one iteration by stage (thread stages run beside it)", fontsize=9
+    )
+    left.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     for r in memory:
         right.plot(capacities, [r[f"{c}_MiB"] for c in capacities], marker="o", label=r["model"])
+    right.set_title("computed at real sizes: expert-map store memory", fontsize=9)
     right.set(
-        title="expert-map store memory",
         xlabel="store capacity (maps)",
         ylabel="MiB",
         xscale="log",
@@ -134,20 +144,24 @@ def plot(path, live: dict[str, list[dict]], memory: list[dict], capacities: list
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     h.add_arguments(parser)
-    parser.add_argument("--capacities", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument(
+        "--capacities",
+        type=int,
+        nargs="+",
+        default=[1024, 2048, 4096, 8192, 16384, 32768],
+        help="store capacities (expert maps) swept",
+    )
     parser.add_argument("--repeats", type=int, default=30, help="timed matcher calls per measurement")
     args = parser.parse_args(argv)
-    tables, payload, notes, live = {}, {"models": {}}, [], {}
+    tables, payload, notes = {}, {"models": {}}, []
     for name in args.model:
         w = h.load_workload(name, args)
         notes.append(h.settings_note(w))
         result = payload["models"][w.name] = {}
         if not args.no_live:
-            rows = live[w.name] = [live_breakdown(w, p) for p in ("fmoe", "on_demand_lru")]
+            rows = [live_breakdown(w, p) for p in ("fmoe", "on_demand_lru")]
             result["live"] = rows
             tables[f"{w.name}, live: mean time per iteration (ms)"] = rows
         if not args.no_sim:
@@ -181,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         "are per iteration (prefill and decode), the thread's beside the engine's",
     ]
     h.write_results(NAME, "Experiment 7: overheads (figures 15 and 16)", payload, tables, notes, args.out)
-    plot(args.out / f"{NAME}.png", live, memory, args.capacities)
+    plot(h.saved(NAME, args.out), args.out / f"{NAME}.png")
     return payload
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import hashlib
 import json
 import os
@@ -30,7 +29,18 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import RESULTS, machine, print_table, save
+from benchmarks.common import (  # noqa: F401 (experiments use h.colours, h.mode_title, h.saved, ...)
+    HARDWARE_NAMES,
+    RESULTS,
+    colours,
+    grouped_bars,
+    machine,
+    mode_title,
+    print_table,
+    save,
+    saved,
+    scrub_paths,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -91,7 +101,15 @@ def add_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     a("--max-inflight", type=int, default=d["max_inflight"], help="prefetch copies in flight at once")
     a("--warmup", type=int, default=d["warmup"], help="store prompts served first, not measured")
     a("--live-requests", type=int, default=d["live_requests"], help="eval prompts served live (first ones)")
-    a("--hardware", nargs="+", default=d["hardware"], help="simulator hardware presets (cost_model.HARDWARE)")
+    from fmoe_jax.offload.cost_model import HARDWARE
+
+    a(
+        "--hardware",
+        nargs="+",
+        default=d["hardware"],
+        choices=list(HARDWARE),
+        help="simulator hardware presets",
+    )
     a(
         "--sim-model",
         default="preset",
@@ -173,7 +191,7 @@ def resolve_model(name: str, cache_dir: Path) -> Path:
 
 
 def load_prompts(args: argparse.Namespace) -> list:
-    from fmoe_jax import workloads
+    from fmoe_jax.research import workloads
 
     if args.prompts == "domains":
         per_domain = -(-args.n_prompts // len(workloads.CORPUS_DOMAINS))
@@ -193,11 +211,12 @@ def encode(model: Any, texts: Sequence[str], max_tokens: int) -> list[list[int]]
 
 def load_workload(name: str, args: argparse.Namespace, *, record: bool = True) -> Workload:
     """The model, the store/eval split and (with `record`) every request's routing trace."""
+    from fmoe_jax.models import model_identity
     from fmoe_jax.offload.cost_model import MODELS, ModelPreset
+    from fmoe_jax.research import workloads
 
     import fmoe_jax as fj
-    from fmoe_jax import workloads
-    from fmoe_jax.engine import model_identity, router_weights
+    from fmoe_jax.engines.offload import router_weights
 
     path = resolve_model(name, args.cache_dir)
     # Experts go to pinned host memory; each run builds its own engine (`serving`) over these weights.
@@ -321,9 +340,9 @@ def variants(names: Sequence[str]) -> list[Variant]:
 
 def predictor(workload: Workload, kind: str, stride: int) -> Any:
     """ProMoE's (per stride) or DuoServe's predictor, trained on the store traces only; cached on disk."""
+    from fmoe_jax.models import model_identity
     from fmoe_jax.offload import predictors
-
-    from fmoe_jax.engine import model_identity
+    from fmoe_jax.research import predictor_training
 
     path = workload.cache_dir / (f"promoe-d{stride}" if kind == "promoe" else "duoserve")
     if path.with_suffix(".json").exists():
@@ -332,9 +351,9 @@ def predictor(workload: Workload, kind: str, stride: int) -> Any:
     common = dict(model_id=model_identity(workload.config), progress=False)
     print(f"  training the {kind} predictor on {len(traces)} store requests", flush=True)
     if kind == "promoe":
-        trained = predictors.train_promoe(traces, stride=stride, **common)
+        trained = predictor_training.train_promoe(traces, stride=stride, **common)
     else:
-        trained = predictors.train_duoserve(traces, **common)
+        trained = predictor_training.train_duoserve(traces, **common)
     trained.save(path)
     return trained
 
@@ -351,36 +370,32 @@ def offload_config(
     synchronous: bool = False,
 ) -> Any:
     """The `OffloadConfig` of one run; `calls` are the batches it will serve in order (the oracle's
-    future). Learned state comes from the store split; the simulator needs fmoe to match inline."""
-    from fmoe_jax.offload.policies import store_from_traces
-    from fmoe_jax.offload.policies.moe_infinity import eamc_from_traces
+    future). Learned state comes from the store split (`Policy.from_traces`; none without `knowledge`);
+    the simulator needs fmoe to match inline."""
+    from fmoe_jax.offload.policies import POLICIES as ALL_POLICIES
 
     import fmoe_jax as fj
 
     args = workload.args
     d = prefetch_distance or args.prefetch_distance
     capacity = store_capacity or args.store_capacity
-    store = [r.trace for r in workload.store]
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = dict(variant.options)
     if variant.policy == "fmoe":
-        options["asynchronous"] = not simulated
-        if variant.knowledge:
-            options["store"] = store_from_traces(store, capacity=capacity, prefetch_distance=d)
-    elif variant.policy == "moe_infinity" and variant.knowledge:
-        options["eamc"] = eamc_from_traces(store, capacity=capacity)
+        options.setdefault("asynchronous", not simulated)
     elif variant.policy in ("promoe", "duoserve"):
-        options["predictor"] = predictor(workload, variant.policy, d)
+        options["predictor"] = predictor(workload, variant.policy, d)  # trained once, cached on disk
     elif variant.policy == "oracle":
         options["traces"] = [batch_trace(c) for c in calls]
-    options.update(dict(variant.options))
+    store = [r.trace for r in workload.store] if variant.knowledge else []
+    policy = ALL_POLICIES[variant.policy].from_traces(
+        store, prefetch_distance=d, store_capacity=capacity, **options
+    )
     return fj.OffloadConfig(
-        policy=variant.policy,
+        policy=policy,
         cache_experts=workload.slots(budget if budget is not None else args.budget),
         prefetch_distance=d,
-        store_capacity=capacity,
         max_inflight=args.max_inflight,
         synchronous_transfers=synchronous,
-        policy_options=options,
     )
 
 
@@ -392,25 +407,20 @@ def offload_config(
 @contextlib.contextmanager
 def serving(workload: Workload, offload: Any) -> Iterator[Any]:
     """A `Model` served by a fresh offload engine over the workload's weights (no reload), closed after."""
-    import jax
+    from fmoe_jax.engines.offload import OffloadEngine
 
-    from fmoe_jax.engine import OffloadEngine
-
-    # Earlier engines' programs are garbage now: free them, or an experiment that builds many engines in
-    # one process runs out of memory mappings (XLA:CPU maps each executable; vm.max_map_count is 65530).
-    gc.collect()
-    jax.clear_caches()
-    engine = OffloadEngine(workload.model.module, offload)
+    # Every engine over the workload's weights shares its compiled programs: a policy compiles nothing
+    # another has compiled, and an experiment that builds many engines does not pile up executables.
+    engine = OffloadEngine(workload.model.module, offload, programs=workload.model.engine.programs)
     try:
         yield dataclasses.replace(workload.model, engine=engine, offload=offload)
     finally:
         engine.close()
 
 
-def compilations() -> int:
-    from fmoe_jax.resident import TRACE_COUNTS
-
-    return sum(TRACE_COUNTS.values())
+def compilations(workload: Workload) -> int:
+    """Programs compiled so far for the workload's model (every engine over it shares them)."""
+    return sum(workload.model.engine.programs.compilations.values())
 
 
 def run_live(
@@ -435,7 +445,7 @@ def run_live(
     with serving(workload, offload) as model:
         for batch in warmup:
             fj.generate(model, [r.ids for r in batch], new_tokens, stop_at_eos=False)
-        before = compilations()
+        before = compilations(workload)
         for batch in measured:
             stats = fj.generate(model, [r.ids for r in batch], new_tokens, stop_at_eos=False).stats
             out["ttft_s"] += [stats.ttft_s] * len(batch)
@@ -448,7 +458,7 @@ def run_live(
             out["peak_cache_bytes"] = max(out["peak_cache_bytes"], stats.peak_cache_bytes)
             for stage, seconds in stats.overhead_s.items():
                 out["overhead_s"][stage] = out["overhead_s"].get(stage, 0.0) + seconds
-        out["compilations"] = compilations() - before
+        out["compilations"] = compilations(workload) - before
         out["extra"] = {k: v for k, v in stats.extra.items() if isinstance(v, (int, float, str))}
     out["requests"] = sum(len(b) for b in measured)
     out["hit_rate"] = out["hits"] / max(1, out["hits"] + out["misses"])
@@ -532,7 +542,7 @@ def write_results(
     for caption, rows in tables.items():
         print(f"\n{caption}")
         print_table(rows)
-    save(name, {"command": command, **payload, "tables": tables}, out)
+    save(name, {"command": command, **payload, "tables": tables, "notes": list(notes)}, out)
     m = machine()
     lines = [
         f"# {title}",
@@ -547,9 +557,17 @@ def write_results(
     if notes:
         lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
     path = Path(out) / f"{name}.md"
-    path.write_text("\n".join(lines))
+    path.write_text(scrub_paths("\n".join(lines)))
     print(f"wrote {path}")
     return path
+
+
+def simulated_sizes(payload: dict[str, Any], model: str) -> str:
+    """The real model whose sizes the simulator charged for `model`'s traces, read from the table captions."""
+    for caption in payload.get("tables", {}):
+        if caption.startswith(f"{model}, simulated at ") and " sizes on " in caption:
+            return caption.split("simulated at ", 1)[1].split(" sizes on ", 1)[0]
+    return "preset"
 
 
 def settings_note(workload: Workload) -> str:
@@ -562,43 +580,6 @@ def settings_note(workload: Workload) -> str:
         f"d = {a.prefetch_distance}, store capacity {a.store_capacity}, {a.warmup} warm-up store prompts; "
         f"simulated sizes: {workload.preset.name} ({workload.preset.expert_bytes / 2**20:.0f} MiB per expert)"
     )
-
-
-def grouped_bars(
-    path: Path, title: str, panels: dict[str, dict[str, dict[str, float]]], log: bool = False
-) -> None:
-    """One panel per entry; in each, groups of bars (group -> bar label -> value), bar colours by label."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = list(dict.fromkeys(k for groups in panels.values() for bars in groups.values() for k in bars))
-    colours = dict(zip(labels, plt.get_cmap("tab10").colors * 2, strict=False))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
-    for ax, (panel, groups) in zip(axes[0], panels.items(), strict=True):
-        width = 0.8 / max(1, len(labels))
-        for g, bars in enumerate(groups.values()):
-            for i, label in enumerate(labels):
-                if label in bars:
-                    ax.bar(
-                        g + (i - len(labels) / 2 + 0.5) * width,
-                        bars[label],
-                        width,
-                        color=colours[label],
-                        label=label if g == 0 else None,
-                    )
-        ax.set_xticks(range(len(groups)), list(groups), fontsize=8)
-        ax.set_title(panel, fontsize=10)
-        if log:
-            ax.set_yscale("log")
-    handles, names = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=min(len(labels), 9), fontsize=8)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
 
 
 def versus_fmoe(rows: Sequence[dict[str, Any]], tpot: str, label: str = "fmoe") -> list[dict[str, Any]]:
@@ -616,7 +597,6 @@ def versus_fmoe(rows: Sequence[dict[str, Any]], tpot: str, label: str = "fmoe") 
             tpot=r[tpot],
             fmoe_tpot=f[tpot],
             fmoe_tpot_ratio=f[tpot] / r[tpot],
-            fmoe_wins=(f["hit_rate"] >= r["hit_rate"]) + (f[tpot] <= r[tpot]) == 2,
         )
         for name, r in by.items()
         if name != label

@@ -1,6 +1,6 @@
 """Host cost of fMoE's expert map matcher: search latency, `add` on a full store, and store memory.
 
-Run by hand: `python benchmarks/matcher_overhead.py [--out benchmarks/results/]`; writes a table to
+Run by hand: `python -m benchmarks.matcher_overhead [--out benchmarks/results/]`; writes a table to
 stdout and `matcher_overhead.json` and `matcher_overhead.png` to --out.
 
 Shapes are those of Mixtral-8x7B, Qwen1.5-MoE and Phi-3.5-MoE (L layers, J experts, H hidden size).
@@ -27,6 +27,8 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 from fmoe_jax.offload.expert_map_store import ExpertMapStore
+
+from benchmarks.common import HelpFormatter
 
 MODELS = {
     "Mixtral-8x7B": dict(num_layers=32, num_experts=8, embed_dim=4096),
@@ -154,7 +156,9 @@ def print_table(rows: list[dict]) -> None:
     )
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(payload: dict, path: Path) -> None:
+    """The figure from the saved results (host NumPy timings: live, on the machine that ran them)."""
+    rows = payload["rows"]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -187,18 +191,31 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle("fMoE expert map matcher on the host (x: the brief's targets for Mixtral)")
+    fig.suptitle("live (host CPU): fMoE expert map matcher (x: the brief's targets for Mixtral)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).parent / "results",
+        help="directory for the JSON, PNG and markdown results",
+    )
     parser.add_argument("--repeats", type=int, default=100, help="timed calls per measurement")
-    parser.add_argument("--capacities", type=int, nargs="+", default=list(CAPACITIES))
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument(
+        "--capacities",
+        type=int,
+        nargs="+",
+        default=list(CAPACITIES),
+        help="store capacities (expert maps) swept",
+    )
+    parser.add_argument(
+        "--models", nargs="+", default=list(MODELS), choices=list(MODELS), help="models to run"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -225,7 +242,7 @@ def main() -> None:
     payload = {"env": env, "prefetch_distance": PREFETCH_DISTANCE, "repeats": args.repeats, "rows": rows}
     payload["mixtral_targets"] = checks
     (args.out / "matcher_overhead.json").write_text(json.dumps(payload, indent=2))
-    plot(rows, args.out / "matcher_overhead.png")
+    plot(payload, args.out / "matcher_overhead.png")
     print(f"wrote {args.out / 'matcher_overhead.json'} and {args.out / 'matcher_overhead.png'}")
 
 

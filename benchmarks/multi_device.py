@@ -16,26 +16,28 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", max(4, jax.config.jax_num_cpu_devices))
-
 import numpy as np  # noqa: E402
 
-from benchmarks.common import RESULTS, bar_plot, print_table, save  # noqa: E402
+from benchmarks.common import RESULTS, HelpFormatter, bar_plot, print_table, save, saved  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", max(4, jax.config.jax_num_cpu_devices))  # before JAX starts
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", type=Path, help="HF or converted directory (default: bench-s)")
-    parser.add_argument("--policy", default="on_demand_lru")
+    from fmoe_jax.offload.policies import POLICIES
+
+    parser.add_argument("--policy", default="on_demand_lru", choices=sorted(POLICIES), help="offload policy")
     parser.add_argument("--budget", type=float, default=0.25, help="fraction of experts cached (all devices)")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--repeats", type=int, default=2, help="timed repeats (the median is reported)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="directory for the JSON, PNG and markdown results"
+    )
     args = parser.parse_args()
 
     import fmoe_jax as fj
@@ -92,15 +94,18 @@ def main() -> None:
         dict(policy=args.policy, budget=args.budget, results=results, tokens_identical=same),
         args.out,
     )
-    bar_plot(
-        args.out / "multi_device.png",
-        f"bench-s, {args.policy} at {args.budget:.0%} (emulated CPU devices)",
-        {
-            "TPOT (ms)": {f"{n} dev": r["tpot_ms"] for n, r in results.items()},
-            "hit rate": {f"{n} dev": r["hit_rate"] for n, r in results.items()},
-        },
-        "",
-    )
+    plot(saved("multi_device", args.out), args.out / "multi_device.png")
+
+
+def plot(payload: dict, path: Path) -> None:
+    """The figure from the saved results."""
+    results = payload["results"]
+    groups = {
+        "TPOT (ms)": {f"{n} dev": r["tpot_ms"] for n, r in results.items()},
+        "hit rate": {f"{n} dev": r["hit_rate"] for n, r in results.items()},
+    }
+    title = f"bench-s, {payload['policy']} at {payload['budget']:.0%} (emulated CPU devices)"
+    bar_plot(path, title, groups, "", backend=payload["machine"]["backend"])
 
 
 if __name__ == "__main__":

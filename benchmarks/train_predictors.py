@@ -17,7 +17,7 @@ import argparse
 import time
 from pathlib import Path
 
-from benchmarks.common import bar_plot, print_table, save
+from benchmarks.common import HelpFormatter, bar_plot, print_table, save
 
 LOADERS = {"sharegpt": "load_sharegpt", "mt_bench": "load_mt_bench", "alpaca_eval": "load_alpaca_eval"}
 
@@ -39,7 +39,7 @@ def encode(model, texts: list[str], max_tokens: int) -> list[list[int]]:
     if model.tokenizer is None:
         print(f"{model.source} has no tokenizer: feeding prompts as byte ids")
         return [[b % model.config.vocab_size for b in t.encode()][:max_tokens] or [0] for t in texts]
-    from fmoe_jax.generation import encode_prompts
+    from fmoe_jax.prompts import encode_prompts
 
     return [ids[:max_tokens] for ids in encode_prompts(model, texts)]
 
@@ -59,18 +59,23 @@ def record_traces(model, prompts: list[list[int]], batch_size: int, new_tokens: 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", required=True, help="model directory or shipped model name")
     parser.add_argument(
         "--prompts", type=Path, required=True, help="prompt file (ShareGPT, MT-Bench, AlpacaEval)"
     )
-    parser.add_argument("--prompt-format", default="auto", choices=["auto", *LOADERS])
+    parser.add_argument(
+        "--prompt-format",
+        default="auto",
+        choices=["auto", *LOADERS],
+        help="prompt file format (auto: from the file name)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="directory for the predictors and results")
     parser.add_argument("--max-prompts", type=int, default=200, help="store-split prompts to record")
-    parser.add_argument("--max-prompt-tokens", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--max-prompt-tokens", type=int, default=256, help="prompt ids cut to this many tokens"
+    )
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--stride", type=int, default=3, help="ProMoE's look-ahead d (= prefetch_distance)")
     parser.add_argument("--promoe-hidden", default="128", help="hidden widths, comma separated")
@@ -82,11 +87,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
 
-    from fmoe_jax.offload import predictors
+    from fmoe_jax.models import model_identity
+    from fmoe_jax.research import predictor_training, workloads
 
     import fmoe_jax as fj
-    from fmoe_jax import workloads
-    from fmoe_jax.engine import model_identity
 
     fmt = prompt_format(args.prompts, args.prompt_format)
     store, _ = workloads.split_store_eval(getattr(workloads, LOADERS[fmt])(args.prompts), 0.7, seed=args.seed)
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = encode(model, [p.text for p in store], args.max_prompt_tokens)
     traces = record_traces(model, prompts, args.batch_size, args.new_tokens)
     record_s = time.perf_counter() - start
-    train, held_out = predictors.split_requests(traces, args.eval_fraction, seed=args.seed)
+    train, held_out = predictor_training.split_requests(traces, args.eval_fraction, seed=args.seed)
     common = dict(model_id=model_id, seed=args.seed, progress=not args.quiet)
     args.out.mkdir(parents=True, exist_ok=True)
     rows, results = [], {}
@@ -105,14 +109,16 @@ def main(argv: list[str] | None = None) -> dict:
         start = time.perf_counter()
         if kind == "promoe":
             hidden = tuple(int(w) for w in args.promoe_hidden.split(","))
-            predictor = predictors.train_promoe(
+            predictor = predictor_training.train_promoe(
                 train, stride=args.stride, hidden=hidden, epochs=args.promoe_epochs, **common
             )
         else:
             hidden = tuple(int(w) for w in args.duoserve_hidden.split(","))
-            predictor = predictors.train_duoserve(train, hidden=hidden, epochs=args.duoserve_epochs, **common)
+            predictor = predictor_training.train_duoserve(
+                train, hidden=hidden, epochs=args.duoserve_epochs, **common
+            )
         train_s = time.perf_counter() - start
-        scores = predictors.evaluate(predictor, held_out)
+        scores = predictor_training.evaluate(predictor, held_out)
         predictor.meta["held_out"] = scores
         path = predictor.save(args.out / kind)
         results[kind] = {"path": str(path), "train_s": train_s, "meta": predictor.meta, **scores}

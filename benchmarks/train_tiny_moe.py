@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from fmoe_jax.models import build_model, config_from_hf, expert_mixture, reference_mixture
+from fmoe_jax.research import train, workloads
 
 import fmoe_jax as fj
-from fmoe_jax import train, workloads
 from fmoe_jax.export import export_hf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,11 +87,13 @@ Weights are stored in bfloat16.
 
 ## Training
 
-- Data: the train split (`fmoe_jax.workloads.split_corpus`: duplicates removed, last 5 % held out) of
+- Data: the train split (`fmoe_jax.research.workloads.split_corpus`: duplicates removed, last 5 % held out) of
   six corpora: arXiv, books, C4 web text, GitHub code and German Wikipedia (texts from the OLMoE
   repository, Apache-2.0) and Tiny Shakespeare (public domain); {record["train_tokens"]:,} tokens.
   Rows are `<s>` plus {tc["seq_len"] - 1} tokens starting at a line start, domains in proportion to size.
 - Tokenizer: byte-level BPE, {h["vocab_size"]} entries, trained on the same split; it prepends `<s>`.
+  Its chat template (`chat_template.jinja`) renders turns as a play's speeches (`USER:` / `ASSISTANT:`);
+  the model never saw chat data, so its replies imitate the corpora, not an assistant.
 - Objective: next-token cross-entropy + {h["router_aux_loss_coef"]} x the load-balancing loss of
   `transformers` (`router_aux_loss_coef`).
 - Optimiser: AdamW (b2 0.95, weight decay {tc["weight_decay"]}), peak learning rate {tc["lr"]},
@@ -257,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--corpora", default=str(ROOT.parent / "shared" / "data" / "corpora"))
+    parser.add_argument(
+        "--corpora",
+        default=str(ROOT.parent / "shared" / "data" / "corpora"),
+        help="directory of the domain corpora",
+    )
     parser.add_argument("--preset", choices=sorted(train.PRESETS), default="fmoe-tiny-mixtral")
     parser.add_argument("--workdir", default=None, help="checkpoints (default /tmp/fmoe-train/<preset>)")
     parser.add_argument(
@@ -278,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         "--eval-windows", type=int, default=64, help="held-out windows per domain for the card"
     )
     parser.add_argument("--bench-dispatch", action="store_true")
-    parser.add_argument("--repeats", type=int, default=4)
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--repeats", type=int, default=4, help="timed repeats (the median is reported)")
+    parser.add_argument(
+        "--out", default=str(RESULTS), help="directory for the JSON, PNG and markdown results"
+    )
     args = parser.parse_args(argv)
     if args.bench_dispatch:
         bench_dispatch(args)

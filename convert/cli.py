@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import datetime
+import logging
 import os
 import shutil
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +30,29 @@ from tqdm import tqdm
 import fmoe_jax
 
 from . import orbax_io
+from .destination import (
+    PROG,
+    ConvertError,
+    check_destination,
+    check_space,
+    install,
+    remove_stale,
+    remove_tree,
+    work_dir,
+)
 from .hf import CheckpointError, HFCheckpoint
-from .manifest import MANIFEST_NAME, FileRecord, Interrupted, Manifest, check_files, files_under, hash_file
+from .manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    FileRecord,
+    Interrupted,
+    Manifest,
+    files_under,
+    hash_file,
+    verify_files,
+)
 
-PROG = "fmoe-convert"
 DTYPES = ("bfloat16", "float16", "float32")
 # Files copied next to the weights when the source has them (config.json is required and always copied).
 SIDE_FILES = (
@@ -46,12 +68,6 @@ SIDE_FILES = (
     "chat_template.json",
     "chat_template.jinja",
 )
-TMP_TAG, OLD_TAG = ".fmoe-tmp-", ".fmoe-old-"
-SPACE_MARGIN_BYTES = 64 << 20  # orbax metadata, OCDBT indices, copied side files
-
-
-class ConvertError(Exception):
-    """The conversion cannot start or finish for a reason the user can fix (the message says which)."""
 
 
 def _bar(total: int, desc: str, enabled: bool) -> tqdm:
@@ -65,75 +81,6 @@ def _bar(total: int, desc: str, enabled: bool) -> tqdm:
         dynamic_ncols=True,
         smoothing=0.1,
     )
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_tree(path: Path) -> None:
-    """Removes a directory, retrying briefly: writer threads of an aborted save may still create files."""
-    for _ in range(5):
-        shutil.rmtree(path, ignore_errors=True)
-        if not path.exists():
-            return
-        time.sleep(0.1)
-
-
-def _remove_stale(parent: Path, name: str) -> None:
-    """Removes work directories of earlier conversions to the same OUT_DIR whose process is gone."""
-    for tag in (TMP_TAG, OLD_TAG):
-        for path in parent.glob(f".{name}{tag}*"):
-            pid = path.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and not _pid_alive(int(pid)):
-                _remove_tree(path)
-
-
-def _check_destination(out_dir: Path, overwrite: bool) -> None:
-    parent = out_dir.parent
-    if not parent.is_dir():
-        raise ConvertError(f"{parent}: not an existing directory (the parent of OUT_DIR must exist)")
-    if not (out_dir.exists() or out_dir.is_symlink()):
-        return
-    if not overwrite:
-        raise ConvertError(f"{out_dir}: already exists; pass --overwrite to replace it")
-    if not out_dir.is_dir() or out_dir.is_symlink():
-        raise ConvertError(f"{out_dir}: exists and is not a directory; refusing to replace it")
-    if any(out_dir.iterdir()) and not orbax_io.is_converted(out_dir):
-        raise ConvertError(
-            f"{out_dir}: exists and is not an fmoe-convert checkpoint; refusing to delete it even with "
-            "--overwrite (remove it yourself or choose another OUT_DIR)"
-        )
-
-
-def _check_space(parent: Path, needed: int) -> None:
-    free = shutil.disk_usage(parent).free
-    if free < needed + SPACE_MARGIN_BYTES:
-        raise ConvertError(
-            f"{parent}: not enough free disk space: the checkpoint needs about "
-            f"{(needed + SPACE_MARGIN_BYTES) / 1e9:.2f} GB, {free / 1e9:.2f} GB are free"
-        )
-
-
-def _install(tmp: Path, out_dir: Path) -> None:
-    """Moves the finished checkpoint into place; an existing OUT_DIR is swapped out, then deleted."""
-    if not out_dir.exists():
-        os.rename(tmp, out_dir)
-        return
-    old = out_dir.parent / f".{out_dir.name}{OLD_TAG}{os.getpid()}"
-    os.rename(out_dir, old)
-    try:
-        os.rename(tmp, out_dir)
-    except BaseException:
-        os.rename(old, out_dir)
-        raise
-    _remove_tree(old)
 
 
 class _Hasher:
@@ -204,7 +151,9 @@ def convert(
 
     Raises:
       CheckpointError, UnsupportedConfigError: the source is incomplete, corrupt or not supported.
-      ConvertError, OSError: the destination exists, lacks space or cannot be written.
+      ConvertError: the destination exists, lacks space or cannot be written (disk full, permission
+        denied: one sentence naming OUT_DIR and the cause).
+      OSError: a source file cannot be read (the message names it).
     """
     start = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
@@ -214,11 +163,11 @@ def convert(
     np_dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(ckpt.stored_dtype())
     cfg = ckpt.config
     param_count = sum(int(np.prod(t.shape)) for tensor in ckpt.tensors for t in tensor.targets)
-    _check_destination(out_dir, overwrite)
+    check_destination(out_dir, overwrite)
     parent = out_dir.parent
-    _remove_stale(parent, out_dir.name)
-    _check_space(parent, param_count * np_dtype.itemsize)
-    tmp = parent / f".{out_dir.name}{TMP_TAG}{os.getpid()}"
+    remove_stale(parent, out_dir.name)
+    check_space(parent, param_count * np_dtype.itemsize)
+    tmp = work_dir(out_dir)
     try:
         tmp.mkdir()
     except OSError as err:
@@ -269,13 +218,39 @@ def convert(
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
         manifest.write(tmp)
-        _install(tmp, out_dir)
+        install(tmp, out_dir)
+    except OSError as err:
+        _abandon(hasher, tmp)
+        raise _write_error(err, tmp, out_dir) from None
     except BaseException:
-        hasher.close()
-        _remove_tree(tmp)
+        _abandon(hasher, tmp)
         raise
     hasher.close()
     return manifest, time.perf_counter() - start
+
+
+def _abandon(hasher: _Hasher, tmp: Path) -> None:
+    """Stops hashing and removes the work directory; a further Ctrl-C does not stop it (`remove_tree`).
+
+    Whether the directory is gone is for the caller to check (`work_dir`): `main` names it if not."""
+    while True:
+        try:
+            hasher.close()
+            break
+        except KeyboardInterrupt:
+            continue
+    remove_tree(tmp)
+
+
+def _write_error(err: OSError, tmp: Path, out_dir: Path) -> Exception:
+    """A failure to write the output (disk full, permission denied) as one sentence naming OUT_DIR and the
+    cause; an error about a source file, which names that file, is kept as it is."""
+    path = Path(err.filename) if err.filename else None
+    if path is not None and not (path.is_relative_to(tmp) or path == out_dir):
+        return err
+    cause = err.strerror or (str(err.args[0]) if err.args else type(err).__name__)
+    where = f" (writing {path.relative_to(tmp)})" if path is not None and path.is_relative_to(tmp) else ""
+    return ConvertError(f"{out_dir}: cannot write the checkpoint: {cause}{where}")
 
 
 def verify(
@@ -294,10 +269,7 @@ def verify(
         raise CheckpointError(f"{out_dir}: no {MANIFEST_NAME}; not a checkpoint written by {PROG}")
     manifest = Manifest.read(out_dir)
     with _bar(sum(r.size for r in manifest.files.values()), "hashing", progress) as bar:
-        problems = check_files(out_dir, manifest.files, on_bytes=_polling(bar.update, poll))
-    if problems:
-        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-        raise CheckpointError(problems[0] + more)
+        verify_files(out_dir, manifest.files, hashes=True, on_bytes=_polling(bar.update, poll))
     _, cfg, expected = orbax_io.open_converted(out_dir)
     hf = None
     if against is not None:
@@ -339,7 +311,8 @@ def _convert_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         usage=f"{PROG} HF_DIR OUT_DIR [--dtype {{{','.join(DTYPES)}}}] [--overwrite] [--quiet]\n"
-        f"       {PROG} verify OUT_DIR [--against HF_DIR] [--quiet]",
+        f"       {PROG} verify OUT_DIR [--against HF_DIR] [--quiet]\n"
+        f"       {PROG} --version",
         description="Convert a Hugging Face Mixture-of-Experts checkpoint (safetensors; model_type "
         f"{', '.join(FAMILIES)}) into an fmoe_jax orbax checkpoint that `fmoe_jax.load_model(OUT_DIR, "
         "offload=...)` restores with routed experts straight into pinned host memory. The weights stream "
@@ -376,6 +349,11 @@ def _convert_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "-q", "--quiet", action="store_true", help="no progress bar and no summary line (errors still print)"
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"{PROG} {fmoe_jax.__version__} (writes checkpoint format {FORMAT_NAME} {FORMAT_VERSION})",
     )
     return parser
 
@@ -416,10 +394,13 @@ def _polling(fn: Callable, poll: Callable[[], None]) -> Callable:
 class _Signals:
     """SIGINT and SIGTERM become a request honoured at the next safe point (`poll`), between tensors or
     items: orbax writes each item on a thread of its own, and tearing the directory down under it would
-    spray its errors over the terminal. A second signal interrupts at once."""
+    spray its errors over the terminal. A second signal interrupts at once; the cleanup that follows
+    carries on through further signals (`destination.remove_tree`). Once `finished`, signals are only noted:
+    the outcome is being reported."""
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.finished = False
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Signals:
@@ -433,7 +414,7 @@ class _Signals:
             signal.signal(signum, handler)
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.received is not None:
+        if self.received is not None and not self.finished:
             raise KeyboardInterrupt
         self.received = signum
 
@@ -442,8 +423,47 @@ class _Signals:
             raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def _quiet_background_failures() -> Iterator[None]:
+    """Keeps what orbax's and tensorstore's threads print when a write fails or is interrupted off the
+    terminal: absl ERROR logs with tracebacks, "Event loop is closed" from callbacks that outlive their
+    asyncio loop (reported through `sys.unraisablehook`), and warnings about the coroutines of an abandoned
+    save. The failure itself reaches `main` as an exception and is reported there in one line. Only the
+    command does this, for its own process; `convert` does not."""
+    absl = logging.getLogger("absl")
+    level, unraisablehook = absl.level, sys.unraisablehook
+    absl.setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message="coroutine .* was never awaited", category=RuntimeWarning
+            )
+            yield
+    finally:
+        absl.setLevel(level)
+        sys.unraisablehook = unraisablehook
+
+
+def _run(args: argparse.Namespace, is_verify: bool, progress: bool, poll: Callable[[], None]) -> str:
+    """Runs the command; returns its summary line."""
+    if is_verify:
+        return verify(args.out_dir, against=args.against, progress=progress, poll=poll)
+    manifest, seconds = convert(
+        args.hf_dir, args.out_dir, dtype=args.dtype, overwrite=args.overwrite, progress=progress, poll=poll
+    )
+    source_bytes = sum(r.size for r in manifest.source_files.values())
+    return (
+        f"{args.out_dir}: {manifest.family}, {manifest.num_layers} layers x {manifest.num_experts} experts, "
+        f"{manifest.dtype}, {manifest.param_bytes / 1e9:.2f} GB written in {seconds:.1f} s "
+        f"({source_bytes / 1e6 / seconds:.0f} MB/s of source)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `fmoe-convert`; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
+    """Entry point of `fmoe-convert`; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted).
+
+    Whatever goes wrong with the input or the output ends in one line on stderr, never a traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     is_verify = bool(argv) and argv[0] == "verify"
     parser = _verify_parser() if is_verify else _convert_parser()
@@ -452,31 +472,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     progress = not args.quiet and sys.stderr.isatty()
-    try:
-        with _Signals() as signals:
-            if is_verify:
-                summary = verify(args.out_dir, against=args.against, progress=progress, poll=signals.poll)
-            else:
-                manifest, seconds = convert(
-                    args.hf_dir,
-                    args.out_dir,
-                    dtype=args.dtype,
-                    overwrite=args.overwrite,
-                    progress=progress,
-                    poll=signals.poll,
-                )
-                source_bytes = sum(r.size for r in manifest.source_files.values())
-                summary = (
-                    f"{args.out_dir}: {manifest.family}, {manifest.num_layers} layers x "
-                    f"{manifest.num_experts} experts, {manifest.dtype}, {manifest.param_bytes / 1e9:.2f} GB "
-                    f"written in {seconds:.1f} s ({source_bytes / 1e6 / seconds:.0f} MB/s of source)"
-                )
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted" + ("" if is_verify else "; nothing was written"), file=sys.stderr)
-        return 130
-    except (CheckpointError, UnsupportedConfigError, ConvertError, Interrupted, OSError) as err:
-        print(f"{PROG}: error: {_message(err)}", file=sys.stderr)
-        return 1
-    if not args.quiet:
-        print(summary)
-    return 0
+    with _Signals() as signals, _quiet_background_failures():
+        try:
+            summary, status = _run(args, is_verify, progress, signals.poll), 0
+        except KeyboardInterrupt:
+            summary, status = "interrupted" + ("" if is_verify else "; nothing was written"), 130
+        except (CheckpointError, UnsupportedConfigError, ConvertError, Interrupted, OSError) as err:
+            summary, status = f"error: {_message(err)}", 1
+        signals.finished = True
+        left = None if is_verify else work_dir(Path(args.out_dir).absolute())
+        if status and left is not None and (left.exists() or left.is_symlink()):
+            summary = summary.replace("; nothing was written", "")
+            summary += f"; its work directory {left} could not be removed: delete it yourself"
+        if status:
+            print(f"{PROG}: {summary}", file=sys.stderr)
+        elif not args.quiet:
+            print(summary)
+    return status

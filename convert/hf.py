@@ -1,9 +1,8 @@
 """Reading Hugging Face checkpoint directories: `config.json`, safetensors shards, tensors in our layout.
 
 Used by `fmoe_jax.load_model` (HF directories), the conversion CLI and its `verify`. Safetensors files are
-parsed here (the format is an 8-byte header length, a JSON header, raw little-endian data) so that every
-defect is reported with the file and tensor it concerns, bfloat16 reads into NumPy through ml_dtypes, and
-tensors stream one at a time without loading a shard.
+read and written with the `safetensors` library, one tensor at a time; when it refuses a file, the header is
+examined here so that the message names the file and the tensor at fault.
 """
 
 from __future__ import annotations
@@ -13,12 +12,13 @@ import os
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
-import ml_dtypes
+import ml_dtypes  # registers bfloat16 with NumPy, which safetensors needs to return BF16 tensors
 import numpy as np
 from fmoe_jax.models import UnsupportedConfigError, config_from_hf
 from fmoe_jax.models.config import MoEConfig
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from .keys import HFTensor, Target, apply_transform, detect_layout, hf_tensors
 
@@ -35,7 +35,8 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
 }
 SAFETENSORS_CODES = {v: k for k, v in DTYPES.items()}
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+FLOAT_CODES = ("F32", "BF16", "F16", "F64")
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's limit too
 
 
 class CheckpointError(ValueError):
@@ -43,63 +44,80 @@ class CheckpointError(ValueError):
 
 
 class SafetensorsFile:
-    """Header of one safetensors file, validated against the file's size; tensors are read on demand."""
+    """One safetensors file, opened (and validated against its size) by the `safetensors` library.
 
-    def __init__(self, path: Path):
+    `entries` maps each tensor to (dtype, shape, begin, end), its byte range in the data section. Tensors
+    are read on demand with `pread` rather than through a memory map: a file truncated while it is being
+    read then fails with an error instead of killing the process with SIGBUS.
+    """
+
+    def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
-                raw_len = f.read(8)
-                if len(raw_len) < 8:
-                    raise CheckpointError(
-                        f"{self.path}: truncated safetensors file ({size} bytes, no header)"
-                    )
-                (header_len,) = struct.unpack("<Q", raw_len)
-                if header_len > min(MAX_HEADER_BYTES, size - 8):
-                    raise CheckpointError(
-                        f"{self.path}: corrupt safetensors header (declares {header_len} header bytes, "
-                        f"file has {size})"
-                    )
-                header = json.loads(f.read(header_len))
+            self._file = safe_open(self.path, framework="numpy", backend="pread")
         except FileNotFoundError:
             raise CheckpointError(f"{self.path}: file not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{self.path}: corrupt safetensors header ({err})") from None
-        if not isinstance(header, dict):
-            raise CheckpointError(f"{self.path}: corrupt safetensors header (not a JSON object)")
-        self.metadata = header.pop("__metadata__", {}) or {}
-        self.data_start = 8 + header_len
+        except SafetensorError as err:
+            raise CheckpointError(_diagnose(self.path, str(err))) from None
+        self.metadata = self._file.metadata() or {}
         self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
-        for key, info in header.items():
-            try:
-                dtype = DTYPES[info["dtype"]]
-                shape = tuple(int(s) for s in info["shape"])
-                begin, end = (int(o) for o in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
+        offset = 0  # the library has checked that the tensors tile the data section in this order
+        for key in self._file.offset_keys():
+            info = self._file.get_slice(key)
+            code, shape = info.get_dtype(), tuple(info.get_shape())
+            if code not in DTYPES:
                 raise CheckpointError(
-                    f"{self.path}: corrupt header entry for tensor {key!r}: {info!r}"
-                ) from None
-            if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize or begin < 0:
-                raise CheckpointError(
-                    f"{self.path}: tensor {key!r} has inconsistent offsets {begin}..{end} "
-                    f"for shape {shape} {info['dtype']}"
+                    f"{self.path}: tensor {key!r} is stored as {code}, which fmoe_jax does not read "
+                    f"(it reads {', '.join(DTYPES)})"
                 )
-            if self.data_start + end > size:
-                raise CheckpointError(
-                    f"{self.path}: truncated: tensor {key!r} ends at byte {self.data_start + end} "
-                    f"but the file has {size} bytes"
-                )
-            self.entries[key] = (dtype, shape, begin, end)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[code].itemsize
+            self.entries[key] = (DTYPES[code], shape, offset, offset + nbytes)
+            offset += nbytes
 
     def read(self, key: str) -> np.ndarray:
-        dtype, shape, begin, end = self.entries[key]
-        with open(self.path, "rb") as f:
-            f.seek(self.data_start + begin)
-            buf = f.read(end - begin)
-        if len(buf) != end - begin:
-            raise CheckpointError(f"{self.path}: truncated while reading tensor {key!r}")
-        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+        try:
+            return self._file.get_tensor(key)
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{self.path}: cannot read tensor {key!r} ({err})") from None
+
+
+def _diagnose(path: Path, reason: str) -> str:
+    """Why the safetensors library refused `path` (its `reason` names no tensor): the first header defect."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) < 8:
+            return f"{path}: truncated safetensors file ({size} bytes, no header)"
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if header_len > min(MAX_HEADER_BYTES, size - 8):
+            return f"{path}: corrupt safetensors header (declares {header_len} header bytes, file has {size})"
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            return f"{path}: corrupt safetensors header ({err})"
+    if not isinstance(header, dict):
+        return f"{path}: corrupt safetensors header (not a JSON object)"
+    header.pop("__metadata__", None)
+    data_start, data_end = 8 + header_len, 8 + header_len
+    for key, info in header.items():
+        try:
+            code = info["dtype"]
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            return f"{path}: corrupt header entry for tensor {key!r}: {info!r}"
+        itemsize = DTYPES[code].itemsize if code in DTYPES else None
+        if begin < 0 or (itemsize is not None and end - begin != int(np.prod(shape)) * itemsize):
+            return f"{path}: tensor {key!r} has inconsistent offsets {begin}..{end} for shape {shape} {code}"
+        if data_start + end > size:
+            return (
+                f"{path}: truncated: tensor {key!r} ends at byte {data_start + end} "
+                f"but the file has {size} bytes"
+            )
+        data_end = max(data_end, data_start + end)
+    if data_end < size:
+        return f"{path}: {size - data_end} bytes after the last tensor's data (not a valid safetensors file)"
+    return f"{path}: not a valid safetensors file ({reason})"
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -160,6 +178,7 @@ class HFCheckpoint:
         self._check_names_and_shapes()
 
     def _check_names_and_shapes(self) -> None:
+        """Every tensor the config implies is present, with that shape, in a floating-point dtype."""
         expected = {t.key: t for t in self.tensors}
         missing = [k for k in expected if k not in self.location]
         if missing:
@@ -177,12 +196,20 @@ class HFCheckpoint:
                 f"{self.dir}: unexpected tensor(s) for a {self.config.family} config: "
                 f"{', '.join(unexpected[:5])}{more}"
             )
+        floats = [DTYPES[code] for code in FLOAT_CODES]
         for key, tensor in expected.items():
-            shape = self.location[key].entries[key][1]
+            dtype, shape, _, _ = self.location[key].entries[key]
             if shape != tensor.shape:
                 raise CheckpointError(
                     f"{self.location[key].path}: tensor {key!r} has shape {shape}, "
                     f"config.json implies {tensor.shape}"
+                )
+            if dtype not in floats:
+                raise CheckpointError(
+                    f"{self.location[key].path}: tensor {key!r} is stored as {dtype} "
+                    f"({SAFETENSORS_CODES[dtype]}), but the weights of a model must be floating point "
+                    f"({', '.join(FLOAT_CODES)}); it would be cast, not converted. Save the checkpoint with "
+                    "floating-point weights"
                 )
 
     @property
@@ -233,23 +260,10 @@ class HFCheckpoint:
 def write_safetensors(
     path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None
 ) -> int:
-    """Writes a safetensors file (tensors in the given order); returns the bytes written."""
-    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
-    offset = 0
+    """Writes a safetensors file with the `safetensors` library; returns the bytes written."""
     for key, value in tensors.items():
         if value.dtype not in SAFETENSORS_CODES:
             raise ValueError(f"tensor {key!r}: dtype {value.dtype} cannot be stored in safetensors")
-        header[key] = {
-            "dtype": SAFETENSORS_CODES[value.dtype],
-            "shape": list(value.shape),
-            "data_offsets": [offset, offset + value.nbytes],
-        }
-        offset += value.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # keeps the data 8-byte aligned, as the reference writer does
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for value in tensors.values():
-            f.write(np.ascontiguousarray(value).tobytes())
-    return 8 + len(raw) + offset
+    contiguous = {key: np.ascontiguousarray(value) for key, value in tensors.items()}
+    save_file(contiguous, path, metadata=metadata or {"format": "pt"})
+    return Path(path).stat().st_size

@@ -73,30 +73,61 @@ class Manifest:
     @classmethod
     def read(cls, directory: Path) -> Manifest:
         path = Path(directory) / MANIFEST_NAME
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"{path}: missing; {directory} is not a checkpoint written by fmoe-convert"
-            ) from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{path}: corrupt manifest ({err}); re-run fmoe-convert") from None
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
-            raise CheckpointError(f"{path}: not an fmoe-jax manifest (format {raw.get('format')!r})")
+        raw = _load(path)
         if raw.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(
                 f"{path}: format version {raw.get('format_version')!r}, this fmoe-jax reads version "
                 f"{FORMAT_VERSION}; convert the model again with this version"
             )
         try:
-            raw["files"] = {k: FileRecord(**v) for k, v in raw["files"].items()}
-            raw["source_files"] = {k: FileRecord(**v) for k, v in raw["source_files"].items()}
+            raw["files"] = _records(raw["files"])
+            raw["source_files"] = _records(raw["source_files"])
             return cls(**raw)
         except (KeyError, TypeError, AttributeError) as err:
             raise CheckpointError(f"{path}: corrupt manifest ({err!r}); re-run fmoe-convert") from None
 
     def item_dirs(self, directory: Path) -> list[Path]:
         return [Path(directory) / name for name in self.items]
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """The manifest's JSON object, once it is known to be an fmoe-jax manifest (of any version)."""
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path}: missing; {path.parent} is not a checkpoint written by fmoe-convert"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: corrupt manifest ({err}); re-run fmoe-convert") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise CheckpointError(
+            f"{path}: not an fmoe-jax manifest (format {found!r}, expected {FORMAT_NAME!r})"
+        )
+    return raw
+
+
+def _records(raw: dict[str, Any]) -> dict[str, FileRecord]:
+    return {name: FileRecord(**record) for name, record in raw.items()}
+
+
+def listed_files(directory: Path) -> dict[str, FileRecord]:
+    """The files the manifest in `directory` lists, if fmoe-convert wrote it (format version 1 to current).
+
+    `fmoe-convert --overwrite` replaces only such a directory. Raises `CheckpointError` saying why not.
+    """
+    path = Path(directory) / MANIFEST_NAME
+    raw = _load(path)
+    version = raw.get("format_version")
+    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format version {version!r}, this fmoe-convert writes versions 1 to {FORMAT_VERSION}"
+        )
+    try:
+        return _records(raw["files"])
+    except (KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{path}: corrupt manifest, no valid file list ({err!r})") from None
 
 
 def hash_file(
@@ -109,7 +140,13 @@ def hash_file(
     digest = hashlib.sha256()
     size = 0
     with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK_BYTES):
+        while True:
+            try:
+                chunk = f.read(HASH_CHUNK_BYTES)
+            except OSError as err:  # a read error (EIO) names no file by itself
+                raise OSError(err.errno, err.strerror, str(path)) from None
+            if not chunk:
+                break
             if stop is not None and stop.is_set():
                 raise Interrupted(str(path))
             digest.update(chunk)
@@ -125,9 +162,13 @@ def files_under(directory: Path) -> list[Path]:
 
 
 def check_files(
-    directory: Path, files: dict[str, FileRecord], *, on_bytes: Callable[[int], None] | None = None
+    directory: Path,
+    files: dict[str, FileRecord],
+    *,
+    hashes: bool = True,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> list[str]:
-    """Compares files against their records; returns one line per problem (empty when all match)."""
+    """Compares files against their records (sizes only unless `hashes`); returns one line per problem."""
     problems = []
     for name, record in files.items():
         path = Path(directory) / name
@@ -137,10 +178,26 @@ def check_files(
         size = path.stat().st_size
         if size != record.size:
             problems.append(f"{path}: {size} bytes, the manifest says {record.size} (truncated or altered)")
-            if on_bytes is not None:
+            if on_bytes is not None and hashes:
                 on_bytes(record.size)
+            continue
+        if not hashes:
             continue
         actual = hash_file(path, on_bytes=on_bytes)
         if actual.sha256 != record.sha256:
             problems.append(f"{path}: sha256 {actual.sha256[:16]}... differs from the manifest's (altered)")
     return problems
+
+
+def verify_files(
+    directory: Path,
+    files: dict[str, FileRecord],
+    *,
+    hashes: bool,
+    on_bytes: Callable[[int], None] | None = None,
+) -> None:
+    """Raises `CheckpointError` naming the first file that differs from the manifest (see `check_files`)."""
+    problems = check_files(directory, files, hashes=hashes, on_bytes=on_bytes)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise CheckpointError(f"{problems[0]}{more}; the checkpoint changed since it was converted")

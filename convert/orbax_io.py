@@ -13,6 +13,9 @@ so that neither writing nor restoring needs more than one layer in memory.
 
 from __future__ import annotations
 
+import errno
+import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,7 @@ from fmoe_jax.loading import Model, _dtype_arg, build, generation_eos, load_toke
 
 from .hf import CheckpointError, HFCheckpoint, read_json
 from .keys import HFTensor, hf_tensors
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, Manifest, verify_files
 
 DENSE_ITEM = "dense"
 ParamPath = tuple[str | int, ...]
@@ -141,7 +144,22 @@ def _save(ckptr: ocp.Checkpointer, path: Path, flat: dict[ItemKey, np.ndarray]) 
     except OSError:
         raise
     except Exception as err:  # tensorstore reports I/O failures (disk full, EIO) as ValueError / RuntimeError
-        raise OSError(f"{path}: writing the orbax item failed: {err}") from err
+        raise _os_error(err, path) from err
+
+
+def _os_error(err: Exception, path: Path) -> OSError:
+    """The OS error inside a tensorstore failure, for the item at `path`.
+
+    Tensorstore's message runs to kilobytes (it embeds the whole store spec) and ends with
+    `[os_error_code='28']` when the OS refused; the code alone says what happened (errno 28: no space left
+    on device). Without a code, the first sentence before the spec is kept."""
+    text = str(err)
+    code = re.search(r"os_error_code='(\d+)'", text)
+    if code is not None:
+        return OSError(int(code[1]), os.strerror(int(code[1])), str(path))
+    summary = text.split(" [tensorstore_spec=", 1)[0]
+    summary = summary if len(summary) <= 300 else summary[:300] + "..."
+    return OSError(errno.EIO, f"writing the orbax item failed: {summary}", str(path))
 
 
 def write_items(
@@ -242,17 +260,20 @@ def _by_expert(entries: dict[ItemKey, Any]) -> list[dict[ItemKey, Any]]:
 
 
 def restore_params(
-    directory: str | Path, *, offload: Any = None, dtype: Any = None
+    directory: str | Path, *, offload: Any = None, dtype: Any = None, verify: bool = False
 ) -> tuple[MoEConfig, jnp.dtype, dict[ParamPath, jax.Array]]:
     """Restores every parameter where `param_sharding(path, offload)` says it lives.
 
-    Dense items go to the device, one restore each; with `offload`, each routed expert is restored on its
-    own straight into `pinned_host` memory (orbax places arrays with the target sharding's memory kind;
-    checked on CPU with jax 0.10.2), so loading never holds more than one expert in transit. Restoring
-    as another `dtype` than stored casts on the way in. Returns (config, dtype, {path: array}).
+    First every file is checked against the manifest: its size, and with `verify` its sha256 (which reads
+    the checkpoint once more). Dense items go to the device, one restore each; with `offload`, each routed
+    expert is restored on its own straight into `pinned_host` memory (orbax places arrays with the target
+    sharding's memory kind; checked on CPU with jax 0.10.2), so loading never holds more than one expert in
+    transit. Restoring as another `dtype` than stored casts on the way in. Returns (config, dtype,
+    {path: array}).
     """
     directory = Path(directory)
     manifest, cfg, expected = open_converted(directory)
+    verify_files(directory, manifest.files, hashes=verify)
     dtype = _dtype_arg(dtype, jnp.dtype(manifest.dtype))
     ckptr = _reader()
     flat: dict[ParamPath, jax.Array] = {}
@@ -286,10 +307,12 @@ def read_items(directory: Path, expected: Expected) -> Iterator[tuple[str, dict[
         ckptr.close()
 
 
-def load_converted(directory: str | Path, *, offload: Any, dtype: Any, kernel: Kernel) -> Model:
-    """`load_model` for a directory written by `fmoe-convert` (see `restore_params` for placement)."""
+def load_converted(
+    directory: str | Path, *, offload: Any, dtype: Any, kernel: Kernel, verify: bool = False
+) -> Model:
+    """`load_model` for a directory written by `fmoe-convert` (see `restore_params` for checks, placement)."""
     directory = Path(directory)
-    cfg, dtype, flat = restore_params(directory, offload=offload, dtype=dtype)
+    cfg, dtype, flat = restore_params(directory, offload=offload, dtype=dtype, verify=verify)
     return build(
         cfg,
         dtype,

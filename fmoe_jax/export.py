@@ -1,4 +1,5 @@
-"""Export of an in-memory model (e.g. fresh from `fmoe_jax.train`) to a Hugging Face checkpoint directory.
+"""Export of an in-memory model (e.g. fresh from `fmoe_jax.research.train`) to a Hugging Face checkpoint
+directory.
 
 The training CLI writes the shipped models with it; the result loads in `transformers.AutoModelForCausalLM`
 and `AutoTokenizer`, and in `fmoe_jax.load_model`.

@@ -8,8 +8,9 @@ offload engine; statistics come from the loop here plus whatever the engine meas
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import jax
@@ -19,7 +20,10 @@ import numpy as np
 from fmoe_jax.models import Layout
 
 from .loading import Model
-from .sampling import Greedy, Sampling
+from .prompts import check_token_ids
+from .request import Request, make_request
+from .sampling import Sampling, sampler_key
+from .streaming import GenerationStream, Rows, StreamPiece, log_softmax, make_streamer
 from .trace import RoutingTrace
 
 MIN_BUCKET = 16
@@ -41,11 +45,13 @@ class GenerationStats:
     """Timings and expert-cache statistics of one `generate` call (see README, "Statistics").
 
     `ttft_s`: from the start of prefill to the first token on the host. `tpot_s`: mean time per later
-    token. The offload fields stay zero for a resident model.
+    token. Neither includes compilation: the calls that compiled a program had its compile time taken out,
+    and `compile_s` reports it. The offload fields stay zero for a resident model.
     """
 
     ttft_s: float = 0.0
     tpot_s: float = 0.0
+    compile_s: float = 0.0
     decode_step_s: list[float] = dataclasses.field(default_factory=list)
     prompt_tokens: int = 0
     new_tokens: int = 0
@@ -74,40 +80,41 @@ class GenerateOutput:
     texts: list[str] | None  # decoded `tokens`, when the model has a tokenizer
     stats: GenerationStats
     trace: RoutingTrace | None = None
+    logprobs: list[list[float]] | None = None  # per prompt and token: its log-probability (return_logprobs)
+    # per prompt and token: the `top_logprobs` likeliest (token id, log-probability), best first
+    top_logprobs: list[list[tuple[tuple[int, float], ...]]] | None = None
+    finish_reasons: list[str] = dataclasses.field(default_factory=list)  # per prompt: "eos", "stop", "length"
 
 
-def encode_prompts(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise TypeError("prompts must be a list of strings or a list of token-id lists")
-    if len(prompts) == 0:
-        raise ValueError("prompts is empty")
-    out = []
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            if model.tokenizer is None:
-                raise ValueError(
-                    f"prompt {i} is a string but the model at {model.source} has no tokenizer; "
-                    "pass token-id lists instead"
-                )
-            ids = list(model.tokenizer(prompt)["input_ids"])
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"prompt {i} is empty after tokenization")
-        bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside [0, {model.config.vocab_size}): {bad[:5]}")
-        out.append(ids)
-    return out
+def _serialized(fn):
+    """Runs a public entry point while holding its model (`Model.serving`): one call at a time per model."""
+
+    @functools.wraps(fn)
+    def call(model: Model, *args, **kwargs):
+        with model.serving():
+            return fn(model, *args, **kwargs)
+
+    return call
 
 
+@_serialized
 def generate(
     model: Model,
-    prompts: Sequence[str] | Sequence[Sequence[int]],
+    prompts: Any,
     max_new_tokens: int = 32,
-    sampling: Sampling = Greedy(),
+    sampling: Sampling | None = None,
     seed: int = 0,
     *,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop: str | Sequence[str] | None = None,
+    return_logprobs: bool = False,
+    top_logprobs: int = 0,
+    streamer: Any = None,
     stop_at_eos: bool = True,
     record_trace: bool = False,
     record_hidden: bool = False,
@@ -116,26 +123,108 @@ def generate(
 
     Args:
       model: from `load_model`.
-      prompts: strings (tokenized with the model's tokenizer) or lists of token ids.
-      max_new_tokens: tokens to generate per prompt, at least 1.
-      sampling: `Greedy()` or `Sample(temperature, top_k, top_p)`.
+      prompts: one prompt or a list of them. A prompt is a string (tokenized with the model's tokenizer), a
+        list of token ids, or a chat conversation `[{"role": "user", "content": "..."}, ...]` (rendered by
+        the tokenizer's chat template, with the assistant's turn opened).
+      max_new_tokens: tokens to generate per prompt, a positive int.
+      sampling: `Greedy()` or `Sample(temperature, top_k, top_p, repetition_penalty)`; default greedy. Or
+        leave it out and use the Hugging Face names below (not both).
       seed: PRNG seed for sampling.
+      do_sample, temperature, top_k, top_p, repetition_penalty: as in transformers' `generate`, mapped onto
+        `Greedy`/`Sample` by `fmoe_jax.sampling.from_hf_arguments` (`temperature=0` alone means greedy; an
+        unset `top_k` does not restrict sampling; conflicting settings are a `ValueError`).
+      eos_token_id: a token id or a list of them that ends a row, instead of the model's EOS token(s).
+      stop: a string or a list of them that ends a row once its text contains one; the row keeps the token
+        that completed it (as transformers' `stop_strings`). Needs a tokenizer.
+      return_logprobs: also return `out.logprobs`, each generated token's log-probability under the model
+        (log-softmax of the logits `forward` computes, before any sampling transformation).
+      top_logprobs: with `return_logprobs`, also the likeliest `top_logprobs` tokens per step.
+      streamer: a callable given each `StreamPiece` as it is made, or a transformers streamer (`put`/`end`,
+        e.g. `transformers.TextStreamer(model.tokenizer)`). `generate_stream` is the iterator form.
       stop_at_eos: stop a row at the model's EOS token(s).
       record_trace: also return `out.trace`, the routing trace (semantic embeddings, router
         probabilities of every MoE layer and chosen experts, per request and iteration).
       record_hidden: the trace also keeps every MoE layer's router input (for learned predictors).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    ids = encode_prompts(model, prompts)
+    request = make_request(
+        model,
+        prompts,
+        max_new_tokens,
+        sampling,
+        seed,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        eos_token_id=eos_token_id,
+        stop=stop,
+        return_logprobs=return_logprobs,
+        top_logprobs=top_logprobs,
+        stop_at_eos=stop_at_eos,
+        record_trace=record_trace,
+        record_hidden=record_hidden,
+    )
+    stream = make_streamer(streamer, model.pad_token_id)
+    steps = _generation(model, request, text_pieces=stream is not None)
+    if stream is not None:
+        stream.start(request.prompt_ids)
+    while True:
+        try:
+            pieces = next(steps)
+        except StopIteration as done:
+            if stream is not None:
+                stream.end()
+            return done.value
+        if stream is not None:
+            stream.step(pieces, len(request.prompt_ids))
+
+
+def generate_stream(
+    model: Model,
+    prompts: Any,
+    max_new_tokens: int = 32,
+    sampling: Sampling | None = None,
+    seed: int = 0,
+    **options: Any,
+) -> GenerationStream:
+    """`generate` as an iterator: yields a `StreamPiece` (row, token id, text piece, log-probability, finish
+    reason) for each token as soon as it is sampled, a step's rows in order; afterwards `stream.output` is
+    the `GenerateOutput` (the same tokens as `generate` with the same arguments).
+
+    Takes `generate`'s arguments except `streamer`; they are checked here, before the first token. The
+    stream holds the model from its first piece until it is exhausted or closed (`stream.close()`, or
+    garbage collection): other calls on the model wait meanwhile.
+
+        stream = fj.generate_stream(model, "Once upon a time", max_new_tokens=40, temperature=0.8)
+        for piece in stream:
+            print(piece.text, end="", flush=True)
+        stream.output.stats.tpot_s
+    """
+    if "streamer" in options:
+        raise ValueError("generate_stream yields the pieces itself; pass streamer= to generate instead")
+    request = make_request(model, prompts, max_new_tokens, sampling, seed, **options)
+    return GenerationStream(_holding(model, _generation(model, request, text_pieces=True)))
+
+
+def _holding(model: Model, steps: Generator) -> Generator:
+    """`steps` run while holding the model (`Model.serving`), from the first piece to the last: a stream
+    is one call, and other calls on the model wait until it is exhausted or closed."""
+    with model.serving():
+        return (yield from steps)
+
+
+def _generation(
+    model: Model, request: Request, *, text_pieces: bool
+) -> Generator[list[StreamPiece], None, GenerateOutput]:
+    """The generation loop: prefill, then one decode step per token. Yields each step's new pieces (one per
+    row still generating; their text only with `text_pieces` or stop strings, which need it) and returns the
+    `GenerateOutput`."""
+    ids = request.prompt_ids
+    max_new_tokens, sampling = request.max_new_tokens, request.sampling
+    record_trace, record_hidden = request.record_trace, request.record_hidden
     cfg = model.config
     longest = max(len(p) for p in ids)
-    if longest + max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(
-            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
-            f"max_position_embeddings={cfg.max_position_embeddings}; shorten the prompt or generate fewer "
-            "tokens"
-        )
     batch = len(ids)
     t_pad = bucket_length(longest)
     cache_len = bucket_length(t_pad + max_new_tokens)
@@ -144,14 +233,28 @@ def generate(
         tokens[b, t_pad - len(p) :] = p
     key_start = np.asarray([t_pad - len(p) for p in ids], np.int32)
     active = np.ones((batch,), bool)
-    eos = set(model.eos_token_ids) if stop_at_eos else set()
+    rows = Rows(
+        batch,
+        model.tokenizer if text_pieces or request.stop else None,
+        request.eos,
+        request.stop,
+        max_new_tokens,
+        logprobs=request.return_logprobs,
+        top_logprobs=request.top_logprobs,
+    )
+    # The tokens each row holds, for the repetition penalty (a bit mask the sampler reads, see sampler_key).
+    seen = None
+    if sampling.repetition_penalty != 1.0:
+        seen = np.zeros((batch, cfg.vocab_size), bool)
+        for b, p in enumerate(ids):
+            seen[b, p] = True
     engine = model.engine
     # Every call's key, fold_in(key(seed), i), made at once as raw key data: host-side JAX calls in the
     # decode loop cost ~0.5 ms each on CPU, a step's layout and key are therefore plain NumPy.
-    step_keys = _StepKeys(jax.random.key(seed))
+    step_keys = _StepKeys(jax.random.key(request.seed))
     trace = RoutingTrace.empty(cfg, [list(p) for p in ids]) if record_trace else None
-    if hasattr(engine, "begin"):
-        engine.begin(batch)
+    engine.begin(batch)
+    compiled = engine.programs.compile_s
 
     stats = GenerationStats(prompt_tokens=sum(len(p) for p in ids))
     cache = engine.init_cache(batch, cache_len)
@@ -161,52 +264,64 @@ def generate(
         tokens,
         cache,
         layout,
-        step_keys[0],
+        sampler_key(step_keys[0], seen),
         sampling,
         record_trace,
         record_hidden,
     )
     next_tokens = np.asarray(out.tokens)
-    stats.ttft_s = time.perf_counter() - start
+    compile_s = engine.programs.compile_s - compiled
+    stats.ttft_s = time.perf_counter() - start - compile_s
     if trace is not None:
         trace.add_iteration(
-            out, valid=np.arange(t_pad)[None, :] >= (t_pad - np.array([len(p) for p in ids]))[:, None]
+            out.recorded,
+            valid=np.arange(t_pad)[None, :] >= (t_pad - np.array([len(p) for p in ids]))[:, None],
         )
 
-    generated: list[list[int]] = [[] for _ in range(batch)]
     for step in range(max_new_tokens):
+        log_probs = log_softmax(np.asarray(out.logits)) if request.return_logprobs else None
+        pieces = []
         for b in range(batch):
             if active[b]:
-                generated[b].append(int(next_tokens[b]))
-                if int(next_tokens[b]) in eos:
+                piece = rows.add(b, int(next_tokens[b]), None if log_probs is None else log_probs[b])
+                pieces.append(piece)
+                if piece.finish_reason is not None:
                     active[b] = False
+        yield pieces
         if step == max_new_tokens - 1 or not active.any():
             break
-        t0 = time.perf_counter()
+        if seen is not None:
+            seen[np.flatnonzero(active), next_tokens[active]] = True
+        t0, compiled = time.perf_counter(), engine.programs.compile_s
         layout = Layout(np.int32(t_pad + step), key_start, active.copy(), 1)
         row_valid = active.copy()
         out, cache = engine.step(
             next_tokens[:, None],
             cache,
             layout,
-            step_keys[step + 1],
+            sampler_key(step_keys[step + 1], seen),
             sampling,
             record_trace,
             record_hidden,
         )
         next_tokens = np.asarray(out.tokens)
-        stats.decode_step_s.append(time.perf_counter() - t0)
+        step_compile_s = engine.programs.compile_s - compiled
+        compile_s += step_compile_s
+        stats.decode_step_s.append(time.perf_counter() - t0 - step_compile_s)
         if trace is not None:
-            trace.add_iteration(out, valid=row_valid[:, None])
+            trace.add_iteration(out.recorded, valid=row_valid[:, None])
 
+    generated = rows.tokens
     stats.new_tokens = sum(len(g) for g in generated)
     stats.tpot_s = float(np.mean(stats.decode_step_s)) if stats.decode_step_s else 0.0
-    if hasattr(engine, "finish"):
-        engine.finish(stats)
+    stats.compile_s = compile_s
+    engine.finish(stats)
     texts = None
     if model.tokenizer is not None:
         texts = [model.tokenizer.decode(g, skip_special_tokens=True) for g in generated]
-    return GenerateOutput(generated, texts, stats, trace)
+    return GenerateOutput(
+        generated, texts, stats, trace, rows.logprobs, rows.top, [str(r) for r in rows.finish_reasons]
+    )
 
 
 class _StepKeys:
@@ -232,12 +347,13 @@ def _key_block(key: jax.Array, block: jax.Array) -> jax.Array:
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(index)
 
 
+@_serialized
 def forward(model: Model, token_ids: Any, *, return_router_probs: bool = False):
     """Logits `[B, T, V]` float32 of unpadded, equal-length token ids `[B, T]` (no sampling, no cache kept).
 
     With `return_router_probs`, also the router probabilities `[B, T, L_moe, J]` of every MoE layer.
     """
-    tokens = jnp.asarray(token_ids, jnp.int32)
+    tokens = jnp.asarray(check_token_ids(token_ids, model.config.vocab_size, "token_ids"))
     if tokens.ndim == 1:
         tokens = tokens[None]
     if tokens.ndim != 2 or tokens.shape[1] == 0:

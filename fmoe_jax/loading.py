@@ -6,10 +6,13 @@ with an `OffloadConfig`, routed experts go to host memory and the offload engine
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,22 +25,37 @@ from fmoe_jax.convert.hf import CheckpointError, HFCheckpoint
 from fmoe_jax.models import MoECausalLM, MoEConfig, abstract_model
 from fmoe_jax.models.moe import Kernel
 
-from .resident import ResidentEngine
+from .engines import Engine
+from .engines.resident import ResidentEngine
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 
 
 @dataclasses.dataclass
 class Model:
-    """A loaded model: its config, weights (an NNX module), tokenizer and the engine that serves it."""
+    """A loaded model: its config, weights (an NNX module), tokenizer and the engine that serves it.
+
+    Safe to share between threads: `generate` and `forward` hold the model for the whole call (`serving`),
+    so calls on one model run one after another, and calls after `close()` raise.
+    """
 
     config: MoEConfig
     module: MoECausalLM
-    engine: Any
+    engine: Engine
     tokenizer: Any = None
     source: str = ""
     eos_token_ids: tuple[int, ...] = ()
     offload: Any = None
+    _lock: Any = dataclasses.field(default_factory=threading.RLock, init=False, repr=False, compare=False)
+    _closed: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[Any]:
+        """Holds the model for one call (other threads' calls wait) and yields its engine."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the model from {self.source} is closed; load it again to use it")
+            yield self.engine
 
     @property
     def pad_token_id(self) -> int:
@@ -47,10 +65,13 @@ class Model:
         return self.eos_token_ids[0] if self.eos_token_ids else 0
 
     def close(self) -> None:
-        """Stops background threads of the offload policy (no-op when resident)."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        """Stops background threads of the offload policy and saves its state (once; waits for a call in
+        progress). Later `generate` / `forward` calls raise."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.engine.close()
 
     def __enter__(self) -> Model:
         return self
@@ -153,7 +174,12 @@ def load_hf_params(ckpt: HFCheckpoint, dtype: jnp.dtype, place) -> dict[tuple, A
 
 
 def load_model(
-    path_or_name: str | os.PathLike, offload: Any = None, *, dtype: Any = None, kernel: Kernel = "auto"
+    path_or_name: str | os.PathLike,
+    offload: Any = None,
+    *,
+    dtype: Any = None,
+    kernel: Kernel = "auto",
+    verify: bool = False,
 ) -> Model:
     """Loads a model for `generate` / `forward`.
 
@@ -163,12 +189,18 @@ def load_model(
       offload: None for resident serving, or an `OffloadConfig` to keep routed experts in host memory.
       dtype: parameter dtype; defaults to the checkpoint's.
       kernel: expert-mixture kernel ("auto" picks per shape and backend).
+      verify: for a converted checkpoint, compare every file's sha256 with its manifest before loading
+        (reads the checkpoint once more); otherwise only their sizes are compared, which catches files
+        truncated or replaced since the conversion. A Hugging Face directory has no manifest; its
+        safetensors headers are always checked against the files' sizes.
+    Raises:
+      CheckpointError: a file is missing, corrupt or differs from the manifest (the message names it).
     """
     directory = resolve(path_or_name)
     from fmoe_jax.convert import orbax_io  # local import: orbax is heavy and only needed here
 
     if orbax_io.is_converted(directory):
-        return orbax_io.load_converted(directory, offload=offload, dtype=dtype, kernel=kernel)
+        return orbax_io.load_converted(directory, offload=offload, dtype=dtype, kernel=kernel, verify=verify)
     ckpt = HFCheckpoint(directory)
     cfg = ckpt.config
     dtype = _dtype_arg(dtype, ckpt.stored_dtype())
@@ -209,7 +241,7 @@ def build(
     if offload is None:
         engine = ResidentEngine(module, kernel=kernel)
     else:
-        from .engine import OffloadEngine
+        from .engines.offload import OffloadEngine
 
         engine = OffloadEngine(module, offload, kernel=kernel)
     return Model(cfg, module, engine, tokenizer, source, eos, offload)

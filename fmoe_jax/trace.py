@@ -50,7 +50,7 @@ class RoutingTrace:
 
     @classmethod
     def empty(cls, cfg, prompts: Sequence[list[int]]) -> RoutingTrace:
-        from .engine import model_identity  # the engine module imports heavy JAX code; only needed here
+        from fmoe_jax.models import model_identity
 
         meta = dict(
             model_id=model_identity(cfg),
@@ -63,7 +63,8 @@ class RoutingTrace:
         return cls(meta, [RequestTrace(list(p)) for p in prompts])
 
     def add_iteration(self, step_out, valid: np.ndarray) -> None:
-        """Appends one engine step's routing; `valid` `[B, T]` marks real (unpadded, active) tokens."""
+        """Appends one engine step's recorded routing (`fmoe_jax.engines.Recorded`); `valid` `[B, T]` marks
+        real (unpadded, active) tokens."""
         embeds = np.asarray(step_out.embeds, np.float32)  # [B, T, H]
         probs = np.asarray(step_out.probs, np.float32)  # [B, T, L, J]
         ids = np.asarray(step_out.ids, np.int32)  # [B, T, L, k]

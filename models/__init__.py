@@ -15,9 +15,9 @@ from flax import nnx
 
 from . import deepseek_v2, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe
 from .base import DecoderLayer, MoECausalLM, RouteFn
-from .config import MoEConfig, RopeConfig, UnsupportedConfigError
+from .config import MoEConfig, RopeConfig, UnsupportedConfigError, model_identity
 from .layers import LayerKV, Layout, init_kv_cache
-from .moe import Expert, ExpertWeights, Routing, expert_mixture, reference_mixture
+from .moe import Expert, ExpertWeights, Routing, expert_mixture, expert_parts, reference_mixture, sum_parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,9 @@ __all__ = [
     "build_model",
     "config_from_hf",
     "expert_mixture",
+    "expert_parts",
+    "model_identity",
+    "sum_parts",
     "init_kv_cache",
     "reference_mixture",
 ]

@@ -18,7 +18,7 @@ from flax import nnx
 from .config import MoEConfig
 from .layers import Attention, LayerKV, Layout, Linear, linear, make_norm, rope_tables
 from .mla import LatentAttention
-from .moe import Expert, ExpertWeights, Kernel, Routing, expert_mixture
+from .moe import Expert, ExpertWeights, Kernel, Routing, expert_parts, sum_parts
 
 RouteFn = Callable[[jax.Array, MoEConfig], Routing]  # router logits [N, J] (any dtype) -> Routing
 
@@ -69,13 +69,14 @@ class DecoderLayer(nnx.Module):
         valid: jax.Array,
         *,
         kernel: Kernel = "auto",
-        include_shared: bool = True,
     ) -> jax.Array:
         """Routed experts (those passed in) plus the always-resident shared expert. z `[N, D]` -> `[N, D]`."""
-        out = expert_mixture(z, routing, experts, slot_of_expert, valid, kernel=kernel)
-        if include_shared:
-            out = out + self.shared_output(z).astype(out.dtype)
-        return out
+        return self.mix(z, expert_parts(z, routing, experts, slot_of_expert, valid, kernel=kernel))
+
+    def mix(self, z: jax.Array, parts: jax.Array) -> jax.Array:
+        """The layer's MLP output from every routed assignment's output `parts` `[N, k, D]` float32 (see
+        `models/moe.py`): summed and rounded once, plus the shared expert. `[N, D]` in z's dtype."""
+        return sum_parts(parts).astype(z.dtype) + self.shared_output(z).astype(z.dtype)
 
     def shared_output(self, z: jax.Array) -> jax.Array:
         """The always-on shared expert: scaled by its sigmoid gate (Qwen1.5-MoE) or not (DeepSeek-V2's

@@ -8,6 +8,8 @@ this dataclass.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from typing import Any, Literal
 
@@ -353,3 +355,10 @@ def eos_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
+
+
+def model_identity(cfg: MoEConfig) -> str:
+    """Names a model architecture for state saved about it (an fMoE store, a trained predictor, a routing
+    trace): the family plus a hash of the config."""
+    digest = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+    return f"{cfg.family}-{digest[:16]}"

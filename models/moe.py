@@ -1,7 +1,14 @@
 """Routed experts: the SwiGLU expert, routing results, and the expert-mixture kernels behind one function.
 
-`expert_mixture` is what both the resident forward and the offload engine's `experts(l)` step call; it
-takes the weights of the experts to use as plain arrays, so the caller decides where they live.
+`expert_mixture` is what the resident forward calls; the offload engine calls its two halves,
+`expert_parts` once per chunk of experts and `sum_parts` once per layer. They take the weights of the
+experts to use as plain arrays, so the caller decides where they live.
+
+Why two halves: a layer whose experts run in chunks (a cache smaller than the layer's experts) must round
+exactly as one call over all experts does, or offloading is not lossless in bfloat16. So every kernel
+writes each (token, choice) assignment's weighted output, in float32, to its own place `[N, k, D]`
+(zeros for assignments it skips); chunks fill disjoint places of one buffer, and `sum_parts` adds the k
+places in one fixed order and rounds once, whichever chunk computed what.
 
 Dimension letters: N tokens (B*T flattened), D hidden, F expert intermediate, J experts of a layer,
 n experts passed to one call, A = N*k assignments, G rows per tile, P tiles.
@@ -10,6 +17,7 @@ n experts passed to one call, A = N*k assignments, G rows per tile, P tiles.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
@@ -101,26 +109,44 @@ def expert_mixture(
     *,
     kernel: Kernel = "auto",
 ) -> jax.Array:
-    """Weighted sum of the chosen experts' outputs.
+    """Weighted sum of the chosen experts' outputs, `[N, D]` in the experts' dtype (arguments as
+    `expert_parts`): `sum_parts(expert_parts(...))` rounded once."""
+    if not experts:  # nothing routed here is resident in this call (e.g. every token is padding)
+        return jnp.zeros(x.shape, x.dtype)
+    parts = expert_parts(x, routing, experts, slot_of_expert, valid, kernel=kernel)
+    return sum_parts(parts).astype(experts[0].gate.dtype)
+
+
+def expert_parts(
+    x: jax.Array,
+    routing: Routing,
+    experts: Sequence[ExpertWeights],
+    slot_of_expert: jax.Array,
+    valid: jax.Array,
+    *,
+    kernel: Kernel = "auto",
+) -> jax.Array:
+    """Each assignment's weighted expert output, unsummed.
 
     Args:
       x: `[N, D]` token activations.
       routing: ids and weights `[N, k]`.
-      experts: the n experts available to this call.
-      slot_of_expert: `[J]` int32, position of each layer expert in `experts`, or -1.
+      experts: the n experts available to this call (at least one).
+      slot_of_expert: `[J]` int32, position of each layer expert in `experts`, or -1 (its assignments are
+        skipped: the engine runs a layer in chunks this way).
       valid: `[N]` bool; invalid tokens (padding, finished rows) contribute nothing and load nothing.
       kernel: "unrolled" switches per assignment (decode); "grouped" sorts assignments by expert and runs
         each expert's rows as one tile of a size picked from a few (prefill); "tiled" uses tiles of one
         size, several per expert; "ragged" stacks the experts and uses `jax.lax.ragged_dot` (grouped GEMM
-        on GPU/TPU);
-        "blocked" sorts into tiles like "tiled" but gathers each tile's expert weights and runs one batched
-        matmul (exact and differentiable; the training path on CPU, see `fmoe_jax/train.py`); "auto" picks
-        by size and backend.
+        on GPU/TPU); "blocked" sorts into tiles like "tiled" but gathers each tile's expert weights and
+        runs one batched matmul (exact and differentiable; the training path on CPU, see
+        `research/train.py`); "auto" picks by size and backend.
     Returns:
-      `[N, D]` in the experts' dtype.
+      `[N, k, D]` float32: `weight * expert(x)` of each assignment, zero for skipped ones. An assignment's
+      value does not depend on which other experts are passed: tile sizes follow the layer's J
+      (`slot_of_expert`'s length), not n, so a chunked layer computes each expert exactly as one call
+      over all experts does ("ragged" excepted: its grouped GEMM is not specified that finely).
     """
-    if not experts:  # nothing routed here is resident in this call (e.g. every token is padding)
-        return jnp.zeros(x.shape, x.dtype)
     n_assign = routing.ids.size
     if kernel == "auto":
         kernel = "unrolled" if n_assign <= UNROLL_MAX_ASSIGNMENTS else "grouped"
@@ -132,7 +158,15 @@ def expert_mixture(
         "ragged": _mixture_ragged,
         "blocked": _mixture_blocked,
     }[kernel]
-    return fn(x, local, routing.weights, tuple(experts))
+    num_layer_experts = slot_of_expert.shape[0]
+    out = fn(x, local, routing.weights, tuple(experts), num_layer_experts)  # [A, D]
+    return out.reshape(*local.shape, x.shape[-1])
+
+
+def sum_parts(parts: jax.Array) -> jax.Array:
+    """`[N, k, D]` -> `[N, D]` float32, adding the k choices left to right (one order for every caller:
+    the resident forward, and the offload engine after its last chunk)."""
+    return functools.reduce(jnp.add, [parts[:, i] for i in range(parts.shape[1])])
 
 
 def _branches(experts: tuple[ExpertWeights, ...], dtype: jnp.dtype):
@@ -144,7 +178,7 @@ def _branches(experts: tuple[ExpertWeights, ...], dtype: jnp.dtype):
     return [make(w) for w in experts] + [lambda rows: jnp.zeros(rows.shape, dtype)]
 
 
-def _mixture_unrolled(x, local, weights, experts):
+def _mixture_unrolled(x, local, weights, experts, num_layer_experts):
     """One `lax.switch` per assignment: reads exactly the weights of each used expert (decode path).
 
     The assignments run in a loop around a single switch, so the program holds each expert's branch once
@@ -159,23 +193,27 @@ def _mixture_unrolled(x, local, weights, experts):
     scale = weights.reshape(n * k).astype(jnp.float32)
 
     def body(a, out):
-        t = rows[a]
-        y = jax.lax.switch(idx[a], branches, jax.lax.dynamic_slice_in_dim(x, t, 1))
-        return out.at[t].add(y[0].astype(jnp.float32) * scale[a])
+        y = jax.lax.switch(idx[a], branches, jax.lax.dynamic_slice_in_dim(x, rows[a], 1))
+        return out.at[a].set(y[0].astype(jnp.float32) * scale[a])
 
-    out = jax.lax.fori_loop(0, n * k, body, jnp.zeros((n, x.shape[-1]), jnp.float32))
-    return out.astype(dtype)
+    return jax.lax.fori_loop(0, n * k, body, jnp.zeros((n * k, x.shape[-1]), jnp.float32))
 
 
 def _sort_by_expert(local, weights, n_exp):
     """Assignments `[N, k]` flattened and stably sorted by expert (skipped ones, -1, last as `n_exp`):
-    returns the unsorted expert ids `[A]` and the sorted (expert, token, weight), each `[A]`."""
+    returns the unsorted expert ids `[A]`, the sorted (expert, token, weight) and the sorted order (each
+    sorted row's assignment index), each `[A]`."""
     n, k = local.shape
     a = n * k
     flat_e = jnp.where(local.reshape(a) >= 0, local.reshape(a), n_exp)
     order = jnp.argsort(flat_e, stable=True)
     tokens = jnp.arange(a, dtype=jnp.int32) // k
-    return flat_e, flat_e[order], tokens[order], weights.reshape(a)[order]
+    return flat_e, flat_e[order], tokens[order], weights.reshape(a)[order], order
+
+
+def _unsort(contrib: jax.Array, order: jax.Array) -> jax.Array:
+    """Sorted rows' contributions `[A, D]` back to assignment order (a permutation: each place once)."""
+    return jnp.zeros(contrib.shape, contrib.dtype).at[order].set(contrib, unique_indices=True)
 
 
 def _ceil8(x: float) -> int:
@@ -197,7 +235,7 @@ def group_sizes(n_assign: int, n_experts: int) -> tuple[int, ...]:
     return tuple(range(low, top, step)) + (top,)
 
 
-def _mixture_grouped(x, local, weights, experts):
+def _mixture_grouped(x, local, weights, experts, num_layer_experts):
     """Sort assignments by expert; each expert's rows run as one tile of the smallest size that holds
     them (experts with more rows than the largest size add full tiles of it), so each expert's weights
     are read about once per call and little compute goes to padding.
@@ -214,10 +252,10 @@ def _mixture_grouped(x, local, weights, experts):
     n_exp = len(experts)
     dtype = experts[0].gate.dtype
     a = n * k
-    sizes = group_sizes(a, n_exp)
+    sizes = group_sizes(a, num_layer_experts)
     top, n_sizes = sizes[-1], len(sizes)
 
-    flat_e, se, st, sw = _sort_by_expert(local, weights, n_exp)
+    flat_e, se, st, sw, order = _sort_by_expert(local, weights, n_exp)
     counts = jnp.bincount(flat_e, length=n_exp + 1)[:n_exp]  # [n]
     first = jnp.cumsum(counts) - counts  # [n], first sorted row of each expert
     rows = jnp.concatenate([x[st].astype(dtype), jnp.zeros((top, d), dtype)])  # sorted rows + slack
@@ -256,8 +294,7 @@ def _mixture_grouped(x, local, weights, experts):
         .at[pos.reshape(-1)]
         .set(ys.reshape(-1, d).astype(jnp.float32), mode="drop")
     )
-    contrib = out_sorted * (sw * (se < n_exp))[:, None]
-    return jnp.zeros((n, d), jnp.float32).at[st].add(contrib).astype(dtype)
+    return _unsort(out_sorted * (sw * (se < n_exp))[:, None], order)
 
 
 def tile_rows(n_assign: int, n_experts: int) -> int:
@@ -269,96 +306,99 @@ def tile_rows(n_assign: int, n_experts: int) -> int:
     return g
 
 
-def _mixture_tiled(x, local, weights, experts):
+class _Tiles(NamedTuple):
+    """Assignments sorted by expert into tiles of G rows, one expert per tile (the tiled and blocked
+    kernels): P = `count` tiles (a static bound on sum_e ceil(rows_e / G)); `tokens`, `weight`, `kept` of
+    the sorted assignments; `dest` each sorted assignment's row among the P * G (P * G: dropped);
+    `expert` each tile's expert (n: none)."""
+
+    rows: int  # G
+    count: int  # P
+    tokens: jax.Array  # [A]
+    weight: jax.Array  # [A], zero for skipped assignments
+    order: jax.Array  # [A], each sorted assignment's original index
+    dest: jax.Array  # [A]
+    expert: jax.Array  # [P]
+
+
+def _tile(local: jax.Array, weights: jax.Array, n_exp: int, num_layer_experts: int) -> _Tiles:
+    n, k = local.shape
+    a = n * k
+    g = tile_rows(a, num_layer_experts)
+    n_tiles = min(a, (a + min(n_exp, a) * (g - 1)) // g)
+    flat_e, se, st, sw, order = _sort_by_expert(local, weights, n_exp)
+    counts = jnp.bincount(flat_e, length=n_exp + 1).at[n_exp].set(0)  # [n+1]
+    tiles_per = (counts + g - 1) // g
+    tile_start = jnp.cumsum(tiles_per) - tiles_per  # exclusive
+    rank = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[se]
+    dest = jnp.where(se < n_exp, tile_start[se] * g + rank, n_tiles * g)
+    expert = jnp.searchsorted(jnp.cumsum(tiles_per[:n_exp]), jnp.arange(n_tiles), side="right")
+    return _Tiles(g, n_tiles, st, sw * (se < n_exp), order, dest, expert)
+
+
+def _untile(ys: jax.Array, tiles: _Tiles) -> jax.Array:
+    """Tile outputs `[P * G, D]` -> each assignment's weighted output `[A, D]` float32, assignment order."""
+    top = tiles.count * tiles.rows - 1
+    contrib = ys[jnp.minimum(tiles.dest, top)].astype(jnp.float32) * tiles.weight[:, None]
+    return _unsort(contrib, tiles.order)
+
+
+def _mixture_tiled(x, local, weights, experts, num_layer_experts):
     """Sort assignments by expert into tiles of G rows, one expert per tile, and switch per tile.
 
     Work is close to the routed work (each expert's rows are padded to a multiple of G) and each tile
     reads one expert's weights; the scan keeps the program small for any number of tiles.
     """
-    n, k = local.shape
     d = x.shape[-1]
-    n_exp = len(experts)
-    dtype = experts[0].gate.dtype
-    a = n * k
-    g = tile_rows(a, n_exp)
-    n_tiles = min(a, (a + min(n_exp, a) * (g - 1)) // g)  # static bound on sum_e ceil(count_e / G)
-
-    flat_e, se, st, sw = _sort_by_expert(local, weights, n_exp)
-
-    counts = jnp.bincount(flat_e, length=n_exp + 1).at[n_exp].set(0)  # [n+1]
-    tiles_per = (counts + g - 1) // g
-    tile_start = jnp.cumsum(tiles_per) - tiles_per  # exclusive
-    group_start = jnp.cumsum(jnp.bincount(flat_e, length=n_exp + 1)) - jnp.bincount(flat_e, length=n_exp + 1)
-    rank = jnp.arange(a, dtype=jnp.int32) - group_start[se]
-    dest = jnp.where(se < n_exp, tile_start[se] * g + rank, n_tiles * g)  # [A], out of range = dropped
-
-    rows = jnp.zeros((n_tiles * g, d), x.dtype).at[dest].set(x[st], mode="drop")
-    tile_ends = jnp.cumsum(tiles_per[:n_exp])  # [n]
-    tile_expert = jnp.searchsorted(tile_ends, jnp.arange(n_tiles), side="right")  # n_exp past the end
-
-    branches = _branches(experts, dtype)
+    tiles = _tile(local, weights, len(experts), num_layer_experts)
+    g, p = tiles.rows, tiles.count
+    rows = jnp.zeros((p * g, d), x.dtype).at[tiles.dest].set(x[tiles.tokens], mode="drop")
+    branches = _branches(experts, experts[0].gate.dtype)  # tile.expert == n: the zeros branch
 
     def one_tile(args):
         e, tile = args
         return jax.lax.switch(e, branches, tile)
 
-    ys = jax.lax.map(one_tile, (tile_expert, rows.reshape(n_tiles, g, d))).reshape(n_tiles * g, d)
-    contrib = ys[jnp.minimum(dest, n_tiles * g - 1)].astype(jnp.float32) * (sw * (se < n_exp))[:, None]
-    return jnp.zeros((n, d), jnp.float32).at[st].add(contrib).astype(dtype)
+    ys = jax.lax.map(one_tile, (tiles.expert, rows.reshape(p, g, d)))
+    return _untile(ys.reshape(p * g, d), tiles)
 
 
-def _mixture_ragged(x, local, weights, experts):
+def _mixture_ragged(x, local, weights, experts, num_layer_experts):
     """Grouped GEMM with `jax.lax.ragged_dot` over the stacked experts (fast where it is a native kernel)."""
-    n, k = local.shape
-    d = x.shape[-1]
     n_exp = len(experts)
     dtype = experts[0].gate.dtype
     gate = jnp.stack([w.gate.T for w in experts])  # [n, D, F]
     up = jnp.stack([w.up.T for w in experts])
     down = jnp.stack([w.down.T for w in experts])  # [n, F, D]
-    flat_e, se, st, sw = _sort_by_expert(local, weights, n_exp)
+    flat_e, se, st, sw, order = _sort_by_expert(local, weights, n_exp)
     sizes = jnp.bincount(flat_e, length=n_exp + 1)[:n_exp].astype(jnp.int32)
     rows = x[st].astype(dtype)
     h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
     y = jax.lax.ragged_dot(h, down, sizes)  # rows past sum(sizes) come back as zeros
-    contrib = y.astype(jnp.float32) * (sw * (se < n_exp))[:, None]
-    return jnp.zeros((n, d), jnp.float32).at[st].add(contrib).astype(dtype)
+    return _unsort(y.astype(jnp.float32) * (sw * (se < n_exp))[:, None], order)
 
 
-def _mixture_blocked(x, local, weights, experts):
+def _mixture_blocked(x, local, weights, experts, num_layer_experts):
     """Tiles of G rows, one expert each (as in `_mixture_tiled`), computed as one batched matmul over tiles
     with each tile's expert weights gathered from the stacked experts.
 
     Reads P tile copies of expert weights (P ~ A/G + n), so it is for training and large prefills, not
     decode. On XLA:CPU its forward and backward run about 5x faster than a dense all-experts mixture for
     8 experts top-2 and faster than `lax.switch` tiles (measured in the training benchmark of
-    `fmoe_jax/train.py`), and unlike a capacity-limited dispatch it drops no token.
+    `research/train.py`), and unlike a capacity-limited dispatch it drops no token.
     """
-    n, k = local.shape
     d = x.shape[-1]
-    n_exp = len(experts)
     dtype = experts[0].gate.dtype
-    a = n * k
-    g = tile_rows(a, n_exp)
-    n_tiles = min(a, (a + min(n_exp, a) * (g - 1)) // g)  # static bound on sum_e ceil(count_e / G)
-
-    flat_e, se, st, sw = _sort_by_expert(local, weights, n_exp)
-    counts = jnp.bincount(flat_e, length=n_exp + 1).at[n_exp].set(0)  # [n+1]
-    tiles_per = (counts + g - 1) // g
-    tile_start = jnp.cumsum(tiles_per) - tiles_per
-    rank = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[se]
-    dest = jnp.where(se < n_exp, tile_start[se] * g + rank, n_tiles * g)  # [A], out of range = dropped
-
-    rows = jnp.zeros((n_tiles * g, d), dtype).at[dest].set(x[st].astype(dtype), mode="drop")
-    tile_expert = jnp.searchsorted(jnp.cumsum(tiles_per[:n_exp]), jnp.arange(n_tiles), side="right")
-    tile_expert = jnp.minimum(tile_expert, n_exp - 1)  # [P]; unused tiles hold zero rows and are not read
+    tiles = _tile(local, weights, len(experts), num_layer_experts)
+    g, p = tiles.rows, tiles.count
+    rows = jnp.zeros((p * g, d), dtype).at[tiles.dest].set(x[tiles.tokens].astype(dtype), mode="drop")
+    expert = jnp.minimum(tiles.expert, len(experts) - 1)  # [P]; unused tiles hold zero rows, not read
     gate, up, down = (jnp.stack([getattr(w, name) for w in experts]) for name in ("gate", "up", "down"))
-    rows = rows.reshape(n_tiles, g, d)
-    h = jax.nn.silu(jnp.einsum("pgd,pfd->pgf", rows, gate[tile_expert]))
-    h = h * jnp.einsum("pgd,pfd->pgf", rows, up[tile_expert])
-    ys = jnp.einsum("pgf,pdf->pgd", h, down[tile_expert]).reshape(n_tiles * g, d)
-    contrib = ys[jnp.minimum(dest, n_tiles * g - 1)].astype(jnp.float32) * (sw * (se < n_exp))[:, None]
-    return jnp.zeros((n, d), jnp.float32).at[st].add(contrib).astype(dtype)
+    rows = rows.reshape(p, g, d)
+    h = jax.nn.silu(jnp.einsum("pgd,pfd->pgf", rows, gate[expert]))
+    h = h * jnp.einsum("pgd,pfd->pgf", rows, up[expert])
+    ys = jnp.einsum("pgf,pdf->pgd", h, down[expert]).reshape(p * g, d)
+    return _untile(ys, tiles)
 
 
 def reference_mixture(x: jax.Array, routing: Routing, experts: Sequence[ExpertWeights]) -> jax.Array:

@@ -1,7 +1,8 @@
 """Bookkeeping of the device expert cache: which experts are held, loading or pinned, and the statistics.
 
-Plain Python (no JAX), so it is testable on its own; `offload/transfer.py` moves the weights and the engine
-(`fmoe_jax/engine.py`) asks it for hits. Keys are `(layer, expert)` with `layer` the MoE-layer index.
+Plain Python (no JAX), so it is testable on its own; `offload/transfer.py` moves the weights, the iteration
+driver (`offload/driver.py`) asks it for hits, and policies read it through `CacheView`. Keys are
+`(layer, expert)` with `layer` the MoE-layer index.
 
 Definitions (also in the README):
 - hit: a needed expert that was fully resident when its layer asked for it;
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 Key = tuple[int, int]  # (moe layer, expert)
 
@@ -47,6 +49,82 @@ class CacheStats:
     def hit_rate(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 1.0
+
+    def layer_hit_rate(self, num_layers: int) -> list[float]:
+        rates = []
+        for m in range(num_layers):
+            needed = self.layer_needed.get(m, 0)
+            rates.append(self.layer_hits.get(m, 0) / needed if needed else 1.0)
+        return rates
+
+    def copy(self) -> CacheStats:
+        return self + CacheStats()
+
+    def __sub__(self, before: CacheStats) -> CacheStats:
+        """What was counted since `before` (peak bytes: the peak so far, not a difference)."""
+        return self._combine(before, lambda a, b: a - b)
+
+    def __add__(self, other: CacheStats) -> CacheStats:
+        """Totals of two caches (several devices); peak bytes add up (each device's own peak)."""
+        return self._combine(other, lambda a, b: a + b, add_peak=True)
+
+    def _combine(self, other: CacheStats, op, *, add_peak: bool = False) -> CacheStats:
+        out = CacheStats()
+        for field in dataclasses.fields(self):
+            a, b = getattr(self, field.name), getattr(other, field.name)
+            if isinstance(a, dict):
+                value = {k: op(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()}
+            elif field.name == "peak_bytes" and not add_peak:
+                value = a
+            else:
+                value = op(a, b)
+            setattr(out, field.name, value)
+        return out
+
+
+class CacheView(Protocol):
+    """What a policy may read of the expert cache it serves, and the one request it may make.
+
+    Implemented by `DeviceExpertCache` (one device, `offload/transfer.py`) and `CacheGroup` (one cache per
+    device, `offload/placement.py`); the simulator's cache is a `DeviceExpertCache` too. Entries are the
+    cache's own records: read them, never change them.
+    """
+
+    @property
+    def capacity(self) -> int:
+        """Expert slots, all devices together."""
+
+    @property
+    def stats(self) -> CacheStats:
+        """Counts since the cache was made (hits, misses, loads, bytes...)."""
+
+    @property
+    def on_demand_wait_s(self) -> float:
+        """Seconds the engine has waited for on-demand loads and late prefetches."""
+
+    def entry(self, key: Key) -> Entry | None:
+        """The record of a resident or arriving expert (`ready` tells which), or None."""
+
+    def entries(self, near: Key | None = None) -> Iterable[tuple[Key, Entry]]:
+        """Every held expert's record; with `near`, only those on the device that holds `near`."""
+
+    def free_slots(self, near: Key | None = None) -> int:
+        """Slots neither resident nor arriving; with `near`, on the device that holds `near`."""
+
+    def freq(self, key: Key) -> int:
+        """Uses of `key` over the cache's lifetime (LFU's and fMoE's frequency)."""
+
+    def device_of(self, key: Key) -> int:
+        """Index of the device whose cache holds (or would hold) `key`; 0 with one device."""
+
+    def request_prefetch(
+        self,
+        items: Iterable[tuple[Key, float]],
+        *,
+        replace: bool | Iterable[int] = True,
+        stale_before: int | None = None,
+    ) -> None:
+        """Queues prefetches `(key, priority)`, higher first (see `DeviceExpertCache.request_prefetch`)."""
 
 
 class CacheBook:
@@ -154,3 +232,38 @@ class CacheBook:
             if best_score is None or score < best_score:
                 best, best_score = key, score
         return best
+
+
+class BookView:
+    """The `CacheView` of one device's cache, read from its `CacheBook` (`self.book`) and its timers
+    (`self.timers["on_demand_wait"]`); `DeviceExpertCache` and test stand-ins mix it in."""
+
+    book: CacheBook
+    timers: dict[str, float]
+
+    @property
+    def capacity(self) -> int:
+        return self.book.capacity
+
+    @property
+    def stats(self) -> CacheStats:
+        return self.book.stats
+
+    @property
+    def on_demand_wait_s(self) -> float:
+        return self.timers["on_demand_wait"]
+
+    def entry(self, key: Key) -> Entry | None:
+        return self.book.entries.get(key)
+
+    def entries(self, near: Key | None = None) -> list[tuple[Key, Entry]]:
+        return list(self.book.entries.items())
+
+    def free_slots(self, near: Key | None = None) -> int:
+        return self.book.free_slots
+
+    def freq(self, key: Key) -> int:
+        return self.book.freq.get(key, 0)
+
+    def device_of(self, key: Key) -> int:
+        return 0

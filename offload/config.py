@@ -7,6 +7,7 @@ and the policy factory.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 
@@ -21,8 +22,8 @@ class OffloadConfig:
       cache_bytes: the budget in bytes instead; the cache holds `cache_bytes // bytes_per_expert` experts.
         With neither, the cache holds 25 % of all routed experts.
       prefetch_distance: d, how many layers ahead a policy prefetches.
-      store_capacity: expert maps the fMoE store keeps.
-      store_path: file of a saved fMoE expert-map store: loaded at start when it exists, saved back at close.
+      store_capacity, store_path: deprecated aliases of `policy_options={"store_capacity": ...,
+        "store_path": ...}` (fmoe's expert-map store); given here, they reach policies that take them.
       devices: devices for expert-parallel serving: None (the default device), a count (the first n), a list
         of devices, or a `jax.sharding.Mesh`. Dense weights are replicated over them; each device has its
         own expert cache (the budget is split evenly) and transfer queue.
@@ -31,14 +32,15 @@ class OffloadConfig:
       synchronous_transfers: wait for every copy as it is issued (the simulator's comparison mode).
       preload: warm start: fill the cache before serving, layer by layer in expert order, up to its
         budget. These loads count in no request's statistics (a warm cache, as after earlier requests).
-      policy_options: extra keyword arguments of the policy (ablation switches and the like).
+      policy_options: keyword arguments of the policy: every setting a policy has (fmoe's store, ablation
+        switches, a baseline's predictor...), as its constructor documents them.
     """
 
     policy: Any = "on_demand_lru"
     cache_experts: int | None = None
     cache_bytes: int | None = None
     prefetch_distance: int = 3
-    store_capacity: int = 1000
+    store_capacity: int | None = None
     store_path: str | None = None
     devices: Any = None
     placement: Any = None
@@ -58,8 +60,30 @@ class OffloadConfig:
             raise ValueError(f"prefetch_distance must be >= 1, got {self.prefetch_distance}")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
-        if self.store_capacity < 1:
+        if self.store_capacity is not None and self.store_capacity < 1:
             raise ValueError(f"store_capacity must be >= 1, got {self.store_capacity}")
+        if self.store_capacity is not None or self.store_path is not None:
+            warnings.warn(
+                "OffloadConfig(store_capacity=..., store_path=...) are deprecated: pass them in "
+                "policy_options={'store_capacity': ..., 'store_path': ...}",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+
+    def make_policy(self) -> Any:
+        """The policy object: `policy` itself, or the named policy built with `policy_options` (plus the
+        deprecated store aliases, for a policy that takes them)."""
+        from .policies import POLICIES, accepted_options, make_policy
+
+        options = dict(self.policy_options)
+        if isinstance(self.policy, str) and self.policy in POLICIES:
+
+            accepted = accepted_options(self.policy)
+            for name in ("store_capacity", "store_path"):
+                value = getattr(self, name)
+                if value is not None and name in accepted:
+                    options.setdefault(name, value)
+        return make_policy(self.policy, **options)
 
     def slots(self, expert_bytes: int, total_experts: int) -> int:
         """The budget in expert slots for experts of `expert_bytes` each."""

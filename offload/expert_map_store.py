@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +307,26 @@ class ExpertMapStore:
             Path(tmp).unlink(missing_ok=True)
             raise
 
+    @staticmethod
+    def check_writable(path: str | os.PathLike) -> None:
+        """Refuses, before any serving, a store path that `save` could not write at the end: a directory,
+        a missing parent folder, or a folder this process may not write to."""
+        path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"store_path {path} is a directory; it must name a file ({path}/store.npz?).")
+        parent = path.parent
+        if not parent.is_dir():
+            raise ValueError(f"store_path {path}: its folder {parent} does not exist; create it first.")
+        try:
+            fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
+        except OSError as err:
+            raise ValueError(
+                f"store_path {path}: cannot write to {parent} ({err.strerror}); the learned store could "
+                "not be saved at close. Choose a writable location."
+            ) from None
+        os.close(fd)
+        os.unlink(probe)
+
     @classmethod
     def load(
         cls,
@@ -326,11 +347,21 @@ class ExpertMapStore:
         missing = [name for name in _SHAPE_FIELDS if name not in expected_meta]
         if missing:
             raise ValueError(f"expected_meta must give {missing} to check the store at {path} against.")
-        with np.load(path, allow_pickle=False) as data:
-            if "header" not in data:
-                raise ValueError(f"{path} is not an expert map store (no header); expected a file from save.")
-            header = json.loads(str(data["header"]))
-            embeds, maps = data["embeds"], data["maps"]
+        if Path(path).is_dir():
+            raise ValueError(f"expert map store {path} is a directory; store_path must name a file.")
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                if "header" not in data:
+                    raise ValueError("it has no header")
+                header = json.loads(str(data["header"]))
+                embeds, maps = data["embeds"], data["maps"]
+            if not isinstance(header, dict) or not isinstance(header.get("meta"), dict):
+                raise ValueError("its header is not a store header")
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+            raise ValueError(
+                f"expert map store {path} cannot be read ({err}): it is not a file written by "
+                "ExpertMapStore.save, or it is damaged. Delete it or point store_path elsewhere."
+            ) from None
         if header.get("format") != _FORMAT or header.get("version") != _VERSION:
             raise ValueError(
                 f"{path} has format {header.get('format')!r} version {header.get('version')!r}; "

@@ -3,8 +3,8 @@
 Called by the fmoe policy (`offload/policies/fmoe.py`) and the trace-replay simulator, after a match
 from `offload/expert_map_store.py`; no JAX, no state.
 
-Paper section 4.3 (selection) and 4.5 (priorities). Notation: J experts per layer, K = top_k experts
-activated per layer, p the probability of an expert in the matched expert map.
+Paper section 4.3 (selection) and 4.5 (priorities: `prefetch_priority`, `keep_priority`). Notation: J experts
+per layer, K = top_k experts activated per layer, p the probability of an expert in the matched expert map.
 """
 
 from __future__ import annotations
@@ -118,29 +118,27 @@ def prefetch_priority(
     return p / distance
 
 
-def eviction_priority(
+def keep_priority(
     p: float | np.ndarray,  # [...]
-    freq: float | np.ndarray,  # broadcasts with p
+    uses: float | np.ndarray,  # broadcasts with p
 ) -> np.ndarray:
-    """PRI_evict = 1 / (p * freq) (section 4.5); the expert with the HIGHEST value is evicted first.
+    """fMoE's eviction order (section 4.5) as a keep score: p * (uses + 1); the LOWEST is evicted first.
 
-    Equivalently, the lowest p * freq goes first: experts rarely hit in the cache and unlikely in
-    the matched map. p * freq = 0 gives +inf (evicted before any expert with p * freq > 0), computed
-    without a division warning. The authors' cache sorts by p * incache_visit_count ascending and
-    evicts from the front (`ArcherTaskPool::RemoveCachedSparseNode`), the same order.
+    The paper's PRI_evict = 1 / (p * freq) evicts the highest first, which is the same order as evicting
+    the lowest p * freq; the authors' cache sorts by p * incache_visit_count ascending and evicts from the
+    front (`ArcherTaskPool::RemoveCachedSparseNode`). freq here is uses + 1: the arrival counts as one
+    visit, so that an expert prefetched and not yet used (uses = 0) is ranked by its p, not evicted first
+    with every p. The fmoe policy's `keep_score` and `admit_prefetch` call this; so do its tests.
 
     Args:
-      p: probability of the cached expert in the matched map, >= 0 (0 if the map does not know it).
-      freq: cache visit count of the expert, >= 0.
+      p: probability of the expert in the map guiding its layer, >= 0 (0 if no map names it).
+      uses: times the expert served a layer since it entered the cache's history, >= 0.
 
     Returns:
-      float64 priorities in (0, +inf], the broadcast shape of `p` and `freq`.
+      float64 scores >= 0, the broadcast shape of `p` and `uses`.
     """
     p = np.asarray(p, dtype=np.float64)
-    freq = np.asarray(freq, dtype=np.float64)
-    if not (np.all(p >= 0) and np.all(freq >= 0)):
-        raise ValueError("eviction_priority needs probabilities and visit counts >= 0 (not NaN).")
-    product = p * freq
-    out = np.full(product.shape, np.inf)
-    np.divide(1.0, product, out=out, where=product > 0)
-    return out
+    uses = np.asarray(uses, dtype=np.float64)
+    if not (np.all(p >= 0) and np.all(uses >= 0)):
+        raise ValueError("keep_priority needs probabilities and use counts >= 0 (not NaN).")
+    return p * (uses + 1.0)

@@ -1,8 +1,8 @@
 """Expert-parallel placement: which device holds each routed expert, and one cache per device behind one face.
 
 The engine builds a `CacheGroup` when `OffloadConfig(devices=...)` names several devices; policies keep
-seeing `(layer, expert)` keys and one cache (`request_prefetch`, `book.freq`, `book.entries`), and the
-group routes every call to the cache of the device the placement assigns.
+seeing `(layer, expert)` keys and one `CacheView`, and the group routes every call to the cache of the
+device the placement assigns; the iteration driver serves each device's share of a layer (`parts`).
 """
 
 from __future__ import annotations
@@ -40,87 +40,9 @@ def placement_from(spec: Any, num_experts: int, num_devices: int) -> Placement:
     raise TypeError(f"placement must be None, a mapping or a callable, got {type(spec).__name__}")
 
 
-class _Routed(Mapping):
-    """A read-only mapping over the per-device books' dicts (`freq` or `entries`), routed by placement."""
-
-    def __init__(self, group: CacheGroup, attr: str):
-        self.group, self.attr = group, attr
-
-    def _owner(self, key: Key) -> dict:
-        cache = self.group.caches[self.group.placement(key)]
-        return {} if cache is None else getattr(cache.book, self.attr)
-
-    def __getitem__(self, key: Key) -> Any:
-        return self._owner(key)[key]
-
-    def get(self, key: Key, default: Any = None) -> Any:
-        return self._owner(key).get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._owner(key)  # type: ignore[arg-type]
-
-    def __iter__(self):
-        for cache in self.group.local:
-            yield from getattr(cache.book, self.attr)
-
-    def __len__(self) -> int:
-        return sum(len(getattr(c.book, self.attr)) for c in self.group.local)
-
-
-class _GroupBook:
-    """The part of `CacheBook` policies and the engine read, over all devices."""
-
-    def __init__(self, group: CacheGroup):
-        self.group = group
-        self.freq = _Routed(group, "freq")
-        self.entries = _Routed(group, "entries")
-
-    @property
-    def capacity(self) -> int:
-        return sum(c.book.capacity for c in self.group.local)
-
-    @property
-    def expert_bytes(self) -> int:
-        return self.group.local[0].book.expert_bytes
-
-    @property
-    def free_slots(self) -> int:
-        return sum(c.book.free_slots for c in self.group.local)
-
-    def __contains__(self, key: Key) -> bool:
-        cache = self.group.cache_of(key)
-        return cache is not None and key in cache.book
-
-    def __len__(self) -> int:
-        return sum(len(c.book) for c in self.group.local)
-
-    @property
-    def stats(self) -> CacheStats:
-        """Totals over devices (peak bytes: the sum of each device's peak)."""
-        total = CacheStats()
-        for cache in self.group.local:
-            s = cache.book.stats
-            for field in (
-                "hits",
-                "misses",
-                "late_prefetches",
-                "prefetches",
-                "wasted_prefetches",
-                "dropped_prefetches",
-                "loads",
-                "bytes_to_device",
-                "peak_bytes",
-            ):
-                setattr(total, field, getattr(total, field) + getattr(s, field))
-            for layer, value in s.layer_hits.items():
-                total.layer_hits[layer] = total.layer_hits.get(layer, 0) + value
-            for layer, value in s.layer_needed.items():
-                total.layer_needed[layer] = total.layer_needed.get(layer, 0) + value
-        return total
-
-
 class CacheGroup:
-    """One `DeviceExpertCache` per device, addressed by `(layer, expert)` through `placement`.
+    """One `DeviceExpertCache` per device, addressed by `(layer, expert)` through `placement`; policies see
+    it through the same `CacheView` methods as one device's cache.
 
     With several processes (multi-host), `caches[i]` is None for another process's device: requests for
     its experts are dropped here (that process serves them), and statistics cover this process's devices.
@@ -129,7 +51,6 @@ class CacheGroup:
     def __init__(self, caches: Sequence[DeviceExpertCache | None], placement: Placement):
         self.caches = list(caches)
         self.placement = placement
-        self.book = _GroupBook(self)
 
     @property
     def local(self) -> list[DeviceExpertCache]:
@@ -140,6 +61,49 @@ class CacheGroup:
         if not 0 <= device < len(self.caches):
             raise ValueError(f"placement put expert {key} on device {device}; there are {len(self.caches)}")
         return self.caches[device]
+
+    # -- CacheView ------------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return sum(c.capacity for c in self.local)
+
+    @property
+    def stats(self) -> CacheStats:
+        """Totals over this process's devices (peak bytes: the sum of each device's peak)."""
+        return sum((c.stats for c in self.local), CacheStats())
+
+    @property
+    def on_demand_wait_s(self) -> float:
+        return sum(c.on_demand_wait_s for c in self.local)
+
+    def entry(self, key: Key) -> Entry | None:
+        cache = self.cache_of(key)
+        return None if cache is None else cache.entry(key)
+
+    def entries(self, near: Key | None = None) -> list[tuple[Key, Entry]]:
+        if near is not None:
+            cache = self.cache_of(near)
+            return [] if cache is None else cache.entries()
+        return [item for cache in self.local for item in cache.entries()]
+
+    def free_slots(self, near: Key | None = None) -> int:
+        if near is not None:
+            cache = self.cache_of(near)
+            return 0 if cache is None else cache.free_slots()
+        return sum(c.free_slots() for c in self.local)
+
+    def freq(self, key: Key) -> int:
+        cache = self.cache_of(key)
+        return 0 if cache is None else cache.freq(key)
+
+    def device_of(self, key: Key) -> int:
+        return self.placement(key)
+
+    # -- the driver's side --------------------------------------------------------------------------------
+    def parts(self, keys: list[Key]) -> list[tuple[DeviceExpertCache, list[Key]]]:
+        """Each local device's cache with its share of `keys` (devices with none left out)."""
+        shares = zip(self.caches, self.split(keys), strict=True)
+        return [(cache, own) for cache, own in shares if cache is not None and own]
 
     def split(self, keys: Iterable[Key]) -> list[list[Key]]:
         """Keys grouped by device index."""

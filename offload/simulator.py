@@ -1,10 +1,10 @@
 """Trace-replay simulator: replays recorded routing traces through any policy and cache budget on a
 simulated clock with a hardware cost model. Called by benchmarks and tests (`simulate`).
 
-It drives the policy with the live engine's event stream (`fmoe_jax/engine.py`) and serves every layer
-through the same `DeviceExpertCache` and `offload/schedule.py` calls, with copies going over a
-`SimulatedLink` instead of `jax.device_put`. So with synchronous transfers its hit and miss counts equal the
-live engine's on the same requests; with asynchronous ones, prefetches overlap the modelled compute.
+It runs every iteration through the same iteration driver as the live engine (`offload/driver.py`), with
+the same `DeviceExpertCache`, and copies going over a `SimulatedLink` instead of `jax.device_put`. So with
+synchronous transfers its hit and miss counts equal the live engine's on the same requests; with
+asynchronous ones, prefetches overlap the modelled compute.
 
 Routing comes from the trace (layer, expert and top-k counts included); byte and FLOP sizes come from a
 `ModelPreset` (e.g. `MIXTRAL_8X7B`), so a trace of a small model replays at a real model's size.
@@ -12,7 +12,6 @@ Routing comes from the trace (layer, expert and top-k counts included); byte and
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import statistics
 from collections.abc import Sequence
@@ -25,8 +24,8 @@ from fmoe_jax.trace import RoutingTrace
 from .cache import Key
 from .config import OffloadConfig
 from .cost_model import CostModel, HardwarePreset, ModelPreset
-from .policies import Policy, PolicyContext, make_policy
-from .schedule import announce, needed_experts, serve_layer
+from .driver import Driver, Routed
+from .policies import Policy, PolicyContext
 from .transfer import DeviceExpertCache
 
 
@@ -235,7 +234,7 @@ class Replay:
         self.meta, self.model, self.hardware = meta, model, hardware
         self.num_layers, num_experts = meta["num_layers"], meta["num_experts"]
         self.router_weights = router_weights
-        self.policy = make_policy(offload.policy, **offload.policy_options)
+        self.policy = offload.make_policy()
         _check_policy(self.policy, list(check), router_weights, self.num_layers)
 
         total = self.num_layers * num_experts
@@ -264,7 +263,6 @@ class Replay:
             prefetch_distance=offload.prefetch_distance,
             capacity=self.capacity,
             model_id=str(meta.get("model_id", "")),
-            options={"store_path": offload.store_path, "store_capacity": offload.store_capacity},
             router_weights=tuple(np.asarray(w, np.float32) for w in router_weights)
             if self.policy.needs_hidden
             else (),
@@ -272,6 +270,7 @@ class Replay:
             layer_s=decode_layer_s,
         )
         self.policy.bind(ctx, self.cache)
+        self.driver = Driver(self.policy, self.cache)
         self._closed = False
         try:
             if self.policy.preload_all:
@@ -289,13 +288,8 @@ class Replay:
     def reset_statistics(self) -> None:
         """Counts hits, times and requests from here on (after a warm-up); cache and policy keep state."""
         link = self.link
-        self._start = (
-            copy.deepcopy(self.cache.book.stats),
-            link.clock,
-            link.stall_s,
-            link.compute_s,
-            link.busy_s,
-        )
+        self.driver.reset()
+        self._start = (link.clock, link.stall_s, link.compute_s, link.busy_s)
         self.ttft_s: list[float] = []
         self.tpot_s: list[float] = []
 
@@ -308,7 +302,7 @@ class Replay:
                     f"{self.meta.get(key)}; replay traces of one model together"
                 )
         _check_policy(self.policy, [trace], self.router_weights, self.num_layers)
-        ttft, tpot = _replay_batch(trace, self.policy, self.cache, self.link, self.costs)
+        ttft, tpot = _replay_batch(trace, self.driver, self.link, self.costs)
         self.ttft_s += ttft
         self.tpot_s += tpot
         return ttft, tpot
@@ -318,22 +312,22 @@ class Replay:
         if not self._closed:
             self._closed = True
             self.policy.close()
-        before, clock, stall, compute, busy = self._start
-        s, link, layers = self.cache.book.stats, self.link, range(self.num_layers)
+        clock, stall, compute, busy = self._start
+        s, link, layers = self.driver.measure().cache, self.link, range(self.num_layers)
         num_experts = self.meta["num_experts"]
         device_bytes = self.capacity * self.model.expert_bytes + self.model.resident_bytes(
             self.num_layers, num_experts
         )
         return SimResult(
-            hits=s.hits - before.hits,
-            misses=s.misses - before.misses,
-            late_prefetches=s.late_prefetches - before.late_prefetches,
-            prefetches=s.prefetches - before.prefetches,
-            wasted_prefetches=s.wasted_prefetches - before.wasted_prefetches,
-            dropped_prefetches=s.dropped_prefetches - before.dropped_prefetches,
-            bytes_to_device=s.bytes_to_device - before.bytes_to_device,
-            layer_hits=[s.layer_hits.get(m, 0) - before.layer_hits.get(m, 0) for m in layers],
-            layer_needed=[s.layer_needed.get(m, 0) - before.layer_needed.get(m, 0) for m in layers],
+            hits=s.hits,
+            misses=s.misses,
+            late_prefetches=s.late_prefetches,
+            prefetches=s.prefetches,
+            wasted_prefetches=s.wasted_prefetches,
+            dropped_prefetches=s.dropped_prefetches,
+            bytes_to_device=s.bytes_to_device,
+            layer_hits=[s.layer_hits.get(m, 0) for m in layers],
+            layer_needed=[s.layer_needed.get(m, 0) for m in layers],
             stall_s=link.stall_s - stall,
             compute_s=link.compute_s - compute,
             total_s=link.clock - clock,
@@ -363,7 +357,7 @@ class _Step:
 
 
 def _replay_batch(
-    trace: RoutingTrace, policy: Policy, cache: DeviceExpertCache, link: SimulatedLink, costs: CostModel
+    trace: RoutingTrace, driver: Driver, link: SimulatedLink, costs: CostModel
 ) -> tuple[list[float], list[float]]:
     """Replays one batch (one `generate` call); returns per-request TTFT and mean decode-iteration time."""
     requests = trace.requests
@@ -372,34 +366,29 @@ def _replay_batch(
     start = link.clock
     ttft = [float("nan")] * rows
     decode_times: list[list[float]] = [[] for _ in range(rows)]
-    policy.on_request_start(rows)
+    driver.begin(rows)
     for i in range(num_iterations):
-        step = _layout(trace, i, policy)
+        step = _layout(trace, i, driver.policy)
         began = link.clock
         flat_valid = step.valid.reshape(-1)
         tokens = int(flat_valid.sum())
-        policy.on_iteration_start(step.embeds, step.valid)
         attention_s = costs.attention_s(step.new_tokens, step.past_tokens)
-        for m in range(step.ids.shape[1]):
-            ids = step.ids[:, m]  # [N, k]
+
+        def route(m: int, step=step, attention_s=attention_s) -> Routed:
             link.compute(attention_s)
-            needed = needed_experts(ids, flat_valid)
-            announce(cache, m, needed)
-            policy.on_layer_routed(
-                m,
+            return Routed(
+                step.ids[:, m],
                 None if step.probs is None else step.probs[:, m],
-                ids,
-                step.valid,
-                hidden=None if step.hidden is None else step.hidden[:, m],
+                None if step.hidden is None else step.hidden[:, m],
             )
-            routed = np.bincount(ids[flat_valid].ravel(), minlength=costs.num_experts)  # [J]
 
-            def compute(chunk: list[Key], arrays: dict, is_last: bool, routed=routed) -> None:
-                link.compute(costs.experts_s([int(routed[e]) for _, e in chunk]))
+        def compute(m: int, chunk: list[Key], arrays: dict, is_last: bool, step=step, tokens=tokens) -> None:
+            routed = np.bincount(step.ids[:, m][step.valid.reshape(-1)].ravel(), minlength=costs.num_experts)
+            link.compute(costs.experts_s([int(routed[e]) for _, e in chunk]))
+            if is_last:
+                link.compute(costs.shared_s(tokens))
 
-            serve_layer(cache, m, needed, compute)
-            link.compute(costs.shared_s(tokens))
-        policy.on_iteration_end()
+        driver.iteration(step.valid, step.embeds, route, compute)
         active = step.valid.any(axis=1)
         link.compute(costs.head_s(int(active.sum())))
         for b in np.flatnonzero(active):

@@ -2,8 +2,9 @@
 
 `DeviceExpertCache` owns the cached experts' device arrays and the `CacheBook`; prefetches wait in a
 priority queue and start while fewer than `max_inflight` copies are in flight; on-demand loads start
-at once, ahead of every queued prefetch, and pause prefetching until they land. The engine calls
-`ensure`; policies call `request_prefetch` (from any thread: one lock guards the state). Copies go
+at once, ahead of every queued prefetch, and pause prefetching until they land. The iteration
+driver calls `ensure` and `release`; policies read it through the `CacheView` methods and call
+`request_prefetch` (from any thread: one lock guards the state). Copies go
 through a `Mover`: `JaxMover` does real `jax.device_put`s; the simulator plugs in a simulated link.
 """
 
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 import jax
 from fmoe_jax.models.moe import ExpertWeights
 
-from .cache import CacheBook, Entry, Key
+from .cache import BookView, CacheBook, Entry, Key
 
 
 class EvictionPolicy(Protocol):
@@ -55,7 +56,7 @@ class JaxMover:
         jax.block_until_ready(list(handles))
 
 
-class DeviceExpertCache:
+class DeviceExpertCache(BookView):
     """Expert weights on one device, within a budget of `capacity` experts.
 
     Args:
@@ -92,15 +93,26 @@ class DeviceExpertCache:
         self.serving: int | None = None  # the layer between its routing and the end of its compute
         self.timers = {"prefetch_issue": 0.0, "on_demand_wait": 0.0}
 
+    # -- what policies read (`CacheView`; the rest comes from `BookView`) -------------------------------
+    def entries(self, near: Key | None = None) -> list[tuple[Key, Entry]]:
+        with self.lock:  # a snapshot: the matcher thread may read while the engine changes the cache
+            return list(self.book.entries.items())
+
+    # -- the driver's side ----------------------------------------------------------------------------
+    def parts(self, keys: list[Key]) -> list[tuple[DeviceExpertCache, list[Key]]]:
+        """The caches that hold `keys` and their share of them: this one (the driver's per-device view)."""
+        return [(self, keys)] if keys else []
+
     # -- copies ----------------------------------------------------------------------------------------
     def _start_copy(self, key: Key, *, prefetched: bool) -> None:
-        """Caller holds the lock and has made room."""
-        self.book.add(key, prefetched=prefetched)
+        """Caller holds the lock and has made room. A copy that fails to start leaves the cache unchanged."""
         handle = self.mover.start(key)
         if self.synchronous:
             self.mover.wait([handle])
-            self.book.mark_ready(key)
+        self.book.add(key, prefetched=prefetched)
         self.arrays[key] = handle
+        if self.synchronous:
+            self.book.mark_ready(key)
 
     def _poll(self) -> None:
         """Marks finished copies ready."""
@@ -198,10 +210,6 @@ class DeviceExpertCache:
             self.protected = set(keys)
             self.serving = layer
 
-    def pump(self) -> None:
-        with self.lock:
-            self._pump()
-
     # -- the engine's side -----------------------------------------------------------------------------
     def ensure(self, layer: int, needed: Sequence[Key]) -> dict[Key, ExpertWeights]:
         """Makes `needed` (at most `capacity` experts of one layer) resident and pinned; returns their arrays.
@@ -216,9 +224,9 @@ class DeviceExpertCache:
         with self.lock:
             self._poll()
             hits, late, misses = self.book.classify(layer, needed)
-            self.book.pin(hits + late)
-            if misses:
-                self.paused += 1
+            pinned = hits + late
+            self.book.pin(pinned)
+            self.paused += bool(misses)
             try:
                 for key in misses:
                     self.queued.discard(key)
@@ -226,27 +234,36 @@ class DeviceExpertCache:
                         self._wait_for_any_inflight()
                     self._start_copy(key, prefetched=False)
                     self.book.pin([key])
+                    pinned.append(key)
             except BaseException:
-                self.paused -= bool(misses)
+                self._give_back(pinned, bool(misses))
                 raise
         start = time.perf_counter()
-        waiting = late + misses
-        if waiting:
-            self._wait_ready(waiting)
+        try:
+            if late or misses:
+                self._wait_ready(late + misses)
+        except BaseException:
+            self._give_back(pinned, bool(misses))
+            raise
         self.timers["on_demand_wait"] += time.perf_counter() - start
         with self.lock:
-            if misses:
-                self.paused -= 1
+            self.paused -= bool(misses)
             for key in needed:
                 self.book.record_use(key)
             out = {key: self.arrays[key] for key in needed}
             self._pump()
         return out
 
+    def _give_back(self, pinned: list[Key], paused: bool) -> None:
+        """Undoes a failed `ensure`'s pins and pause, so that the cache stays usable for the next call."""
+        with self.lock:
+            self.book.unpin(pinned)
+            self.paused -= paused
+
     def pin_if_resident(self, keys: Sequence[Key]) -> dict[Key, ExpertWeights] | None:
         """If every one of `keys` is resident and ready, pins them and returns their arrays (the engine's
-        fast path for a layer whose experts are all cached); else None and nothing changes. Counts
-        nothing: `record_served` does, once the layer's routing is known. Unpin with `release`."""
+        full-cache fast path); else None and nothing changes. Counts nothing: the driver's `ensure` calls
+        do, once each layer's routing is known. Unpin with `release`."""
         with self.lock:
             self._poll()
             entries = self.book.entries
@@ -254,16 +271,6 @@ class DeviceExpertCache:
                 return None
             self.book.pin(keys)
             return {key: self.arrays[key] for key in keys}
-
-    def record_served(self, layer: int, needed: Sequence[Key]) -> None:
-        """What `ensure` counts and records for `needed` experts that were pinned resident (all hits)."""
-        with self.lock:
-            hits, late, misses = self.book.classify(layer, needed)
-            if late or misses:
-                raise RuntimeError(f"experts {late + misses} of layer {layer} were pinned but not resident")
-            for key in needed:
-                self.book.record_use(key)
-            self._pump()
 
     def _wait_for_any_inflight(self) -> None:
         """No evictable expert: every slot is pinned or arriving. Waits (lock held) for an unpinned arriving

@@ -9,16 +9,17 @@ import itertools
 
 import numpy as np
 import pytest
+from fakes import RecordingCache, iteration_start, layer_routed, request_start
 from fmoe_jax.offload.config import OffloadConfig
+from fmoe_jax.offload.driver import Driver, Routed
 from fmoe_jax.offload.policies import FMoE, OnDemandLFU, OnDemandLRU, Policy, PolicyContext
 from fmoe_jax.offload.policies.mixtral_offload import MixtralOffload, layer_quotas
 from fmoe_jax.offload.policies.moe_infinity import ActivationMatrixCollection, MoEInfinity, eamc_from_traces
 from fmoe_jax.offload.policies.oracle import Oracle
-from fmoe_jax.offload.schedule import serve_layer
 from fmoe_jax.offload.transfer import DeviceExpertCache
 
 import fmoe_jax as fj
-from fmoe_jax.engine import OffloadEngine
+from fmoe_jax.engines.offload import OffloadEngine
 from fmoe_jax.trace import RoutingTrace
 
 FAMILIES = ["mixtral", "qwen2_moe", "phimoe"]
@@ -48,7 +49,9 @@ def serve(base: fj.Model, policy: Policy, slots: int, *, synchronous: bool = Fal
     offload = OffloadConfig(
         policy=policy, cache_experts=slots, synchronous_transfers=synchronous, prefetch_distance=1
     )
-    return dataclasses.replace(base, engine=OffloadEngine(base.module, offload), offload=offload)
+    return dataclasses.replace(
+        base, engine=OffloadEngine(base.module, offload, programs=base.engine.programs), offload=offload
+    )
 
 
 def budgets(cfg) -> dict[str, int]:
@@ -129,15 +132,6 @@ def test_oracle_refuses_a_different_generation(loaded):
 
 
 # -- hand-made event sequences ------------------------------------------------------------------------------
-class RecordingCache:
-    """Stands in for the device cache: records prefetch requests."""
-
-    def __init__(self):
-        self.requests = []
-        self.book = type("Book", (), {"freq": {}, "entries": {}})()
-
-    def request_prefetch(self, items, **kwargs):
-        self.requests.append((list(items), kwargs))
 
 
 class InstantMover:
@@ -181,21 +175,23 @@ def trace_of(iterations: list[list[list[int]]], num_experts: int) -> RoutingTrac
 
 
 def replay(policy: Policy, iterations, *, num_layers: int, num_experts: int, capacity: int, watch=None):
-    """Drives `policy` like the engine (batch 1, synchronous transfers); `iterations` lists per iteration and
-    MoE layer the experts needed. `watch(iteration, layer, cache)` runs after each layer is served."""
+    """Drives `policy` through the iteration driver, as the engine does (batch 1, synchronous transfers);
+    `iterations` lists per iteration and MoE layer the experts needed. `watch(iteration, layer, cache)` runs
+    once each layer's experts are in."""
     cache = DeviceExpertCache(InstantMover(), capacity, 1, policy, synchronous=True)
     policy.bind(context(num_layers, num_experts, capacity), cache)
-    policy.on_request_start(1)
+    driver = Driver(policy, cache)
+    driver.begin(1)
     for i, iteration in enumerate(iterations):
         ids = padded_ids(iteration)  # [t, L, 1]
-        valid = np.ones((1, ids.shape[0]), bool)
-        policy.on_iteration_start(None, valid)
-        for layer, experts in enumerate(iteration):
-            policy.on_layer_routed(layer, None, ids[:, layer], valid)
-            serve_layer(cache, layer, sorted(set(experts)), lambda chunk, arrays, last: None)
-            if watch is not None:
+
+        def compute(layer, chunk, arrays, is_last, i=i):
+            if is_last and watch is not None:
                 watch(i, layer, cache)
-        policy.on_iteration_end()
+
+        driver.iteration(
+            np.ones((1, ids.shape[0]), bool), None, lambda m, ids=ids: Routed(ids[:, m]), compute
+        )
     return cache.book.stats
 
 
@@ -233,8 +229,8 @@ def test_mixtral_offload_prefetches_the_next_gate_top_k():
     hidden = rng.normal(size=(4, dim)).astype(np.float32)  # B=2 rows, T=2 tokens
     valid = np.array([[True, False], [True, True]])  # token 1 is padding
     ids = np.zeros((4, 2), np.int32)
-    policy.on_iteration_start(None, valid)
-    policy.on_layer_routed(0, None, ids, valid, hidden=hidden)
+    iteration_start(policy, None, valid)
+    layer_routed(policy, 0, None, ids, valid, hidden=hidden)
     ((items, kwargs),) = cache.requests
     logits = hidden[[0, 2, 3]] @ weights[1]
     top2 = np.argsort(logits, axis=1)[:, -2:]
@@ -243,15 +239,15 @@ def test_mixtral_offload_prefetches_the_next_gate_top_k():
     weight = (gate * (top2[:, :, None] == np.arange(experts)).any(axis=1)).sum(axis=0)  # [J] over choosers
     assert dict(items) == pytest.approx({(1, int(e)): float(weight[e]) for e in np.flatnonzero(weight)})
     assert kwargs["replace"] is True
-    policy.on_layer_routed(1, None, ids, valid, hidden=hidden)
+    layer_routed(policy, 1, None, ids, valid, hidden=hidden)
     assert {key[0] for key, _ in cache.requests[1][0]} == {2}
-    policy.on_layer_routed(2, None, ids, valid, hidden=hidden)  # the last layer has nothing ahead
+    layer_routed(policy, 2, None, ids, valid, hidden=hidden)  # the last layer has nothing ahead
     assert len(cache.requests) == 2
 
     capped = MixtralOffload()  # 3 slots over 3 layers: one per layer, so one guess, the likeliest
     capped_cache = RecordingCache()
     capped.bind(context(layers, experts, capacity=3, top_k=2, router_weights=weights), capped_cache)
-    capped.on_layer_routed(0, None, ids, valid, hidden=hidden)
+    layer_routed(capped, 0, None, ids, valid, hidden=hidden)
     ((items, _),) = capped_cache.requests
     assert [key for key, _ in items] == [(1, int(np.argmax(weight)))]
 
@@ -333,7 +329,7 @@ def two_pattern_policy(**options) -> tuple[MoEInfinity, RecordingCache, np.ndarr
     policy = MoEInfinity(eamc=collections, learn=False, **options)
     cache = RecordingCache()
     policy.bind(context(4, 4, capacity=16), cache)
-    policy.on_request_start(1)
+    request_start(policy, 1)
     return policy, cache, a, b
 
 
@@ -341,14 +337,14 @@ def two_pattern_policy(**options) -> tuple[MoEInfinity, RecordingCache, np.ndarr
 def test_moe_infinity_matches_the_most_similar_eam_and_weights_by_proximity(expert, match):
     policy, cache, a, b = two_pattern_policy()
     valid = np.ones((1, 1), bool)
-    policy.on_iteration_start(None, valid)
+    iteration_start(policy, None, valid)
     ((start_items, _),) = cache.requests  # before any routing: the collection's mean, weights 1 - (i + 1) / L
     mean = (a + b) / 2
     mean /= mean.sum(axis=1, keepdims=True)
     assert dict(start_items) == pytest.approx(
         {(i, j): mean[i, j] * (1 - (i + 1) / 4) for i in range(3) for j in range(4)}
     )
-    policy.on_layer_routed(0, None, np.array([[expert]]), valid)
+    layer_routed(policy, 0, None, np.array([[expert]]), valid)
     assert policy.last_match == [match]
     items, kwargs = cache.requests[-1]
     matched = (a, b)[match] / (a, b)[match].sum(axis=1, keepdims=True)
@@ -356,7 +352,7 @@ def test_moe_infinity_matches_the_most_similar_eam_and_weights_by_proximity(expe
     assert dict(items) == pytest.approx(expected)
     assert [p for _, p in items] == sorted((p for _, p in items), reverse=True)  # the queue's order
     assert kwargs == {"replace": True, "stale_before": 1}
-    policy.on_layer_routed(1, None, np.array([[(1, 2)[match]]]), valid)  # after layer 1: layers 2, 3 only
+    layer_routed(policy, 1, None, np.array([[(1, 2)[match]]]), valid)  # after layer 1: layers 2, 3 only
     items, _ = cache.requests[-1]
     assert dict(items) == pytest.approx(
         {(i, j): matched[i, j] * (1 - (i - 1) / 4) for i in range(2, 4) for j in range(4)}
@@ -366,8 +362,8 @@ def test_moe_infinity_matches_the_most_similar_eam_and_weights_by_proximity(expe
 def test_moe_infinity_requests_at_most_the_slots_and_protects_them():
     policy, cache, _, _ = two_pattern_policy(prefetch_limit=3)
     valid = np.ones((1, 1), bool)
-    policy.on_iteration_start(None, valid)
-    policy.on_layer_routed(0, None, np.array([[0]]), valid)
+    iteration_start(policy, None, valid)
+    layer_routed(policy, 0, None, np.array([[0]]), valid)
     items, _ = cache.requests[-1]
     assert [key for key, _ in items] == [(1, 1), (2, 2), (3, 3)]  # 5/8 * (3/4, 1/2, 1/4) > 1/8 * 3/4
     entry = type("E", (), {})()
@@ -377,9 +373,9 @@ def test_moe_infinity_requests_at_most_the_slots_and_protects_them():
     assert policy.keep_score((0, 0), entry) > policy.keep_score((0, 1), entry)  # used by the request: kept
     assert not policy.admit_prefetch((3, 3), 0.01, victim=(2, 2))  # a wanted expert of higher priority
     assert policy.admit_prefetch((1, 1), 0.5, victim=(2, 2))
-    policy.on_layer_routed(1, None, np.array([[1]]), valid)
-    policy.on_layer_routed(2, None, np.array([[2]]), valid)
-    policy.on_layer_routed(3, None, np.array([[3]]), valid)
+    layer_routed(policy, 1, None, np.array([[1]]), valid)
+    layer_routed(policy, 2, None, np.array([[2]]), valid)
+    layer_routed(policy, 3, None, np.array([[3]]), valid)
     assert cache.requests[-1] == ([], {"replace": True})  # nothing ahead: waiting requests dropped
     assert policy.keep_score(wanted, entry) < 1e12  # no longer protected
 
@@ -388,12 +384,12 @@ def test_moe_infinity_learns_request_eams_per_phase():
     policy = MoEInfinity(capacity=8)
     policy.bind(context(2, 3, capacity=2), RecordingCache())
     for prompt_expert in (0, 1):
-        policy.on_request_start(1)
+        request_start(policy, 1)
         for tokens, expert in ((3, prompt_expert), (1, 2), (1, 2)):
             valid = np.ones((1, tokens), bool)
-            policy.on_iteration_start(None, valid)
+            iteration_start(policy, None, valid)
             for layer in range(2):
-                policy.on_layer_routed(layer, None, np.full((tokens, 1), expert), valid)
+                layer_routed(policy, layer, None, np.full((tokens, 1), expert), valid)
             policy.on_iteration_end()
     policy.close()
     np.testing.assert_array_equal(policy.collections["prefill"].stored, [[[3, 0, 0]] * 2, [[0, 3, 0]] * 2])

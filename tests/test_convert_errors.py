@@ -13,13 +13,15 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from fmoe_jax.convert import cli, orbax_io
 from fmoe_jax.convert.cli import main
-from fmoe_jax.convert.hf import SafetensorsFile, write_safetensors
+from fmoe_jax.convert.hf import CheckpointError, SafetensorsFile, write_safetensors
 
+import fmoe_jax as fj
 from fmoe_jax.testing import PRESETS, write_random_checkpoint
 
 TINY = dict(
@@ -98,6 +100,26 @@ def test_corrupt_safetensors_header(source, tmp_path, capsys):
     assert_failed_cleanly(capsys, rc, tmp_path / "out", "corrupt safetensors header", shard.name)
 
 
+def test_bytes_after_the_last_tensor(source, tmp_path, capsys):
+    shard = shard_of(source, LAYER0_W1)
+    with open(shard, "ab") as f:
+        f.write(b"\0" * 24)
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", "24 bytes after the last tensor", shard.name)
+
+
+def test_integer_weights_are_refused_by_name(source, tmp_path, capsys):
+    """A weight stored as int32 would be cast silently; it is refused, naming the tensor and the file."""
+    rewrite_shard(
+        source, LAYER0_W1, lambda tensors: tensors.update({LAYER0_W1: tensors[LAYER0_W1].astype("int32")})
+    )
+    rc = convert(source, tmp_path / "out")
+    assert rc == 1
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", LAYER0_W1, "int32", shard_of(source, LAYER0_W1).name)
+    with pytest.raises(CheckpointError, match=f"{LAYER0_W1}' is stored as int32"):
+        fj.load_model(source)  # the same check guards loading a Hugging Face directory
+
+
 def test_missing_tensor(source, tmp_path, capsys):
     rewrite_shard(source, LAYER0_W1, lambda tensors: tensors.pop(LAYER0_W1))
     rc = convert(source, tmp_path / "out")
@@ -170,27 +192,32 @@ def test_not_enough_disk_space(source, tmp_path, capsys, monkeypatch):
     assert_failed_cleanly(capsys, rc, tmp_path / "out", "not enough free disk space")
 
 
-def failing_save(monkeypatch, exc: BaseException, after: int = 1) -> None:
-    """Makes the (after+1)-th orbax item write fail, after earlier items were written to the work dir."""
+def failing_save(monkeypatch, exc: Callable[[Path], BaseException], after: int = 1) -> None:
+    """Makes the (after+1)-th orbax item write raise `exc(item path)`, after earlier items were written."""
     real, calls = orbax_io._save, []
 
     def save(ckptr, path, flat):
         calls.append(path)
         if len(calls) > after:
-            raise exc
+            raise exc(path)
         real(ckptr, path, flat)
 
     monkeypatch.setattr(orbax_io, "_save", save)
 
 
 def test_disk_full_while_writing(source, tmp_path, capsys, monkeypatch):
-    failing_save(monkeypatch, OSError(errno.ENOSPC, "No space left on device", "/x/experts_layer_001"))
+    failing_save(monkeypatch, lambda path: OSError(errno.ENOSPC, "No space left on device", str(path)))
     rc = convert(source, tmp_path / "out")
-    assert_failed_cleanly(capsys, rc, tmp_path / "out", "No space left on device")
+    assert rc == 1
+    err = assert_failed_cleanly(capsys, rc, tmp_path / "out")
+    assert err == (
+        f"fmoe-convert: error: {tmp_path / 'out'}: cannot write the checkpoint: No space left on device "
+        "(writing dense_layer_000)"
+    )
 
 
 def test_interrupted_conversion_leaves_nothing(source, tmp_path, capsys, monkeypatch):
-    failing_save(monkeypatch, KeyboardInterrupt())
+    failing_save(monkeypatch, lambda path: KeyboardInterrupt())
     rc = convert(source, tmp_path / "out")
     assert rc == 130
     assert_failed_cleanly(capsys, rc, tmp_path / "out", "interrupted")
@@ -203,7 +230,7 @@ def test_existing_output_is_refused_and_kept(source, tmp_path, capsys):
     assert convert(source, out) == 1
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert convert(source, out, "--overwrite") == 1
-    assert "not an fmoe-convert checkpoint; refusing to delete it" in capsys.readouterr().err
+    assert f"{out}: not replaced: it is not empty and has no fmoe_manifest.json" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "mine" and [p.name for p in out.iterdir()] == ["keep.txt"]
 
 

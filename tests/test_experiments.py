@@ -89,3 +89,59 @@ def test_exp2_runs_live_and_simulated(hf_dirs, tmp_path):
     live, sync = result["live"]["on_demand_lru"], result["sim"]["h100_sxm"]["on_demand_lru"]["sync"]
     assert (live["hits"], live["misses"]) == (sync["hits"], sync["misses"])
     assert "fmoe against each" in (out / "exp2_overall.md").read_text()
+
+
+def test_figures_redraw_from_saved_results(tmp_path):
+    """`make_readme --replot` draws every experiment's figure from its JSON alone, and scrubs what must not be
+    committed: a machine's absolute paths and the dropped `fmoe_wins` column."""
+    import shutil
+
+    from benchmarks import make_readme
+
+    results = ROOT / "benchmarks" / "results"
+    for name, _, _ in make_readme.EXPERIMENTS:
+        shutil.copy(results / f"{name}.json", tmp_path)
+        shutil.copy(results / f"{name}.md", tmp_path)
+    payload = json.loads((tmp_path / "exp2_overall.json").read_text())
+    payload["args"]["out"] = "/home/someone/clone/benchmarks/results"
+    next(iter(payload["tables"].values()))[0]["fmoe_wins"] = True
+    (tmp_path / "exp2_overall.json").write_text(json.dumps(payload, indent=1))
+    md = tmp_path / "exp2_overall.md"
+    md.write_text(md.read_text() + "\n| policy | fmoe_wins |\n|---|---|\n| fmoe | True |\n")
+    make_readme.replot(tmp_path)
+    for name, _, _ in make_readme.EXPERIMENTS:
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000, name
+    text = (tmp_path / "exp2_overall.json").read_text() + md.read_text()
+    assert "/home/someone" not in text and "fmoe_wins" not in text
+    assert '"out": "benchmarks/results"' in text and "| fmoe |\n" in text
+
+
+def test_conclusion_is_computed_from_the_results(tmp_path):
+    """The README's opening paragraph follows the numbers: make fMoE slower than LRU in the saved results and
+    the sentence changes with them."""
+    from benchmarks.make_readme import conclusion
+
+    def row(hit, tpot):
+        return {"hit_rate": hit, "median_tpot_s": tpot}
+
+    def sim(fmoe_tpot):
+        rows = {"on_demand_lru": row(0.5, 0.10), "promoe": row(0.7, 0.20), "fmoe": row(0.6, fmoe_tpot)}
+        return {p: {"async": r} for p, r in rows.items()}
+
+    def write(fmoe_tpot):
+        payload = {
+            "machine": {"backend": "cpu"},
+            "args": {"budget": "0.25"},
+            "tables": {"m, simulated at Mixtral-8x7B sizes on rtx_3090": []},
+            "models": {"m": {"live": {}, "sim": {"rtx_3090": sim(fmoe_tpot)}}},
+        }
+        (tmp_path / "exp2_overall.json").write_text(json.dumps(payload))
+        return conclusion(tmp_path)
+
+    faster = write(0.08)
+    assert "lowest median TPOT of every policy but the oracle in 1 of 1 settings" in faster
+    assert "20 % below on-demand LRU (ratio 0.80x)" in faster
+    assert "60 % below the fastest other predictive policy, promoe (ratio 0.40x)" in faster
+    assert "not the highest (promoe 0.70)" in faster and "Mixtral-8x7B" in faster and "RTX 3090" in faster
+    slower = write(0.11)
+    assert "in 0 of 1 settings" in slower and "10 % above on-demand LRU (ratio 1.10x)" in slower

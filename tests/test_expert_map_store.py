@@ -1,14 +1,13 @@
 """Tests of the fMoE expert map store (search, deduplication, persistence) and of selection/priorities."""
 
 import os
-import warnings
 
 import numpy as np
 import pytest
 from fmoe_jax.offload.expert_map_store import ExpertMapStore
 from fmoe_jax.offload.fmoe_select import (
     MASS_TOLERANCE,
-    eviction_priority,
+    keep_priority,
     prefetch_priority,
     select_experts,
 )
@@ -363,16 +362,12 @@ def test_prefetch_priority_refuses_layers_not_ahead(layer):
         prefetch_priority(0.5, layer, current_layer=2)
 
 
-def test_eviction_priority_evicts_lowest_p_times_freq_first():
+def test_keep_priority_evicts_lowest_p_times_visits_first():
     p = np.array([0.5, 0.1, 0.9, 0.0, 0.4])
-    freq = np.array([4.0, 10.0, 1.0, 7.0, 0.0])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        pri = eviction_priority(p, freq)
-    np.testing.assert_allclose(pri[:3], [0.5, 1.0, 1 / 0.9], rtol=1e-12, atol=0)
-    assert np.isinf(pri[3]) and np.isinf(pri[4])
-    # Highest priority goes first: zero p*freq, then 0.9 (p*freq 0.9), then 1.0, then 2.0.
-    order = np.argsort(-pri, kind="stable")
-    np.testing.assert_array_equal(order, [3, 4, 2, 1, 0])
+    uses = np.array([3.0, 9.0, 0.0, 7.0, 1.0])
+    keep = keep_priority(p, uses)  # p * (uses + 1): the arrival counts as a visit
+    np.testing.assert_allclose(keep, [2.0, 1.0, 0.9, 0.0, 0.8], rtol=1e-12, atol=0)
+    # Lowest first: p = 0 whatever its uses, then 0.8, then the fresh prefetch of p = 0.9, 1.0, 2.0.
+    np.testing.assert_array_equal(np.argsort(keep, kind="stable"), [3, 4, 2, 1, 0])
     with pytest.raises(ValueError, match=">= 0"):
-        eviction_priority(-0.1, 1.0)
+        keep_priority(-0.1, 1.0)

@@ -139,9 +139,8 @@ def test_bfloat16_export_stores_rounded_weights(tmp_path):
 
 
 def test_tokenizer_and_model_card_are_written(tmp_path):
+    from fmoe_jax.research.tokenizer import load_tokenizer, train_bpe_tokenizer
     from transformers import AutoTokenizer
-
-    from fmoe_jax.tokenizer import load_tokenizer, train_bpe_tokenizer
 
     train_bpe_tokenizer(["the quick brown fox jumps\n"] * 20, 280, tmp_path / "tok")
     tokenizer = load_tokenizer(tmp_path / "tok")

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+from fakes import RecordingCache, iteration_start, layer_routed
 from fmoe_jax.offload.cache import Entry
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.expert_map_store import ExpertMapStore
 from fmoe_jax.offload.policies import FMoE, PolicyContext, store_from_traces
 
 import fmoe_jax as fj
-
-
-class RecordingCache:
-    """Stands in for the device cache: records prefetch requests."""
-
-    def __init__(self):
-        self.requests = []
-        self.book = type("Book", (), {"freq": {}, "entries": {}})()
-
-    def request_prefetch(self, items, **kwargs):
-        self.requests.append((list(items), kwargs))
 
 
 def bound_policy(store: ExpertMapStore, **options) -> tuple[FMoE, RecordingCache]:
@@ -51,7 +43,7 @@ def one_map_store() -> ExpertMapStore:
 def test_semantic_match_prefetches_first_d_layers_with_priority_p_over_distance():
     policy, cache = bound_policy(one_map_store())
     valid = np.ones((1, 1), bool)
-    policy.on_iteration_start(np.array([[2.0, 0.0, 0.0]], np.float32), valid)  # same direction: score 1
+    iteration_start(policy, np.array([[2.0, 0.0, 0.0]], np.float32), valid)  # same direction: score 1
     ((items, kwargs),) = cache.requests
     assert items == [((0, 0), pytest.approx(0.7 / 1))]  # score 1 -> delta 0 -> top-1 only, layer 0 (d=1)
     assert kwargs["replace"] is True
@@ -60,12 +52,12 @@ def test_semantic_match_prefetches_first_d_layers_with_priority_p_over_distance(
 def test_trajectory_match_guides_layers_d_ahead_and_low_scores_take_more_experts():
     policy, cache = bound_policy(one_map_store())
     valid = np.ones((1, 1), bool)
-    policy.on_iteration_start(np.array([[0.0, 1.0, 0.0]], np.float32), valid)  # orthogonal: score 0
+    iteration_start(policy, np.array([[0.0, 1.0, 0.0]], np.float32), valid)  # orthogonal: score 0
     ((items, _),) = cache.requests
     assert {key for key, _ in items} == {(0, 0), (0, 1), (0, 2), (0, 3)}  # delta 1: all the mass
     cache.requests.clear()
     probs = np.array([[0.7, 0.1, 0.1, 0.1]], np.float32)  # equals the stored layer 0: trajectory score 1
-    policy.on_layer_routed(0, probs, np.array([[0]]), valid)
+    layer_routed(policy, 0, probs, np.array([[0]]), valid)
     ((items, kwargs),) = cache.requests
     # band mode: layers 1..3 (l + d onwards), top-1 each, priority p / (layer - 0)
     assert items == [
@@ -79,10 +71,10 @@ def test_trajectory_match_guides_layers_d_ahead_and_low_scores_take_more_experts
 def test_single_target_mode_and_fixed_top_k():
     policy, cache = bound_policy(one_map_store(), traj_target="single", dynamic_delta=False, semantic=False)
     valid = np.ones((1, 1), bool)
-    policy.on_iteration_start(np.zeros((1, 3), np.float32), valid)
+    iteration_start(policy, np.zeros((1, 3), np.float32), valid)
     assert cache.requests == []  # semantic search switched off
     probs = np.array([[0.1, 0.1, 0.1, 0.7]], np.float32)  # unlike the stored map: low score
-    policy.on_layer_routed(1, probs, np.array([[3]]), valid)  # observed layers 0..1 (layer 0 all zeros)
+    layer_routed(policy, 1, probs, np.array([[3]]), valid)  # observed layers 0..1 (layer 0 all zeros)
     ((items, kwargs),) = cache.requests
     assert [key for key, _ in items] == [(2, 2)]  # only layer l + d = 2, and only top-1 without dynamic delta
     assert list(kwargs["replace"]) == [2]
@@ -96,8 +88,8 @@ def test_cost_admission_prefetches_only_what_pays_for_its_copy():
 
     def prefetched(**options):
         policy, cache = bound_policy(one_map_store(), semantic=False, **options)
-        policy.on_iteration_start(np.zeros((1, 3), np.float32), valid)
-        policy.on_layer_routed(0, probs, np.array([[0]]), valid)
+        iteration_start(policy, np.zeros((1, 3), np.float32), valid)
+        layer_routed(policy, 0, probs, np.array([[0]]), valid)
         ((items, _),) = cache.requests
         return policy, [key for key, _ in items]
 
@@ -134,26 +126,36 @@ def test_eviction_keeps_highest_p_times_freq():
     assert lru.keep_score((1, 0), Entry(last_use=7)) == 7
 
 
-def test_matcher_thread_surfaces_errors_and_shuts_down():
+def test_a_failing_context_is_dropped_and_reported_not_fatal():
     class Broken(ExpertMapStore):
+        calls = 0
+
         def match_embed(self, embeds):
-            raise ZeroDivisionError("boom")
+            Broken.calls += 1
+            if Broken.calls == 1:
+                raise ZeroDivisionError("boom")
+            return super().match_embed(embeds)
 
     store = Broken(capacity=4, num_layers=4, num_experts=4, embed_dim=3, prefetch_distance=1)
     ctx = PolicyContext(num_layers=4, num_experts=4, top_k=1, embed_dim=3, prefetch_distance=1, capacity=4)
     policy = FMoE(store=store)
     policy.bind(ctx, RecordingCache())
-    policy.on_iteration_start(np.ones((1, 3), np.float32), np.ones((1, 1), bool))
-    policy._thread.join(timeout=10)  # the thread ends on the error
-    assert not policy._thread.is_alive()
-    with pytest.raises(RuntimeError, match="matcher thread failed"):
-        policy.on_layer_routed(0, np.full((1, 4), 0.25, np.float32), np.array([[0]]), np.ones((1, 1), bool))
-    with pytest.raises(RuntimeError, match="matcher thread failed"):
-        policy.close()
+    with pytest.warns(RuntimeWarning, match="fmoe matcher dropped a semantic context: ZeroDivisionError"):
+        iteration_start(policy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
+        policy.wait_idle()
+    assert policy._thread.is_alive()  # the matcher goes on
+    layer_routed(policy, 0, np.full((1, 4), 0.25, np.float32), np.array([[0]]), np.ones((1, 1), bool))
+    policy.on_iteration_end()
+    iteration_start(policy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))  # matched this time
+    policy.wait_idle()
+    stats = policy.stats()
+    assert stats["failed_contexts"] == 1 and "ZeroDivisionError('boom')" in stats["last_error"]
+    assert stats["semantic_matches"] == 1 and len(policy.store) == 1
+    policy.close()
 
     healthy = FMoE()
     healthy.bind(ctx, RecordingCache())
-    healthy.on_iteration_start(np.ones((1, 3), np.float32), np.ones((1, 1), bool))
+    iteration_start(healthy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
     healthy.close()
     assert healthy._thread is None
 
@@ -186,7 +188,9 @@ def test_lossless_and_learns_online(hf_dirs):
 
 def test_store_persistence_and_mismatch(hf_dirs, tmp_path):
     path = str(tmp_path / "maps.npz")
-    offload = OffloadConfig(policy="fmoe", cache_experts=2, prefetch_distance=1, store_path=path)
+    offload = OffloadConfig(
+        policy="fmoe", cache_experts=2, prefetch_distance=1, policy_options={"store_path": path}
+    )
     with fj.load_model(hf_dirs["mixtral"], offload=offload) as model:
         fj.generate(model, [[1, 2, 3, 4]], max_new_tokens=4)
         policy = model.engine.policy
@@ -194,11 +198,65 @@ def test_store_persistence_and_mismatch(hf_dirs, tmp_path):
     with fj.load_model(hf_dirs["mixtral"], offload=offload) as warm:
         assert len(warm.engine.policy.store) == stored > 0  # warm start
         warm.engine.policy.learn = False
-    other = OffloadConfig(policy="fmoe", cache_experts=2, prefetch_distance=2, store_path=path)
+    other = OffloadConfig(
+        policy="fmoe", cache_experts=2, prefetch_distance=2, policy_options={"store_path": path}
+    )
     with pytest.raises(ValueError, match="prefetch_distance"):
         fj.load_model(hf_dirs["mixtral"], offload=other)
     with pytest.raises(ValueError, match="model"):
         fj.load_model(hf_dirs["phimoe"], offload=offload)
+    # The deprecated OffloadConfig fields still reach the policy, with a warning.
+    with pytest.warns(DeprecationWarning, match="policy_options"):
+        alias = OffloadConfig(policy="fmoe", cache_experts=2, prefetch_distance=1, store_path=path)
+    with fj.load_model(hf_dirs["mixtral"], offload=alias) as warm:
+        assert warm.engine.policy.store_path == path and len(warm.engine.policy.store) == stored
+
+
+def _fmoe_at(path) -> OffloadConfig:
+    return OffloadConfig(
+        policy="fmoe", cache_experts=2, prefetch_distance=1, policy_options={"store_path": path}
+    )
+
+
+def test_store_path_refused_at_load_not_after_serving(hf_dirs, tmp_path):
+    """A store path that could not be saved at close, or a file that is not a store, is an error when the
+    model loads, naming the path and the reason; nothing is written or deleted."""
+    with pytest.raises(
+        ValueError, match=r"store_path .*missing/store.npz: its folder .*missing does not exist"
+    ):
+        fj.load_model(hf_dirs["mixtral"], offload=_fmoe_at(tmp_path / "missing" / "store.npz"))
+    with pytest.raises(ValueError, match=r"store_path .* is a directory; it must name a file"):
+        fj.load_model(hf_dirs["mixtral"], offload=_fmoe_at(tmp_path))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permissions: nothing to test then
+            pytest.skip("this user can write anywhere")
+        with pytest.raises(ValueError, match=r"store_path .*locked/store.npz: cannot write to .*locked"):
+            fj.load_model(hf_dirs["mixtral"], offload=_fmoe_at(locked / "store.npz"))
+    finally:
+        locked.chmod(0o700)
+    for name, content in (("garbage.npz", b"not a zip at all"), ("other.npz", None)):
+        bad = tmp_path / name
+        if content is None:
+            np.savez(bad, weights=np.zeros(3))  # a valid .npz, but not a store
+        else:
+            bad.write_bytes(content)
+        before = bad.read_bytes()
+        with pytest.raises(
+            ValueError, match=rf"expert map store {bad} cannot be read \(.*\): it is not a file"
+        ):
+            fj.load_model(hf_dirs["mixtral"], offload=_fmoe_at(bad))
+        assert bad.read_bytes() == before  # left as it was
+
+
+def test_store_path_unwritable_as_root_is_caught_too(hf_dirs, tmp_path):
+    """Root may write anywhere, but not into a path under a regular file."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="does not exist"):
+        fj.load_model(hf_dirs["mixtral"], offload=_fmoe_at(blocker / "store.npz"))
 
 
 def test_offline_store_from_traces(hf_dirs):

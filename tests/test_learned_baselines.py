@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fmoe_jax.offload import predictors
-from fmoe_jax.offload.cache import CacheBook
+from fakes import RecordingCache, iteration_start, layer_routed
+from fmoe_jax.models import model_identity
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.cost_model import HARDWARE, ModelPreset
+from fmoe_jax.offload.driver import Driver, Routed
 from fmoe_jax.offload.policies.base import PolicyContext
 from fmoe_jax.offload.policies.duoserve import DuoServe
 from fmoe_jax.offload.policies.promoe import ProMoE
 from fmoe_jax.offload.predictors import Predictor
-from fmoe_jax.offload.schedule import serve_layer
 from fmoe_jax.offload.simulator import simulate
 from fmoe_jax.offload.transfer import DeviceExpertCache
+from fmoe_jax.research import predictor_training
 
 import fmoe_jax as fj
-from fmoe_jax.engine import model_identity
 from fmoe_jax.trace import Iteration, RequestTrace, RoutingTrace
 
 
@@ -59,9 +59,9 @@ SETTINGS = dict(epochs=20, batch_size=32, learning_rate=3e-3, progress=False)
 
 @pytest.fixture(scope="module")
 def synthetic_predictors():
-    train, held_out = predictors.split_requests([synthetic_trace()], eval_fraction=0.25, seed=0)
-    promoe = predictors.train_promoe(train, stride=2, hidden=(32,), **SETTINGS)
-    duoserve = predictors.train_duoserve(train, hidden=(32, 16), **SETTINGS)
+    train, held_out = predictor_training.split_requests([synthetic_trace()], eval_fraction=0.25, seed=0)
+    promoe = predictor_training.train_promoe(train, stride=2, hidden=(32,), **SETTINGS)
+    duoserve = predictor_training.train_duoserve(train, hidden=(32, 16), **SETTINGS)
     return promoe, duoserve, held_out
 
 
@@ -70,7 +70,7 @@ def test_training_learns_structure_and_beats_popularity(synthetic_predictors):
     for predictor in (promoe, duoserve):
         losses = predictor.meta["train_loss"]
         assert losses[-1] < 0.5 * losses[0], f"{predictor.kind}: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
-        scores = predictors.evaluate(predictor, held_out)
+        scores = predictor_training.evaluate(predictor, held_out)
         assert scores["recall"] >= 0.95, (predictor.kind, scores)
         assert scores["popularity_recall"] < 0.5, (predictor.kind, scores)
         assert scores["any_hit"] >= scores["all_hit"] >= 0.9
@@ -78,8 +78,8 @@ def test_training_learns_structure_and_beats_popularity(synthetic_predictors):
 
 def test_training_is_seeded(synthetic_predictors):
     promoe, _, _ = synthetic_predictors
-    train, _ = predictors.split_requests([synthetic_trace()], eval_fraction=0.25, seed=0)
-    again = predictors.train_promoe(train, stride=2, hidden=(32,), **SETTINGS)
+    train, _ = predictor_training.split_requests([synthetic_trace()], eval_fraction=0.25, seed=0)
+    again = predictor_training.train_promoe(train, stride=2, hidden=(32,), **SETTINGS)
     np.testing.assert_array_equal(again.layers[0]["w"], promoe.layers[0]["w"])
 
 
@@ -92,7 +92,9 @@ def test_save_load_round_trip(synthetic_predictors, tmp_path):
         x = np.random.default_rng(0).normal(size=(5, predictor.mean.shape[-1])).astype(np.float32)
         group = predictor.mean.shape[0] - 1  # ProMoE: the last layer's predictor
         np.testing.assert_array_equal(loaded.probs(x, group), predictor.probs(x, group))
-        assert predictors.evaluate(loaded, held_out) == predictors.evaluate(predictor, held_out)
+        assert predictor_training.evaluate(loaded, held_out) == predictor_training.evaluate(
+            predictor, held_out
+        )
     with pytest.raises(FileNotFoundError, match="train one with benchmarks/train_predictors.py"):
         Predictor.load(tmp_path / "missing")
 
@@ -133,15 +135,6 @@ def test_mismatched_predictors_are_refused(synthetic_predictors):
 
 
 # -- hand-made events -------------------------------------------------------------------------------------
-class RecordingCache:
-    """Stands in for the device cache: a real `CacheBook` for the eviction rules, prefetches recorded."""
-
-    def __init__(self, capacity: int = 8):
-        self.book = CacheBook(capacity, expert_bytes=1)
-        self.requests: list[tuple[list, dict]] = []
-
-    def request_prefetch(self, items, **kwargs):
-        self.requests.append((list(items), kwargs))
 
 
 def linear_predictor(kind, w, *, layers, experts, k, dim=None, stride=None, popularity=None, affinity=None):
@@ -173,19 +166,19 @@ def test_promoe_predicts_d_layers_ahead_from_hidden_states():
     policy, cache = ProMoE(predictor=predictor), RecordingCache()
     policy.bind(context(experts=4, top_k=1, dim=4, distance=2, model_id=""), cache)
     valid = np.array([[True], [False]])  # the second row has finished: ignored
-    policy.on_iteration_start(one_hot([2, 0]), valid)
+    iteration_start(policy, one_hot([2, 0]), valid)
     ((items, kwargs),) = cache.requests
     p = 1 / (1 + np.exp(-10.0))
     assert items == [((0, 2), pytest.approx(p)), ((1, 2), pytest.approx(p / 2))]  # from the embedding
     assert kwargs == {"replace": True}
-    policy.on_layer_routed(0, None, np.array([[2], [0]]), valid, hidden=one_hot([3, 1]))
+    layer_routed(policy, 0, None, np.array([[2], [0]]), valid, hidden=one_hot([3, 1]))
     items, kwargs = cache.requests[-1]
     assert items == [((2, 3), pytest.approx(p / 2))]  # layer 0 + d, priority p / d
     assert kwargs == {"replace": [2], "stale_before": 1}
-    policy.on_layer_routed(1, None, np.array([[2], [0]]), valid, hidden=one_hot([0, 1]))
+    layer_routed(policy, 1, None, np.array([[2], [0]]), valid, hidden=one_hot([0, 1]))
     assert cache.requests[-1][0] == [((3, 0), pytest.approx(p / 2))]
-    policy.on_layer_routed(2, None, np.array([[3], [0]]), valid, hidden=one_hot([0, 1]))
-    policy.on_layer_routed(3, None, np.array([[1], [0]]), valid, hidden=one_hot([0, 1]))
+    layer_routed(policy, 2, None, np.array([[3], [0]]), valid, hidden=one_hot([0, 1]))
+    layer_routed(policy, 3, None, np.array([[1], [0]]), valid, hidden=one_hot([0, 1]))
     assert len(cache.requests) == 3  # layers 2 + d and 3 + d are past the last layer
     policy.on_iteration_end()
     stats = policy.stats()
@@ -202,14 +195,14 @@ def test_duoserve_decode_predicts_next_layer_from_state_constructor():
     policy, cache = DuoServe(predictor=predictor), RecordingCache()
     policy.bind(context(layers=layers, experts=experts, top_k=1, model_id=""), cache)
     valid = np.ones((1, 1), bool)
-    policy.on_iteration_start(None, valid)
+    iteration_start(policy, None, valid)
     assert cache.requests == [([], {"replace": True})]  # decode: layer 0 loads on demand after its gate
-    policy.on_layer_routed(0, None, np.array([[1]]), valid)
+    layer_routed(policy, 0, None, np.array([[1]]), valid)
     assert [key for key, _ in cache.requests[-1][0]] == [(1, 2)]
     assert cache.requests[-1][1] == {"replace": True}
-    policy.on_layer_routed(1, None, np.array([[3]]), valid)
+    layer_routed(policy, 1, None, np.array([[3]]), valid)
     assert [key for key, _ in cache.requests[-1][0]] == [(2, 1)]  # (3 + 2) % 4
-    policy.on_layer_routed(2, None, np.array([[0]]), valid)
+    layer_routed(policy, 2, None, np.array([[0]]), valid)
     assert len(cache.requests) == 3
 
 
@@ -221,14 +214,14 @@ def test_duoserve_prefill_streams_each_next_layer_in_popularity_order():
     policy, cache = DuoServe(predictor=predictor), RecordingCache()
     policy.bind(context(layers=2, experts=4, top_k=1, model_id=""), cache)
     valid = np.ones((1, 5), bool)
-    policy.on_iteration_start(None, valid)
+    iteration_start(policy, None, valid)
     items, kwargs = cache.requests[-1]
     assert items == [((0, 1), 1.0), ((0, 2), 0.75), ((0, 3), 0.5), ((0, 0), 0.25)] and kwargs == {
         "replace": True
     }
-    policy.on_layer_routed(0, None, np.zeros((5, 1), np.int32), valid)
+    layer_routed(policy, 0, None, np.zeros((5, 1), np.int32), valid)
     assert [key for key, _ in cache.requests[-1][0]] == [(1, 0), (1, 1), (1, 2), (1, 3)]
-    policy.on_layer_routed(1, None, np.zeros((5, 1), np.int32), valid)
+    layer_routed(policy, 1, None, np.zeros((5, 1), np.int32), valid)
     assert len(cache.requests) == 2
 
 
@@ -238,11 +231,11 @@ def test_eviction_keeps_needed_then_predicted_and_admission_leaves_room_for_miss
     policy.bind(context(layers=2, experts=4, top_k=1, capacity=3, model_id=""), cache)
     book = cache.book
     valid = np.ones((1, 2), bool)
-    policy.on_iteration_start(None, valid)  # prefill: layer 0 is streamed
+    iteration_start(policy, None, valid)  # prefill: layer 0 is streamed
     for key in [(0, 0), (0, 1), (1, 3)]:
         book.add(key, prefetched=True)
         book.mark_ready(key)
-    policy.on_layer_routed(0, None, np.array([[0], [2]]), valid)  # needs (0, 0) and (0, 2); (0, 2) is absent
+    layer_routed(policy, 0, None, np.array([[0], [2]]), valid)  # needs (0, 0) and (0, 2); (0, 2) is absent
     score = {key: policy.keep_score(key, entry) for key, entry in book.entries.items()}
     assert score[(0, 0)] == 3.0  # needed now, not used yet
     assert 1.0 < score[(1, 3)] <= 2.0  # streamed for the next layer
@@ -274,13 +267,8 @@ def test_duoserve_prefill_ring_through_the_real_cache_wastes_nothing():
     policy = DuoServe(predictor=predictor)
     cache = DeviceExpertCache(SyncMover(), capacity=3, expert_bytes=1, policy=policy, synchronous=True)
     policy.bind(context(layers=2, experts=4, top_k=1, capacity=3, model_id=""), cache)
-    valid = np.ones((1, 4), bool)
     ids = np.arange(4, dtype=np.int32)[:, None]  # the 4 tokens route to experts 0..3
-    policy.on_iteration_start(None, valid)
-    for layer in range(2):
-        policy.on_layer_routed(layer, None, ids, valid)
-        serve_layer(cache, layer, [0, 1, 2, 3], lambda chunk, arrays, last: None)
-    policy.on_iteration_end()
+    Driver(policy, cache).iteration(np.ones((1, 4), bool), None, lambda m: Routed(ids), lambda *_: None)
     s = cache.book.stats
     assert s.wasted_prefetches == 0
     assert s.layer_hits == {0: 3, 1: 2}  # layer 0: the streamed three; layer 1: two streamed during layer 0
@@ -301,8 +289,8 @@ def test_lossless_for_every_budget_and_batch(family, hf_dirs, tmp_path):
     )
     quick = dict(epochs=3, hidden=(16,), progress=False, model_id=model_identity(cfg))
     paths = {
-        "promoe": predictors.train_promoe([out.trace], stride=1, **quick).save(tmp_path / "promoe"),
-        "duoserve": predictors.train_duoserve([out.trace], **quick).save(tmp_path / "duoserve"),
+        "promoe": predictor_training.train_promoe([out.trace], stride=1, **quick).save(tmp_path / "promoe"),
+        "duoserve": predictor_training.train_duoserve([out.trace], **quick).save(tmp_path / "duoserve"),
     }
     reference = {
         b: fj.generate(resident, p, NEW_TOKENS, stop_at_eos=False).tokens for b, p in PROMPTS.items()

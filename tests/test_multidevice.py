@@ -106,3 +106,12 @@ else:
             out_a = fj.generate(a, PROMPTS, max_new_tokens=6, stop_at_eos=False)
             out_b = fj.generate(b, PROMPTS, max_new_tokens=6, stop_at_eos=False)
         assert out_a.tokens == out_b.tokens
+
+    def test_sampler_inputs_cross_the_mesh(hf_dirs):
+        """The repetition penalty's seen-token mask travels beside the sampler's key (`sampler_key`), so a
+        sampled, penalised generation on 4 devices equals the resident one."""
+        kwargs = dict(max_new_tokens=6, stop_at_eos=False, seed=3, temperature=0.8, repetition_penalty=1.5)
+        expected = fj.generate(fj.load_model(hf_dirs["mixtral"]), PROMPTS, **kwargs).tokens
+        offload = fj.OffloadConfig(policy="on_demand_lru", cache_experts=DEVICES, devices=DEVICES)
+        with fj.load_model(hf_dirs["mixtral"], offload=offload) as model:
+            assert fj.generate(model, PROMPTS, **kwargs).tokens == expected

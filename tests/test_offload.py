@@ -108,20 +108,32 @@ def test_random_budgets_policies_and_prompts(slots, policy, data, hf_dirs):
 def test_prefill_compiles_one_expert_program_whatever_the_routing(hf_dirs):
     """Prompts of one length bucket route their prefill layers to different numbers of experts; one
     program serves them all, so no request compiles mid-way (the benchmarks count this)."""
-    from fmoe_jax.engine import layer_steps
-    from fmoe_jax.resident import TRACE_COUNTS
-
     offload = OffloadConfig(policy="on_demand_lru", cache_experts=6)
     model = fj.load_model(hf_dirs["qwen2_moe"], offload=offload)
-    jax.clear_caches()  # trace afresh: earlier tests may have compiled some widths already
-    layer_steps.cache_clear()
-    before = dict(TRACE_COUNTS)
+    compiled = model.engine.programs.compilations
     rng = np.random.default_rng(0)
     for n in [2, 3, 5, 9, 14]:  # 8 experts, top-4: from four to all eight per layer (bucket 16)
         fj.generate(model, [rng.integers(3, 256, n).tolist()], max_new_tokens=2, stop_at_eos=False)
-    traced = [k for k in TRACE_COUNTS if TRACE_COUNTS[k] != before.get(k, 0)]
+    traced = list(compiled)
     assert len([k for k in traced if k.startswith("experts_finish_T16_")]) == 1, traced
     assert len([k for k in traced if k.startswith("experts_partial_N16_")]) <= 1, traced
+
+
+def test_fast_path_whenever_every_expert_is_resident(hf_dirs):
+    """No preload: a budget of every routed expert, filled by ordinary requests, switches to the
+    whole-model program as soon as the last expert is in; tokens stay those of the resident model."""
+    path = hf_dirs["mixtral"]
+    cfg = fj.load_model(path).config
+    total = cfg.num_moe_layers * cfg.num_experts
+    model = fj.load_model(path, offload=OffloadConfig(policy="on_demand_lru", cache_experts=total))
+    reference = fj.generate(fj.load_model(path), [list(range(3, 40))], 4, stop_at_eos=False)
+    first = fj.generate(model, [list(range(3, 40))], 4, stop_at_eos=False)  # a long prompt uses every expert
+    assert first.stats.misses == total and first.tokens == reference.tokens
+    before = dict(model.engine.programs.compilations)
+    second = fj.generate(model, [list(range(3, 40))], 4, stop_at_eos=False)
+    new = {k for k, v in model.engine.programs.compilations.items() if v != before.get(k, 0)}
+    assert second.tokens == reference.tokens and second.stats.hit_rate == 1.0
+    assert {k.split("_T")[0] for k in new} == {"whole_step"}  # the whole-model program, nothing per layer
 
 
 def test_statistics_are_consistent(hf_dirs):
@@ -297,11 +309,12 @@ def test_full_cache_fast_path_equals_per_layer_loop(policy, hf_dirs):
     for fast in (True, False):
         with fj.load_model(path, offload=offload) as model:
             engine = model.engine
-            assert engine.whole_step
-            engine.whole_step = fast
             calls = []
-            whole = engine._whole_step
-            engine._whole_step = lambda *a, whole=whole, calls=calls: calls.append(1) or whole(*a)
+            whole = engine._step_whole
+            if fast:
+                engine._step_whole = lambda *a, whole=whole, calls=calls: calls.append(1) or whole(*a)
+            else:  # the per-layer loop, always
+                engine._step_whole = lambda *a: None
             outs = [fj.generate(model, prompts, 5, stop_at_eos=False, record_trace=True) for _ in range(2)]
             runs[fast] = (outs, len(calls))
     (fast_outs, fast_calls), (slow_outs, slow_calls) = runs[True], runs[False]

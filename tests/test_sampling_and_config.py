@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,10 +34,29 @@ def test_sampling_follows_distribution():
     np.testing.assert_allclose(freq, [0.7, 0.2, 0.1], rtol=0, atol=0.07)
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=0.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)])
-def test_sampling_rejects_bad_settings(bad):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(temperature=0.0), "temperature must be a finite number > 0.*got 0.0"),
+        (dict(temperature=float("nan")), "temperature.*got nan"),
+        (dict(temperature=float("inf")), "temperature.*got inf"),
+        (dict(temperature="hot"), "temperature.*got 'hot'"),
+        (dict(top_k=-1), "top_k must be an int >= 0.*got -1"),
+        (dict(top_k=2.5), "top_k.*got 2.5"),
+        (dict(top_k=True), "top_k.*got True"),
+        (dict(top_p=0.0), "top_p must be in \\(0, 1\\].*got 0.0"),
+        (dict(top_p=1.5), "top_p.*got 1.5"),
+        (dict(top_p=float("nan")), "top_p.*got nan"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty must be a finite number > 0.*got -1.0"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty.*got nan"),
+    ],
+)
+def test_sampling_rejects_bad_settings(bad, match):
+    with pytest.raises(ValueError, match=match):
         fj.Sample(**bad)
+    if "repetition_penalty" in bad:
+        with pytest.raises(ValueError, match=match):
+            fj.Greedy(**bad)
 
 
 def test_unknown_family_and_unsupported_attribute_are_refused():
@@ -70,8 +90,76 @@ def test_prompt_validation(tiny):
         fj.generate(tiny, ["hello"])
     with pytest.raises(ValueError, match="empty"):
         fj.generate(tiny, [[]])
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        fj.generate(tiny, [[1, 2]], max_new_tokens=0)
+    for bad in (0, -3, 2.5, True, "8", None):
+        with pytest.raises(ValueError, match=f"max_new_tokens must be a positive int, got {bad!r}"):
+            fj.generate(tiny, [[1, 2]], max_new_tokens=bad)
+    with pytest.raises(ValueError, match="seed must be an int, got 1.5"):
+        fj.generate(tiny, [[1, 2]], seed=1.5)
+
+
+@pytest.mark.parametrize(
+    "prompts, match",
+    [
+        ([[1, -1]], "prompt 0 has token ids outside \\[0, 512\\).*\\[-1\\]"),
+        ([[3], [1, 512]], "prompt 1 has token ids outside \\[0, 512\\).*\\[512\\]"),
+        ([[1, 2.5]], "prompt 0 must hold integer token ids, got float64 values such as 2.5"),
+        ([[1.0, 2.0]], "prompt 0 must hold integer token ids, got float64 values such as 1.0"),
+        ([np.asarray([1.0, 2.0], np.float32)], "prompt 0 must hold integer token ids, got float32"),
+        ([[1, True]], "prompt 0 must hold integer token ids, got True"),
+        ([[1, [2, 3]]], "prompt 0 must be a rectangular array"),
+        ([[[1, 2], [3, 4]]], "prompt 0 must be a flat list of token ids"),
+        ([{"role": "user"}], "message 0 must be a dict with a 'role' string and a 'content'"),
+        ([2.0, 3.5], "prompt 0 must hold integer token ids, got float64 values such as 3.5"),
+        ([object()], "prompt 0 must be a string, a list of token ids or a chat conversation, got object"),
+        (b"bytes", "prompts must be a string"),
+        ([], "prompts is empty"),
+    ],
+)
+def test_generate_refuses_bad_token_ids(tiny, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        fj.generate(tiny, prompts, max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "token_ids, match",
+    [
+        ([[1, -1]], "token_ids has token ids outside \\[0, 512\\).*\\[-1\\]"),
+        ([[1, 2, 512]], "outside \\[0, 512\\).*\\[512\\]"),
+        (np.asarray([[1.0, 2.0]]), "token_ids must hold integer token ids, got float64"),
+        (jnp.asarray([[1.5, 2.0]]), "token_ids must hold integer token ids, got float32 values such as 1.5"),
+        ([[1, 2], [3]], "token_ids must be a rectangular array of token ids"),
+        (np.asarray([[True, False]]), "must hold integer token ids, got bool"),
+    ],
+)
+def test_forward_refuses_bad_token_ids(tiny, token_ids, match):
+    with pytest.raises(ValueError, match=match):
+        fj.forward(tiny, token_ids)
+
+
+def test_forward_accepts_integer_arrays_of_any_int_dtype(tiny):
+    ids = [[1, 2, 3, 511]]
+    expected = np.asarray(fj.forward(tiny, ids))
+    chex.assert_shape(expected, (1, 4, tiny.config.vocab_size))
+    chex.assert_type(expected, np.float32)
+    for array in (np.asarray(ids, np.int64), np.asarray(ids, np.uint16), jnp.asarray(ids, jnp.int32)):
+        chex.assert_trees_all_close(np.asarray(fj.forward(tiny, array)), expected, atol=0, rtol=0)
+
+
+def test_generate_refuses_bad_stop_rules(tiny):
+    with pytest.raises(ValueError, match="eos_token_id must hold ints in \\[0, 512\\).*got 600"):
+        fj.generate(tiny, [[1, 2]], eos_token_id=600)
+    with pytest.raises(ValueError, match="eos_token_id must hold ints.*got \\[1, 2.0\\]"):
+        fj.generate(tiny, [[1, 2]], eos_token_id=[1, 2.0])
+    with pytest.raises(ValueError, match="no effect with stop_at_eos=False"):
+        fj.generate(tiny, [[1, 2]], eos_token_id=3, stop_at_eos=False)
+    with pytest.raises(ValueError, match="stop=.* needs a tokenizer"):
+        fj.generate(tiny, [[1, 2]], stop="\n")
+    with pytest.raises(ValueError, match="stop must be a non-empty string or a list of them, got \\[''\\]"):
+        fj.generate(tiny, [[1, 2]], stop=[""])
+    with pytest.raises(ValueError, match="top_logprobs=3 needs return_logprobs=True"):
+        fj.generate(tiny, [[1, 2]], top_logprobs=3)
+    with pytest.raises(ValueError, match="top_logprobs must be an int in \\[0, 512\\], got 1000"):
+        fj.generate(tiny, [[1, 2]], return_logprobs=True, top_logprobs=1000)
 
 
 def test_eos_stops_a_row(tiny):

@@ -29,7 +29,7 @@ from fmoe_jax.offload.policies import POLICIES, Policy
 from fmoe_jax.offload.simulator import Copy, SimulatedLink, simulate
 
 import fmoe_jax as fj
-from fmoe_jax.engine import router_weights
+from fmoe_jax.engines.offload import router_weights
 from fmoe_jax.trace import Iteration, RequestTrace, RoutingTrace
 
 
@@ -40,9 +40,8 @@ def trained_predictor(kind: str) -> Callable[[Path], dict]:
     """Options for a learned policy: a small predictor trained on a trace of the model (stride 1)."""
 
     def build(hf_dir: Path) -> dict:
-        from fmoe_jax.offload import predictors
-
-        from fmoe_jax.engine import model_identity
+        from fmoe_jax.models import model_identity
+        from fmoe_jax.research import predictor_training
 
         path = hf_dir.parent / f"{hf_dir.name}-{kind}-predictor"
         if not path.with_suffix(".json").exists():
@@ -56,7 +55,7 @@ def trained_predictor(kind: str) -> Callable[[Path], dict]:
                 record_hidden=True,
             )
             quick = dict(epochs=3, hidden=(16,), progress=False, model_id=model_identity(resident.config))
-            train = predictors.train_promoe if kind == "promoe" else predictors.train_duoserve
+            train = predictor_training.train_promoe if kind == "promoe" else predictor_training.train_duoserve
             extra = {"stride": 1} if kind == "promoe" else {}
             train([out.trace], **extra, **quick).save(path)
         return {"predictor": path}
@@ -180,14 +179,14 @@ class Recorder(Policy):
     def __init__(self):
         self.events = []
 
-    def on_request_start(self, batch):
-        self.events.append(("request", batch))
+    def on_request_start(self, event):
+        self.events.append(("request", event.batch))
 
-    def on_iteration_start(self, embeds, valid):
-        self.events.append(("iteration", embeds.copy(), valid.copy()))
+    def on_iteration_start(self, event):
+        self.events.append(("iteration", event.embeds.copy(), event.valid.copy()))
 
-    def on_layer_routed(self, layer, probs, ids, valid, *, hidden=None):
-        self.events.append(("layer", layer, probs.copy(), ids.copy(), valid.copy()))
+    def on_layer_routed(self, event):
+        self.events.append(("layer", event.layer, event.probs.copy(), event.ids.copy(), event.valid.copy()))
 
     def on_iteration_end(self):
         self.events.append(("end",))
@@ -313,12 +312,12 @@ class NextLayer(Policy):
     def __init__(self, plan: dict[int, int]):
         self.plan = plan  # layer -> expert
 
-    def on_iteration_start(self, embeds, valid):
+    def on_iteration_start(self, event):
         self.cache.request_prefetch([((0, self.plan[0]), 1.0)])
 
-    def on_layer_routed(self, layer, probs, ids, valid, *, hidden=None):
-        if layer + 1 in self.plan:
-            self.cache.request_prefetch([((layer + 1, self.plan[layer + 1]), 1.0)])
+    def on_layer_routed(self, event):
+        if event.layer + 1 in self.plan:
+            self.cache.request_prefetch([((event.layer + 1, self.plan[event.layer + 1]), 1.0)])
 
 
 def test_prefetch_overlaps_compute_by_hand():

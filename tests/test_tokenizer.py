@@ -1,4 +1,4 @@
-"""Tests for fmoe_jax.tokenizer: training on a slice of the shared corpora, loading, round trips."""
+"""Tests for fmoe_jax.research.tokenizer: training on a slice of the shared corpora, loading, round trips."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 import transformers
-
-from fmoe_jax import tokenizer, workloads
+from fmoe_jax.research import tokenizer, workloads
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data directory {DATA} is absent")

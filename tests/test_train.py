@@ -1,4 +1,5 @@
-"""Tests for fmoe_jax.train: the blocked training kernel, the HF load-balancing loss, data, loss, resume."""
+"""Tests for fmoe_jax.research.train: the blocked training kernel, the HF load-balancing loss, data, loss,
+resume."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from fmoe_jax.models import ExpertWeights, Routing, expert_mixture, reference_mixture
-
-from fmoe_jax import train, workloads
+from fmoe_jax.research import train, workloads
 
 TINY_MIXTRAL = dict(
     model_type="mixtral",

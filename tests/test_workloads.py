@@ -1,4 +1,4 @@
-"""Tests for fmoe_jax.workloads on the shared data files and on small malformed files."""
+"""Tests for fmoe_jax.research.workloads on the shared data files and on small malformed files."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from fmoe_jax import workloads
-from fmoe_jax.workloads import ArrivalTrace, Prompt
+from fmoe_jax.research import workloads
+from fmoe_jax.research.workloads import ArrivalTrace, Prompt
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data directory {DATA} is absent")

@@ -39,6 +39,13 @@ def required_options(name: str) -> list[str]:
     ]
 
 
+def accepted_options(name: str) -> set[str]:
+    """The keyword options a named policy's constructor takes."""
+    signature = inspect.signature(POLICIES[name].__init__)
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {p.name for p in signature.parameters.values() if p.name != "self" and p.kind in kinds}
+
+
 def make_policy(policy: str | Policy, **options: Any) -> Policy:
     """A policy object from a name (with options) or the object itself."""
     if isinstance(policy, Policy):
@@ -50,6 +57,11 @@ def make_policy(policy: str | Policy, **options: Any) -> Policy:
         return policy
     if policy not in POLICIES:
         raise ValueError(f"unknown offload policy {policy!r}; available: {', '.join(sorted(POLICIES))}")
+    unknown = sorted(set(options) - accepted_options(policy))
+    if unknown:
+        raise ValueError(
+            f"policy {policy!r} takes no option(s) {unknown}; it takes {sorted(accepted_options(policy))}"
+        )
     return POLICIES[policy](**options)
 
 

@@ -1,23 +1,26 @@
-"""The policy interface every offloading policy implements, driven by the engine's event stream.
+"""The policy interface every offloading policy implements, driven by the iteration driver's events.
 
-Events (same order in the live engine and the simulator): request start, iteration start (semantic
-context), layer routed (trajectory context), iteration end. A policy answers with prefetch requests
-(`self.cache.request_prefetch`) and with the eviction order (`keep_score`).
+Events (`offload/events.py`; same order in the live engine and the simulator, `offload/driver.py`):
+`RequestStart`, `IterationStart` (semantic context), `LayerRouted` (trajectory context), and
+`on_iteration_end()`. A policy answers with prefetch requests (`self.cache.request_prefetch`) and with the
+eviction order (`keep_score`, `admit_prefetch`); it reads the cache only through its `CacheView`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ..cache import Entry, Key
+from ..cache import CacheView, Entry, Key
+from ..events import IterationStart, LayerRouted, RequestStart
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicyContext:
-    """What a policy learns about the model and the cache when the engine starts it."""
+    """What a policy learns about the model and the cache when the engine or the simulator starts it."""
 
     num_layers: int  # MoE layers (an expert map has this many rows); "layer" in policies means MoE layer
     num_experts: int  # J
@@ -26,7 +29,6 @@ class PolicyContext:
     prefetch_distance: int  # d
     capacity: int  # cache slots (all devices together)
     model_id: str = ""
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Router kernels `[D, J]` float32 of each MoE layer, for policies that `needs_hidden` (speculation).
     router_weights: tuple[np.ndarray, ...] = ()
     # Cost hints for a policy that weighs a prefetch against the link time it takes (fmoe's admission):
@@ -40,8 +42,9 @@ class Policy:
     """Base policy: on-demand loading only, least-recently-used eviction.
 
     Subclasses override the hooks they need. Hooks run on the engine thread, so anything slow belongs on
-    a thread of the policy's own (see `fmoe`). Arrays passed to hooks are host NumPy arrays the policy may
-    keep.
+    a thread of the policy's own (see `fmoe`). Construct a policy with its options (a name and
+    `OffloadConfig.policy_options` do the same through `make_policy`), or with `from_traces` to start from
+    what recorded routing teaches.
     """
 
     name = "base"
@@ -50,31 +53,29 @@ class Policy:
     needs_hidden = False  # likewise for each MoE layer's router input (speculative / learned predictors)
     preload_all = False  # the cache starts with every expert (the resident policy)
 
-    def bind(self, ctx: PolicyContext, cache: Any) -> None:
+    @classmethod
+    def from_traces(
+        cls, traces: Sequence[Any], *, prefetch_distance: int, store_capacity: int, **options: Any
+    ) -> Policy:
+        """The policy, learned offline from recorded routing (`RoutingTrace`s of other requests) where it
+        learns anything: fmoe's expert-map store, MoE-Infinity's activation matrices, the predictors of
+        ProMoE and DuoServe. `store_capacity` bounds what is kept. The base learns nothing."""
+        return cls(**options)
+
+    def bind(self, ctx: PolicyContext, cache: CacheView) -> None:
         self.ctx = ctx
         self.cache = cache
         if "timers" not in vars(self):  # seconds by stage ("matching", ...), added to out.stats.overhead_s
             self.timers: dict[str, float] = {}
 
-    def on_request_start(self, batch: int) -> None:
+    def on_request_start(self, event: RequestStart) -> None:
         """A new batch of requests begins (a `generate` call)."""
 
-    def on_iteration_start(self, embeds: np.ndarray | None, valid: np.ndarray) -> None:
-        """An iteration over N = B * T new tokens starts: embeds `[N, H]` float32 (the semantic context;
-        None unless `needs_semantic`), valid `[B, T]` (False for padding and finished rows)."""
+    def on_iteration_start(self, event: IterationStart) -> None:
+        """An iteration over N = B * T new tokens starts."""
 
-    def on_layer_routed(
-        self,
-        layer: int,
-        probs: np.ndarray | None,
-        ids: np.ndarray,
-        valid: np.ndarray,
-        *,
-        hidden: np.ndarray | None = None,
-    ) -> None:
-        """MoE layer `layer` has routed (the trajectory context): probs `[N, J]` float32 (None unless
-        `needs_probs`), ids `[N, k]`, valid `[B, T]`, hidden `[N, D]` float32, the router's input (None
-        unless `needs_hidden`)."""
+    def on_layer_routed(self, event: LayerRouted) -> None:
+        """An MoE layer has routed (the trajectory context); its experts run next."""
 
     def on_iteration_end(self) -> None:
         """Every layer of the iteration has run."""

@@ -10,11 +10,13 @@ the live engine and the trace-replay simulator see the same prefetch requests.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ..cache import Entry, Key
+from ..cache import CacheView, Entry, Key
+from ..events import IterationStart, LayerRouted
 from ..predictors import Predictor
 from .base import PolicyContext
 from .promoe import PredictedPrefetch
@@ -81,7 +83,19 @@ class DuoServe(PredictedPrefetch):
         self.prefill = False
         self.history = np.zeros((0, 0, 0), np.float32)  # [N, L, J] experts each decode row chose so far
 
-    def bind(self, ctx: PolicyContext, cache: Any) -> None:
+    @classmethod
+    def from_traces(
+        cls, traces: Sequence[Any], *, prefetch_distance: int, store_capacity: int, **options: Any
+    ) -> DuoServe:
+        """DuoServe with its decode predictor trained on recorded traces; a `predictor` in `options` is
+        used as it is."""
+        if "predictor" not in options:
+            from fmoe_jax.research.predictor_training import train_duoserve
+
+            options["predictor"] = train_duoserve(traces, progress=False)
+        return cls(**options)
+
+    def bind(self, ctx: PolicyContext, cache: CacheView) -> None:
         super().bind(ctx, cache)
         self.predictor = self._load_predictor(ctx)
         # Stream order: each layer's experts by offline popularity, most popular first.
@@ -95,7 +109,8 @@ class DuoServe(PredictedPrefetch):
         self.counts["streamed_layers"] += 1
         return items
 
-    def on_iteration_start(self, embeds: np.ndarray | None, valid: np.ndarray) -> None:
+    def on_iteration_start(self, event: IterationStart) -> None:
+        valid = event.valid
         self._start_iteration(valid)
         self.prefill = valid.shape[1] > 1
         if not self.prefill:
@@ -103,16 +118,9 @@ class DuoServe(PredictedPrefetch):
         items = self._stream(0) if self.prefill and self.prefill_stream else []
         self.cache.request_prefetch(items, replace=True)
 
-    def on_layer_routed(
-        self,
-        layer: int,
-        probs: np.ndarray | None,
-        ids: np.ndarray,
-        valid: np.ndarray,
-        *,
-        hidden: np.ndarray | None = None,
-    ) -> None:
-        self._routed(layer, ids)
+    def on_layer_routed(self, event: LayerRouted) -> None:
+        self._routed(event)
+        layer, ids = event.layer, event.ids
         target = layer + 1
         if self.prefill:
             if self.prefill_stream and target < self.ctx.num_layers:

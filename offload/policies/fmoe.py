@@ -25,13 +25,16 @@ import dataclasses
 import os
 import threading
 import time
+import warnings
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 
-from ..cache import Entry, Key
+from ..cache import CacheView, Entry, Key
+from ..events import IterationStart, LayerRouted
 from ..expert_map_store import ExpertMapStore
-from ..fmoe_select import select_experts
+from ..fmoe_select import keep_priority, prefetch_priority, select_experts
 from .base import Policy, PolicyContext
 
 
@@ -58,9 +61,10 @@ class FMoE(Policy):
       learn: add every iteration's expert maps to the store (online mode); off: the store is fixed
         (offline mode, e.g. built from traces with `store_from_traces`).
       store: a prebuilt `ExpertMapStore` to start from (else empty, or loaded from `store_path`).
+      store_capacity: expert maps the store keeps (for a new or loaded store; a prebuilt one keeps its own).
+      store_path: file of a saved store: loaded at start when it exists (a store of another model is
+        refused), saved back at `close()`; checked writable at start.
       queue_size: contexts waiting for the matcher at most; the oldest is dropped beyond that.
-      blas_threads: NumPy BLAS threads while the policy runs (the matcher's products are small; extra
-        BLAS threads only contend with XLA's for the cores). None leaves BLAS alone.
       admission: which selected experts are prefetched: "cost" (p >= T / (T + min(T, W)), see the module
         docstring), "all" (every one, as the paper), or a number (p >= it).
       copy_s, layer_s: T and the compute of one decode layer for "cost", in seconds. Default: the
@@ -83,8 +87,9 @@ class FMoE(Policy):
         asynchronous: bool = True,
         learn: bool = True,
         store: ExpertMapStore | None = None,
+        store_capacity: int = 1000,
+        store_path: str | os.PathLike | None = None,
         queue_size: int = 64,
-        blas_threads: int | None = 1,
         admission: Literal["cost", "all"] | float = "cost",
         copy_s: float | None = None,
         layer_s: float | None = None,
@@ -95,12 +100,15 @@ class FMoE(Policy):
             raise ValueError(f"admission must be 'cost', 'all' or a probability, got {admission!r}")
         if traj_target not in ("band", "single"):
             raise ValueError(f"traj_target must be 'band' or 'single', got {traj_target!r}")
+        if store_capacity < 1:
+            raise ValueError(f"store_capacity must be >= 1, got {store_capacity}")
         self.semantic, self.trajectory, self.dynamic_delta = semantic, trajectory, dynamic_delta
         self.eviction, self.traj_target = eviction, traj_target
         self.asynchronous, self.learn = asynchronous, learn
         self.store = store
+        self.store_capacity = store_capacity
+        self.store_path = None if store_path is None else os.fspath(store_path)
         self.queue_size = queue_size
-        self.blas_threads = blas_threads
         self.admission = admission
         self.copy_s, self.layer_s = copy_s, layer_s
         self._clock: tuple[float, float, int] | None = None  # (time, on-demand wait, misses), last layer
@@ -108,29 +116,40 @@ class FMoE(Policy):
         self.timers = {"matching": 0.0, "store_update": 0.0}
         self.counts = collections.Counter()
         self.scores: dict[str, list[float]] = {"semantic": [], "trajectory": []}
-        self._error: BaseException | None = None
+        self.last_error: str | None = None  # the latest context the matcher failed on, and why
         self._thread: threading.Thread | None = None
         self._pending: collections.deque[_Context] = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
         self._busy = False  # the matcher is processing a context it took off `_pending`
-        self._blas = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
-    def bind(self, ctx: PolicyContext, cache: Any) -> None:
+    @classmethod
+    def from_traces(
+        cls, traces: Sequence[Any], *, prefetch_distance: int, store_capacity: int, **options: Any
+    ) -> FMoE:
+        """Offline mode: starts from an expert-map store built from recorded traces (`store_from_traces`);
+        with no traces, from an empty store of `store_capacity` maps."""
+        if traces:
+            options["store"] = store_from_traces(
+                traces, capacity=store_capacity, prefetch_distance=prefetch_distance
+            )
+        return cls(store_capacity=store_capacity, **options)
+
+    def bind(self, ctx: PolicyContext, cache: CacheView) -> None:
         super().bind(ctx, cache)
         self.copy_s = self.copy_s if self.copy_s is not None else ctx.copy_s
         self.layer_s = self.layer_s if self.layer_s is not None else ctx.layer_s
         self._measure = self.admission == "cost" and (self.copy_s is None or self.layer_s is None)
         self.meta = {"model": ctx.model_id}
-        path = ctx.options.get("store_path")
+        path = self.store_path
+        if path:  # refuse a location `close` could not save to now, not after serving
+            ExpertMapStore.check_writable(path)
         if self.store is None and path and os.path.exists(path):
-            self.store = ExpertMapStore.load(
-                path, self._expected_meta(), capacity=ctx.options.get("store_capacity")
-            )
+            self.store = ExpertMapStore.load(path, self._expected_meta(), capacity=self.store_capacity)
         if self.store is None:
             self.store = ExpertMapStore(
-                capacity=ctx.options.get("store_capacity", 1000),
+                capacity=self.store_capacity,
                 num_layers=ctx.num_layers,
                 num_experts=ctx.num_experts,
                 embed_dim=ctx.embed_dim,
@@ -146,8 +165,6 @@ class FMoE(Policy):
                 f"H={self.store.embed_dim}; the model needs L={ctx.num_layers}, J={ctx.num_experts}, "
                 f"H={ctx.embed_dim}"
             )
-        if self.blas_threads is not None:
-            self._limit_blas(self.blas_threads)
         if self.asynchronous:
             self._thread = threading.Thread(target=self._run, name="fmoe-matcher", daemon=True)
             self._thread.start()
@@ -162,37 +179,20 @@ class FMoE(Policy):
             "prefetch_distance": min(ctx.prefetch_distance, ctx.num_layers),
         }
 
-    def _limit_blas(self, threads: int) -> None:
-        try:
-            from threadpoolctl import ThreadpoolController
-        except ImportError:  # optional: without it BLAS keeps its own thread count
-            return
-        self._blas = ThreadpoolController().limit(limits=threads, user_api="blas")
-
     def close(self) -> None:
-        """Stops the matcher (after the contexts it has), saves the store when `store_path` is set, and
-        re-raises an error of the matcher thread."""
+        """Stops the matcher (after the contexts it has) and saves the store when `store_path` is set."""
         if self._thread is not None:
             with self._cv:
                 self._stop = True
                 self._cv.notify()
             self._thread.join()
             self._thread = None
-        if self._blas is not None:
-            self._blas.restore_original_limits()
-            self._blas = None
-        path = self.ctx.options.get("store_path") if hasattr(self, "ctx") else None
-        if path and self.store is not None and self._error is None:
-            self.store.save(path, self.meta)
-        self._raise_if_failed()
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"the fmoe matcher thread failed: {self._error!r}") from self._error
+        if self.store_path and self.store is not None and hasattr(self, "ctx"):
+            self.store.save(self.store_path, self.meta)
 
     # -- events from the engine (engine thread: cheap, never waits for matching) -------------------------
-    def on_iteration_start(self, embeds: np.ndarray | None, valid: np.ndarray) -> None:
-        self._raise_if_failed()
+    def on_iteration_start(self, event: IterationStart) -> None:
+        embeds, valid = event.embeds, event.valid
         rows, tokens = valid.shape
         self._valid = valid.reshape(-1)
         self._last = (
@@ -205,19 +205,11 @@ class FMoE(Policy):
         if self.semantic and self._embeds.shape[0]:
             self._publish(_Context("semantic", data=self._embeds))
 
-    def on_layer_routed(
-        self,
-        layer: int,
-        probs: np.ndarray | None,
-        ids: np.ndarray,
-        valid: np.ndarray,
-        *,
-        hidden: np.ndarray | None = None,
-    ) -> None:
-        self._raise_if_failed()
+    def on_layer_routed(self, event: LayerRouted) -> None:
+        layer, valid = event.layer, event.valid
         if self._measure:
             self._measure_costs()
-        self._maps[:, layer] = probs
+        self._maps[:, layer] = event.probs
         if not self.trajectory or layer + self.ctx.prefetch_distance >= self.ctx.num_layers:
             return
         active = self._last[valid.any(1)]
@@ -228,10 +220,7 @@ class FMoE(Policy):
         """Live estimates of T and of one layer's compute (exponential averages), from the cache's on-demand
         wait and miss count at consecutive layers of a decode step: between two `on_layer_routed` events
         the engine computed one layer and waited for that layer's misses."""
-        timers, book = getattr(self.cache, "timers", None), getattr(self.cache, "book", None)
-        if timers is None or book is None:  # a cache without timings (unit tests): nothing to measure
-            return
-        now = (time.perf_counter(), timers.get("on_demand_wait", 0.0), book.stats.misses)
+        now = (time.perf_counter(), self.cache.on_demand_wait_s, self.cache.stats.misses)
         if self._clock is not None and self._decoding:
             elapsed, waited, misses = (a - b for a, b in zip(now, self._clock, strict=True))
             compute = max(elapsed - waited, 0.0)
@@ -253,13 +242,12 @@ class FMoE(Policy):
         return self.copy_s / (self.copy_s + min(self.copy_s, window))
 
     def on_iteration_end(self) -> None:
-        self._raise_if_failed()
         if self.learn and self._embeds.shape[0]:
             self._publish(_Context("update", data=self._embeds, extra=self._maps[self._valid]))
 
     def _publish(self, context: _Context) -> None:
         if not self.asynchronous:
-            self._process(context)
+            self._process_or_drop(context)
             return
         with self._cv:
             if len(self._pending) >= self.queue_size:
@@ -287,10 +275,7 @@ class FMoE(Policy):
                 if superseded:  # a newer prediction replaces this one's prefetches anyway
                     self.counts["skipped_contexts"] += 1
                 else:
-                    self._process(context)
-            except BaseException as err:  # surfaced to the engine at its next event, and by close()
-                self._error = err
-                return
+                    self._process_or_drop(context)
             finally:
                 with self._cv:
                     self._busy = False
@@ -299,9 +284,26 @@ class FMoE(Policy):
         """Blocks until the matcher has processed every published context (tests, benchmarks)."""
         while True:
             with self._cv:
-                if (not self._pending and not self._busy) or self._error is not None:
+                if not self._pending and not self._busy:
                     break
             time.sleep(0.001)
+
+    def _process_or_drop(self, context: _Context) -> None:
+        """A context the matcher cannot use (say, routing with NaNs from a broken input) costs only its own
+        prediction: it is dropped, counted in `stats()["failed_contexts"]` and warned about once, and the
+        matcher goes on with the next, so one bad call does not disable prefetching for every later one."""
+        try:
+            self._process(context)
+        except Exception as err:  # noqa: BLE001 - any failure of one context is reported, not fatal
+            self.counts["failed_contexts"] += 1
+            if self.last_error is None:
+                warnings.warn(
+                    f"fmoe matcher dropped a {context.kind} context: {err!r} (counted in "
+                    "stats.extra['failed_contexts']; the model keeps serving)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            self.last_error = f"{context.kind}: {err!r}"
 
     def _process(self, context: _Context) -> None:
         if context.kind == "update":
@@ -352,8 +354,8 @@ class FMoE(Policy):
             chosen = np.flatnonzero(best[pos])
             admitted = chosen[best[pos, chosen] >= self.threshold(int(layer), current)]
             self.counts["not_admitted"] += len(chosen) - len(admitted)
-            for expert in admitted:
-                items.append(((int(layer), int(expert)), float(best[pos, expert]) / (int(layer) - current)))
+            priority = prefetch_priority(best[pos, admitted], int(layer), current)
+            items += [((int(layer), int(e)), float(pri)) for e, pri in zip(admitted, priority, strict=True)]
         return items
 
     # -- eviction ----------------------------------------------------------------------------------------
@@ -362,20 +364,22 @@ class FMoE(Policy):
         the arrival as one visit so a freshly prefetched expert is not the first to go."""
         if self.eviction == "lru":
             return float(entry.last_use)
-        freq = self.cache.book.freq.get(key, 0)
+        uses = self.cache.freq(key)
         if self.eviction == "lfu":
-            return float(freq)
-        return self.guide_prob.get(key, 0.0) * (freq + 1)
+            return float(uses)
+        return float(keep_priority(self.guide_prob.get(key, 0.0), uses))
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         """A prefetch evicts only an expert worth less than the one it brings (same p * freq measure)."""
         if self.eviction != "fmoe":
             return True
-        incoming = self.guide_prob.get(key, 0.0) * (self.cache.book.freq.get(key, 0) + 1)
-        return self.keep_score(victim, self.cache.book.entries[victim]) < incoming
+        incoming = float(keep_priority(self.guide_prob.get(key, 0.0), self.cache.freq(key)))
+        return self.keep_score(victim, self.cache.entry(victim)) < incoming
 
     def stats(self) -> dict[str, Any]:
         out = {"store_size": len(self.store) if self.store is not None else 0, **dict(self.counts)}
+        if self.last_error is not None:
+            out["last_error"] = self.last_error
         if self.admission == "cost" and self.copy_s is not None and self.layer_s is not None:
             out |= {"copy_ms": 1e3 * self.copy_s, "layer_ms": 1e3 * self.layer_s}
         for kind, values in self.scores.items():

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ..cache import Entry, Key
+from ..cache import CacheView, Entry, Key
+from ..events import IterationStart, LayerRouted
 from .base import Policy, PolicyContext
 
 
@@ -68,7 +69,7 @@ class MixtralOffload(Policy):
         self._held: list[int] = []
         self._held_at: tuple[int, int] | None = None
 
-    def bind(self, ctx: PolicyContext, cache: Any) -> None:
+    def bind(self, ctx: PolicyContext, cache: CacheView) -> None:
         super().bind(ctx, cache)
         if self.speculate and len(ctx.router_weights) != ctx.num_layers:
             raise ValueError(
@@ -82,23 +83,15 @@ class MixtralOffload(Policy):
         self.quota = layer_quotas(ctx.capacity, ctx.num_layers)
 
     # -- events ------------------------------------------------------------------------------------------
-    def on_iteration_start(self, embeds: np.ndarray | None, valid: np.ndarray) -> None:
+    def on_iteration_start(self, event: IterationStart) -> None:
         self._guessed.clear()
         self._incoming = 0
 
-    def on_layer_routed(
-        self,
-        layer: int,
-        probs: np.ndarray | None,
-        ids: np.ndarray,
-        valid: np.ndarray,
-        *,
-        hidden: np.ndarray | None = None,
-    ) -> None:
-        rows = valid.reshape(-1)  # [N]
+    def on_layer_routed(self, event: LayerRouted) -> None:
+        layer, rows, hidden = event.layer, event.token_valid, event.hidden  # rows: [N]
         guessed = self._guessed.pop(layer, None)
         if guessed is not None:
-            needed = {int(e) for e in ids[rows].ravel()}
+            needed = set(event.needed)
             self.counts["needed"] += len(needed)
             self.counts["guessed_needed"] += len(needed & guessed)
             self.counts["guessed"] += len(guessed)
@@ -131,12 +124,11 @@ class MixtralOffload(Policy):
     # -- eviction ----------------------------------------------------------------------------------------
     def _held_per_layer(self) -> list[int]:
         """Experts held (resident or arriving) per layer. Recounted when the cache's contents change:
-        every add counts a load and every remove shortens the book, so (loads, size) never repeats."""
-        book = self.cache.book
-        stamp = (book.stats.loads, len(book.entries))
+        every add counts a load and every remove frees a slot, so (loads, free slots) never repeats."""
+        stamp = (self.cache.stats.loads, self.cache.free_slots())
         if stamp != self._held_at:
             held = [0] * self.ctx.num_layers
-            for layer, _ in book.entries:
+            for (layer, _), _ in self.cache.entries():
                 held[layer] += 1
             self._held, self._held_at = held, stamp
         return self._held

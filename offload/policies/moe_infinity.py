@@ -10,12 +10,13 @@ simulator drive it through the `Policy` hooks. Matching runs inline (no I/O thre
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..cache import Entry, Key
+from ..cache import CacheView, Entry, Key
+from ..events import IterationStart, LayerRouted, RequestStart
 from .base import Policy, PolicyContext
 
 PHASES = ("prefill", "decode")
@@ -100,7 +101,7 @@ class MoEInfinity(Policy):
     evict a wanted expert only of lower prefetch priority.
 
     Args:
-      capacity: EAMs per phase collection (None: `OffloadConfig.store_capacity`).
+      capacity: EAMs per phase collection (default 1000).
       eamc: prebuilt collections by phase (`eamc_from_traces`), e.g. prepared before an
         evaluation as the fMoE paper does for this baseline.
       learn: add finished requests' EAMs to the collections (online).
@@ -113,13 +114,13 @@ class MoEInfinity(Policy):
     def __init__(
         self,
         *,
-        capacity: int | None = None,
+        capacity: int = 1000,
         eamc: Mapping[str, ActivationMatrixCollection] | None = None,
         learn: bool = True,
         prefetch_limit: int | None = None,
         prefetch_at_start: bool = True,
     ):
-        if capacity is not None and capacity < 1:
+        if capacity < 1:
             raise ValueError(f"capacity must be >= 1 EAM, got {capacity}")
         if prefetch_limit is not None and prefetch_limit < 0:
             raise ValueError(f"prefetch_limit must be >= 0, got {prefetch_limit}")
@@ -140,12 +141,21 @@ class MoEInfinity(Policy):
         self._active = np.zeros(0, bool)
         self._wanted: dict[Key, float] = {}
 
-    def bind(self, ctx: PolicyContext, cache: Any) -> None:
+    @classmethod
+    def from_traces(
+        cls, traces: Sequence[Any], *, prefetch_distance: int, store_capacity: int, **options: Any
+    ) -> MoEInfinity:
+        """Starts from EAM collections of recorded requests (as the fMoE paper prepares this baseline); with
+        no traces, from empty collections of `store_capacity` EAMs."""
+        if traces:
+            options["eamc"] = eamc_from_traces(traces, capacity=store_capacity)
+        return cls(capacity=store_capacity, **options)
+
+    def bind(self, ctx: PolicyContext, cache: CacheView) -> None:
         super().bind(ctx, cache)
         shape = (ctx.num_layers, ctx.num_experts)
         if self.collections is None:
-            capacity = self.capacity or ctx.options.get("store_capacity", 1000)
-            self.collections = {p: ActivationMatrixCollection(capacity, *shape) for p in PHASES}
+            self.collections = {p: ActivationMatrixCollection(self.capacity, *shape) for p in PHASES}
         for phase, c in self.collections.items():
             if c.matrices.shape[1:] != shape:
                 raise ValueError(
@@ -175,10 +185,11 @@ class MoEInfinity(Policy):
     def phase(self) -> str:
         return "prefill" if self._iteration == 0 else "decode"
 
-    def on_request_start(self, batch: int) -> None:
-        self._begin(batch)
+    def on_request_start(self, event: RequestStart) -> None:
+        self._begin(event.batch)
 
-    def on_iteration_start(self, embeds: np.ndarray | None, valid: np.ndarray) -> None:
+    def on_iteration_start(self, event: IterationStart) -> None:
+        valid = event.valid
         rows, tokens = valid.shape
         # Engines driven without `on_request_start` still start new requests with a multi-token prefill.
         if rows != self._rows or (tokens > 1 and self._iteration > 0):
@@ -188,17 +199,10 @@ class MoEInfinity(Policy):
         if self.prefetch_at_start:
             self._predict(-1)
 
-    def on_layer_routed(
-        self,
-        layer: int,
-        probs: np.ndarray | None,
-        ids: np.ndarray,
-        valid: np.ndarray,
-        *,
-        hidden: np.ndarray | None = None,
-    ) -> None:
+    def on_layer_routed(self, event: LayerRouted) -> None:
+        layer, valid = event.layer, event.valid
         rows, tokens = valid.shape
-        chosen = ids.reshape(rows, tokens, -1)  # [B, T, k]
+        chosen = event.ids.reshape(rows, tokens, -1)  # [B, T, k]
         eams = self._eams[self.phase]
         for b in np.flatnonzero(self._active):
             counts = np.bincount(chosen[b][valid[b]].ravel(), minlength=self.ctx.num_experts)  # [J]

@@ -22,7 +22,7 @@ class OnDemandLFU(Policy):
     name = "on_demand_lfu"
 
     def keep_score(self, key: Key, entry: Entry) -> float:
-        return float(self.cache.book.freq.get(key, 0))
+        return float(self.cache.freq(key))
 
 
 class Resident(Policy):

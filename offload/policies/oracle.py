@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ..cache import Entry, Key
+from ..cache import CacheView, Entry, Key
+from ..events import IterationStart, LayerRouted, RequestStart
 from .base import Policy, PolicyContext
 
 
@@ -107,7 +108,7 @@ class Oracle(Policy):
                     self.uses.setdefault((layer, e), []).append(step)
         self.calls.append(_Call(offset, tokens))
 
-    def bind(self, ctx: PolicyContext, cache: Any) -> None:
+    def bind(self, ctx: PolicyContext, cache: CacheView) -> None:
         super().bind(ctx, cache)
         if (ctx.num_layers, ctx.num_experts) != (self.num_layers, self.num_experts):
             raise ValueError(
@@ -139,10 +140,11 @@ class Oracle(Policy):
         if batch != rows:
             raise self._diverged(f"the batch has {batch} requests, the trace {rows}")
 
-    def on_request_start(self, batch: int) -> None:
-        self._open_call(batch)
+    def on_request_start(self, event: RequestStart) -> None:
+        self._open_call(event.batch)
 
-    def on_iteration_start(self, embeds: np.ndarray | None, valid: np.ndarray) -> None:
+    def on_iteration_start(self, event: IterationStart) -> None:
+        valid = event.valid
         if self._call < 0 or self._iteration + 1 >= self.calls[self._call].iterations:
             self._open_call(valid.shape[0])
         if self._layer not in (-1, self.num_layers - 1):
@@ -159,29 +161,22 @@ class Oracle(Policy):
         if self.prefetch:
             self._request(exclude=frozenset())
 
-    def on_layer_routed(
-        self,
-        layer: int,
-        probs: np.ndarray | None,
-        ids: np.ndarray,
-        valid: np.ndarray,
-        *,
-        hidden: np.ndarray | None = None,
-    ) -> None:
+    def on_layer_routed(self, event: LayerRouted) -> None:
+        layer = event.layer
         if layer != self._layer + 1:
             raise self._diverged(f"MoE layer {layer} routed after layer {self._layer}")
         self._layer = layer
         self._now += 1
-        needed = frozenset((layer, int(e)) for e in ids[valid.reshape(-1)].ravel())
+        needed = frozenset((layer, e) for e in event.needed)
         if needed != self.needs[self._now]:
             raise self._diverged(
                 f"MoE layer {layer} needs experts {sorted(e for _, e in needed)}, the trace "
                 f"{sorted(e for _, e in self.needs[self._now])}"
             )
-        entries = self.cache.book.entries
-        self._at_routing = {
-            key: (entries[key].last_use if key in entries else None) for key in self.needs[self._now]
-        }
+        self._at_routing = {}
+        for key in self.needs[self._now]:
+            entry = self.cache.entry(key)
+            self._at_routing[key] = None if entry is None else entry.last_use
         if self.prefetch:
             self._request(exclude=self.needs[self._now])
 
@@ -212,7 +207,7 @@ class Oracle(Policy):
 
     def _served(self, key: Key) -> bool:
         """The current layer has used `key` since it routed (its last use moved on)."""
-        entry = self.cache.book.entries.get(key)
+        entry = self.cache.entry(key)
         return entry is not None and entry.used and entry.last_use != self._at_routing[key]
 
     def keep_score(self, key: Key, entry: Entry) -> float:
@@ -224,13 +219,12 @@ class Oracle(Policy):
         when = self.next_use(key)
         if self.next_use(victim) <= when:
             return False
-        entries = self.cache.book.entries
-        to_load = sum(1 for k in self._at_routing if k not in entries)
+        to_load = sum(1 for k in self._at_routing if self.cache.entry(k) is None)
         if not to_load:
             return True
         later = sum(
             1
-            for k, e in entries.items()
+            for k, e in self.cache.entries()
             if k != victim
             and k not in self._at_routing
             and e.ready

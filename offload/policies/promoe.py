@@ -12,14 +12,14 @@ from __future__ import annotations
 import collections
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..cache import Entry, Key
+from ..cache import CacheView, Entry, Key
+from ..events import IterationStart, LayerRouted
 from ..predictors import Predictor
-from ..schedule import needed_experts
 from .base import Policy, PolicyContext
 
 # Keep scores (higher is kept longer). Unpredicted experts score below 1 (the subclass orders them), an
@@ -87,16 +87,15 @@ class PredictedPrefetch(Policy):
         self.need = {}
         self.predicted = {}
 
-    def _routed(self, layer: int, ids: np.ndarray) -> None:
-        """Layer `layer` has routed: its needed experts become the protected ones, its predictions expire."""
-        needed = needed_experts(ids, self.rows)
+    def _routed(self, event: LayerRouted) -> None:
+        """A layer has routed: its needed experts become the protected ones, its predictions expire."""
+        layer, needed = event.layer, event.needed
         if layer in self.predicted and needed:
             self.recall_sum += len(self.predicted[layer] & set(needed)) / len(needed)
             self.counts["scored_layers"] += 1
         self.current = layer
         self.want = {key: u for key, u in self.want.items() if key[0] > layer}
-        freq = self.cache.book.freq
-        self.need = {(layer, e): freq.get((layer, e), 0) for e in needed}
+        self.need = {(layer, e): self.cache.freq((layer, e)) for e in needed}
 
     def _end_iteration(self) -> None:
         self.current = self.ctx.num_layers
@@ -137,7 +136,7 @@ class PredictedPrefetch(Policy):
     def _waiting(self, key: Key) -> bool:
         """A needed expert of the current layer that the layer has not used yet."""
         uses = self.need.get(key)
-        return uses is not None and self.cache.book.freq.get(key, 0) == uses
+        return uses is not None and self.cache.freq(key) == uses
 
     def keep_score(self, key: Key, entry: Entry) -> float:
         if self._waiting(key):
@@ -147,26 +146,26 @@ class PredictedPrefetch(Policy):
             return _PREDICTED + urgency
         return self.idle_keep(key, entry)
 
-    def _book_of(self, key: Key) -> Any:
-        """The `CacheBook` of the device that holds `key` (with several devices the cache is a `CacheGroup`,
-        and each device's cache asks about its own slots)."""
-        cache_of = getattr(self.cache, "cache_of", None)
-        return self.cache.book if cache_of is None else cache_of(key).book
-
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         urgency = self.want.get(key)
         if urgency is None:  # its layer has run (the cache drops such requests, this is the last guard)
             return False
-        book = self._book_of(victim)
-        if self.keep_score(victim, book.entries[victim]) >= _PREDICTED + urgency:
+        if self.keep_score(victim, self.cache.entry(victim)) >= _PREDICTED + urgency:
             return False
-        to_load = sum(1 for k in self.need if self._book_of(k) is book and k not in book and self._waiting(k))
+        device = self.cache.device_of(victim)  # the device whose slot is at stake
+        to_load = sum(
+            1
+            for k in self.need
+            if self.cache.device_of(k) == device and self.cache.entry(k) is None and self._waiting(k)
+        )
         if not to_load:
             return True
         low = sum(
-            1 for k, entry in book.entries.items() if k != victim and self.keep_score(k, entry) < _PREDICTED
+            1
+            for k, entry in self.cache.entries(near=victim)
+            if k != victim and self.keep_score(k, entry) < _PREDICTED
         )
-        return low + book.free_slots >= to_load
+        return low + self.cache.free_slots(near=victim) >= to_load
 
     def stats(self) -> dict[str, Any]:
         out = dict(self.counts)
@@ -212,14 +211,26 @@ class ProMoE(PredictedPrefetch):
     needs_semantic = True  # the embedding feeds the predictors of layers [0, d)
     needs_hidden = True
 
-    def bind(self, ctx: PolicyContext, cache: Any) -> None:
+    @classmethod
+    def from_traces(
+        cls, traces: Sequence[Any], *, prefetch_distance: int, store_capacity: int, **options: Any
+    ) -> ProMoE:
+        """ProMoE with predictors trained on recorded traces (with hidden states), stride d; a
+        `predictor` in `options` is used as it is."""
+        if "predictor" not in options:
+            from fmoe_jax.research.predictor_training import train_promoe
+
+            options["predictor"] = train_promoe(traces, stride=prefetch_distance, progress=False)
+        return cls(**options)
+
+    def bind(self, ctx: PolicyContext, cache: CacheView) -> None:
         super().bind(ctx, cache)
         self.predictor = self._load_predictor(ctx, input_dim=ctx.embed_dim, stride=ctx.prefetch_distance)
         self.stride = ctx.prefetch_distance
 
-    def on_iteration_start(self, embeds: np.ndarray | None, valid: np.ndarray) -> None:
-        self._start_iteration(valid)
-        x = embeds[self.rows]  # [n, H]
+    def on_iteration_start(self, event: IterationStart) -> None:
+        self._start_iteration(event.valid)
+        x = event.embeds[self.rows]  # [n, H]
         items = []
         for target in range(min(self.stride, self.ctx.num_layers)):
             probs = self._predict(self.predictor.probs, x, target)
@@ -227,20 +238,13 @@ class ProMoE(PredictedPrefetch):
         items.sort(key=lambda item: -item[1])
         self.cache.request_prefetch(items, replace=True)
 
-    def on_layer_routed(
-        self,
-        layer: int,
-        probs: np.ndarray | None,
-        ids: np.ndarray,
-        valid: np.ndarray,
-        *,
-        hidden: np.ndarray | None = None,
-    ) -> None:
-        self._routed(layer, ids)
+    def on_layer_routed(self, event: LayerRouted) -> None:
+        self._routed(event)
+        layer = event.layer
         target = layer + self.stride
         if target >= self.ctx.num_layers:
             return
-        probs = self._predict(self.predictor.probs, hidden[self.rows], target)
+        probs = self._predict(self.predictor.probs, event.hidden[self.rows], target)
         items = self._select(target, probs, self.stride)
         self.cache.request_prefetch(items, replace=[target], stale_before=layer + 1)
 

@@ -19,6 +19,19 @@ UNK_TOKEN = "<unk>"
 # Their ids are 0..3 in this order in every tokenizer trained here.
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN)
 _N_BYTES = 256
+# Chat turns rendered as the speeches of a play ("USER:\n...\n\n"), the dialogue form closest to what the
+# training corpora hold (Tiny Shakespeare); the assistant's turn opens with "ASSISTANT:\n". The shipped
+# models carry it as `chat_template.jinja`.
+CHAT_TEMPLATE = """{{- bos_token -}}
+{%- for message in messages -%}
+{{- message['role'] | upper }}:
+{{ message['content'] | trim }}
+
+{% endfor -%}
+{%- if add_generation_prompt -%}
+ASSISTANT:
+{% endif -%}
+"""
 
 
 def train_bpe_tokenizer(
@@ -79,6 +92,7 @@ def train_bpe_tokenizer(
         unk_token=UNK_TOKEN,
         clean_up_tokenization_spaces=False,
     )
+    fast.chat_template = CHAT_TEMPLATE
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))
 
@@ -90,6 +104,6 @@ def load_tokenizer(path: str | Path) -> transformers.PreTrainedTokenizerBase:
         found = sorted(p.name for p in path.iterdir()) if path.is_dir() else "no such directory"
         raise FileNotFoundError(
             f"{path}: no tokenizer here (found: {found}); expected a directory with tokenizer.json, "
-            "e.g. one written by fmoe_jax.tokenizer.train_bpe_tokenizer."
+            "e.g. one written by fmoe_jax.research.tokenizer.train_bpe_tokenizer."
         )
     return transformers.AutoTokenizer.from_pretrained(str(path))

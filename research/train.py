@@ -23,13 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-
-from fmoe_jax import workloads
 from fmoe_jax.models import Layout, MoECausalLM, build_model, config_from_hf, init_kv_cache
 from fmoe_jax.models.moe import Kernel
+from fmoe_jax.research import workloads
 
 VOCAB_SIZE = 8192
-BOS_ID, EOS_ID, PAD_ID = 0, 1, 2  # fixed by fmoe_jax.tokenizer.SPECIAL_TOKENS
+BOS_ID, EOS_ID, PAD_ID = 0, 1, 2  # fixed by fmoe_jax.research.tokenizer.SPECIAL_TOKENS
 
 _COMMON = dict(
     vocab_size=VOCAB_SIZE,
@@ -414,16 +413,16 @@ def prepare_tokenizer(
     """Trains the byte-level BPE on the train split of every domain (once; reused if `out_dir` has one) and
     makes it prepend `<s>` to every encoded text, as training rows start. Returns the loaded tokenizer."""
     import transformers
-    from tokenizers import processors
-
-    from fmoe_jax.tokenizer import (
+    from fmoe_jax.research.tokenizer import (
         BOS_TOKEN,
+        CHAT_TEMPLATE,
         EOS_TOKEN,
         PAD_TOKEN,
         UNK_TOKEN,
         load_tokenizer,
         train_bpe_tokenizer,
     )
+    from tokenizers import processors
 
     out_dir = Path(out_dir)
     if not (out_dir / "tokenizer.json").exists():
@@ -444,6 +443,7 @@ def prepare_tokenizer(
             pad_token=PAD_TOKEN,
             unk_token=UNK_TOKEN,
             clean_up_tokenization_spaces=False,
+            chat_template=CHAT_TEMPLATE,
         ).save_pretrained(str(out_dir))
     tokenizer = load_tokenizer(out_dir)
     if tokenizer("a")["input_ids"][:1] != [BOS_ID] or len(tokenizer) != vocab_size:

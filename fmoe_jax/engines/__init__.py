@@ -1,0 +1,65 @@
+"""Engines: what runs a model's steps for `generate` and `forward`.
+
+`ResidentEngine` (`engines/resident.py`) keeps every weight on the device and runs each step as one
+program; `OffloadEngine` (`engines/offload.py`) keeps routed experts in host memory and runs the layers one
+by one through the iteration driver. Both implement `Engine`; their compiled programs belong to them
+(`engines/programs.py`), and `engines/devices.py` holds what one device and several differ in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+
+from fmoe_jax.models import LayerKV, Layout, Routing
+
+from ..sampling import Sampling
+from .programs import Programs, Recorded
+
+
+class StepOutput:
+    """What one engine step returns to the generation loop."""
+
+    __slots__ = ("tokens", "logits", "recorded")
+
+    def __init__(self, tokens: Any, logits: Any, recorded: Recorded | None = None):
+        self.tokens = tokens  # [B] int32, sampled next tokens
+        self.logits = logits  # [B, V] float32, logits of the last position
+        self.recorded = recorded  # the step's routing, when asked to record it
+
+
+class Engine(Protocol):
+    """The interface `fmoe_jax.generate` and `fmoe_jax.forward` drive."""
+
+    programs: Programs  # the engine's compiled programs, their compilations and compile time
+
+    def init_cache(self, batch: int, length: int) -> list[LayerKV]:
+        """A fresh KV cache `[B, S, ...]` per layer."""
+
+    def begin(self, batch: int) -> None:
+        """A `generate` call over `batch` rows starts (statistics count from here)."""
+
+    def step(
+        self,
+        tokens: Any,
+        kv: list[LayerKV],
+        layout: Layout,
+        key: Any,
+        sampling: Sampling,
+        record: bool = False,
+        record_hidden: bool = False,
+    ) -> tuple[StepOutput, list[LayerKV]]:
+        """Prefill (T > 1) or one decode step (T = 1) of tokens `[B, T]`."""
+
+    def finish(self, stats: Any) -> None:
+        """The call is over: fill the engine's statistics into `stats` (a `GenerationStats`)."""
+
+    def forward(self, tokens: jax.Array) -> tuple[jax.Array, list[Routing]]:
+        """Full-sequence logits `[B, T, V]` float32 and each MoE layer's routing, no sampling or cache."""
+
+    def close(self) -> None:
+        """Stops background work and saves state (once)."""
+
+
+__all__ = ["Engine", "Programs", "Recorded", "StepOutput"]

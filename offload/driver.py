@@ -1,0 +1,161 @@
+"""The iteration driver: the one place that orders the events of a decode iteration and keeps their
+statistics. The live engine (`fmoe_jax/engines/offload.py`, per-layer loop and full-cache fast path) and
+the trace-replay simulator (`offload/simulator.py`) both run every iteration through `Driver.iteration`, so
+what the policy and the cache see cannot differ between them.
+
+A caller supplies two functions: `route(layer)` (compute attention and the router of one MoE layer, or read
+them from a trace, and return the routing) and `compute(layer, chunk, arrays, is_last)` (run some of the
+layer's experts, or advance a simulated clock). The driver does the rest, in this order (DESIGN.md,
+"One decode iteration"):
+
+    RequestStart                                    once per generate call / replayed batch (`begin`)
+    IterationStart(valid, semantic context)
+    for each MoE layer l:
+        route(l)                                    attention and router; the caller's one host read
+        protect l's needed experts                  from here on no prefetch may evict them
+        LayerRouted(l, trajectory context)          the policy may request prefetches now
+        for each chunk of l's needed experts:       one chunk unless l needs more than the cache holds
+            ensure -> compute -> release            hits counted, misses loaded, weights pinned meanwhile
+                                                    (per device, with several devices)
+    on_iteration_end
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .cache import CacheStats, Key
+from .events import IterationStart, LayerRouted, RequestStart, needed_experts
+
+
+class Routed(NamedTuple):
+    """One MoE layer's routing on the host, as `route` returns it."""
+
+    ids: np.ndarray  # [N, k] int32
+    probs: np.ndarray | None = None  # [N, J] float32, when the policy needs it (or the caller records it)
+    hidden: np.ndarray | None = None  # [N, D] float32 router input, likewise
+
+
+Route = Callable[[int], Routed]
+Compute = Callable[[int, list[Key], dict[Key, Any], bool], Any]
+
+
+@dataclasses.dataclass
+class Measured:
+    """What the requests since `Driver.reset` cost."""
+
+    cache: CacheStats  # counts of the call (peak bytes: the cache's peak so far)
+    overhead_s: dict[str, float]  # host seconds by stage (the driver's, the cache's and the policy's)
+
+
+class Driver:
+    """Feeds one policy and one expert cache (a `DeviceExpertCache` or a `CacheGroup`) the event stream."""
+
+    def __init__(self, policy: Any, cache: Any):
+        self.policy = policy
+        self.cache = cache
+        # Host seconds by stage: "policy_events" (the policy's hooks on this thread) is the driver's own;
+        # callers add theirs (the engine's "context_collection").
+        self.timers: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self._start: tuple[CacheStats, dict[str, float]] = (CacheStats(), {})
+
+    # -- statistics ---------------------------------------------------------------------------------------
+    def _all_timers(self) -> dict[str, float]:
+        out = dict(self.timers)
+        for source in (self.cache.timers, self.policy.timers):
+            for name, value in source.items():
+                out[name] = out.get(name, 0.0) + value
+        return out
+
+    def reset(self) -> None:
+        """Statistics count from here on."""
+        self._start = (self.cache.stats.copy(), self._all_timers())
+
+    def measure(self) -> Measured:
+        """Counts and host times since the last `reset`."""
+        before, timers = self._start
+        now = self._all_timers()
+        return Measured(self.cache.stats - before, {k: v - timers.get(k, 0.0) for k, v in now.items()})
+
+    # -- events -------------------------------------------------------------------------------------------
+    def _tell(self, hook: Callable, *args: Any) -> None:
+        start = time.perf_counter()
+        hook(*args)
+        self.timers["policy_events"] += time.perf_counter() - start
+
+    def begin(self, batch: int) -> None:
+        """A batch of requests begins: the policy hears `RequestStart`."""
+        self._tell(self.policy.on_request_start, RequestStart(batch))
+
+    def iteration(self, valid: np.ndarray, embeds: np.ndarray | None, route: Route, compute: Compute) -> None:
+        """Runs one iteration over the MoE layers (see the module docstring for the order).
+
+        Args:
+          valid: `[B, T]` bool, the iteration's valid tokens.
+          embeds: `[N, H]` float32 semantic context, or None when the policy does not need it.
+          route: `route(layer)` -> `Routed`, called once per MoE layer in order.
+          compute: `compute(layer, chunk, arrays, is_last)`, called per chunk of a layer's needed experts
+            with their device arrays (`chunk` empty and `is_last` True when the layer needs none).
+        """
+        policy = self.policy
+        token_valid = valid.reshape(-1)
+        start = IterationStart(valid, embeds if policy.needs_semantic else None)
+        self._tell(policy.on_iteration_start, start)
+        for layer in range(policy.ctx.num_layers):
+            routed = route(layer)
+            needed = needed_experts(routed.ids, token_valid)
+            # Protect before the policy hears of the routing: a prefetch it requests must not evict them.
+            self.cache.protect([(layer, e) for e in needed], layer)
+            event = LayerRouted(
+                layer,
+                routed.ids,
+                valid,
+                needed,
+                probs=routed.probs if policy.needs_probs else None,
+                hidden=routed.hidden if policy.needs_hidden else None,
+            )
+            self._tell(policy.on_layer_routed, event)
+            self.serve(layer, needed, compute)
+        self._tell(policy.on_iteration_end)
+
+    def serve(self, layer: int, needed: tuple[int, ...], compute: Compute) -> None:
+        """For each device's share of the layer's needed experts, chunk by chunk: ensure, compute, release.
+
+        `is_last` is True for the layer's last chunk over all devices (the engine finishes the layer
+        there); a layer that needs nothing gets one `compute` with an empty chunk."""
+        try:
+            parts = self.cache.parts([(layer, e) for e in needed])
+            chunks = [
+                (part, chunk)
+                for part, keys in parts
+                for chunk in plan_chunks(keys, part.book.capacity, part.book.__contains__)
+            ]
+            if not chunks:
+                compute(layer, [], {}, True)
+                return
+            for i, (part, chunk) in enumerate(chunks):
+                arrays = part.ensure(layer, chunk)
+                try:
+                    compute(layer, chunk, arrays, i == len(chunks) - 1)
+                finally:
+                    part.release(chunk)
+                # A chunk that has run needs no protection: prefetches for later layers may take its slots
+                # while the layer's remaining chunks load (DuoServe streams its prefill through them).
+                self.cache.protect([key for _, later in chunks[i + 1 :] for key in later], layer)
+        finally:
+            self.cache.protect(())
+
+
+def plan_chunks(keys: list[Key], capacity: int, held: Callable[[Key], bool]) -> list[list[Key]]:
+    """Splits one device's share of a layer's needed experts into chunks of at most `capacity`. When it
+    takes more than one, held experts go first: they are hits now, and loading the others would evict
+    them."""
+    if len(keys) > capacity:
+        keys = sorted(keys, key=lambda k: not held(k))
+    return [keys[i : i + capacity] for i in range(0, len(keys), capacity)]

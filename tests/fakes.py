@@ -1,0 +1,36 @@
+"""Stand-ins shared by the policy tests: a cache that records prefetch requests, and event helpers that
+drive a policy's hooks as the iteration driver does (`offload/driver.py`)."""
+
+from __future__ import annotations
+
+import numpy as np
+from fmoe_jax.offload.cache import BookView, CacheBook
+from fmoe_jax.offload.events import IterationStart, LayerRouted, RequestStart, needed_experts
+
+
+class RecordingCache(BookView):
+    """A `CacheView` over a real `CacheBook` (for the eviction rules) whose prefetch requests are recorded,
+    not carried out."""
+
+    def __init__(self, capacity: int = 8):
+        self.book = CacheBook(capacity, expert_bytes=1)
+        self.requests: list[tuple[list, dict]] = []
+        self.timers = {"on_demand_wait": 0.0}
+
+    def request_prefetch(self, items, **kwargs):
+        self.requests.append((list(items), kwargs))
+
+
+def request_start(policy, batch: int) -> None:
+    policy.on_request_start(RequestStart(batch))
+
+
+def iteration_start(policy, embeds, valid) -> None:
+    policy.on_iteration_start(IterationStart(np.asarray(valid), embeds))
+
+
+def layer_routed(policy, layer: int, probs, ids, valid, *, hidden=None) -> None:
+    """`LayerRouted` for ids `[N, k]` and valid `[B, T]` (its needed experts computed as the driver does)."""
+    ids, valid = np.asarray(ids), np.asarray(valid)
+    needed = needed_experts(ids, valid.reshape(-1))
+    policy.on_layer_routed(LayerRouted(layer, ids, valid, needed, probs, hidden))
