@@ -22,7 +22,7 @@ import fmoe_jax as fj
 from fmoe_jax.engines.offload import OffloadEngine
 from fmoe_jax.trace import RoutingTrace
 
-FAMILIES = ["mixtral", "qwen2_moe", "phimoe"]
+FAMILIES = ["mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2_lite", "deepseek_v2"]
 PROMPTS = {1: [[3, 14, 15, 92, 65, 35, 89, 79]], 3: [[3, 14, 15], list(range(20, 60)), [7, 7, 7, 7, 7, 7]]}
 NEW_TOKENS = 4
 

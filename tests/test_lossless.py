@@ -26,9 +26,11 @@ import fmoe_jax as fj
 from fmoe_jax.engines.offload import OffloadEngine
 from fmoe_jax.generation import bucket_length
 
-SHIPPED = ["fmoe-tiny-mixtral", "fmoe-tiny-qwen-moe"]
+SHIPPED = ["fmoe-tiny-mixtral", "fmoe-tiny-qwen-moe", "fmoe-tiny-qwen3-moe"]
 RANDOM = [
-    (family, dtype) for family in ("mixtral", "qwen2_moe", "phimoe") for dtype in ("bfloat16", "float32")
+    (family, dtype)
+    for family in ("mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2_lite", "deepseek_v2")
+    for dtype in ("bfloat16", "float32")
 ]
 WARMUP_PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79], [26, 53, 58, 97, 93], list(range(40, 70))]
 

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 import fmoe_jax as fj
 
-FAMILIES = ["mixtral", "qwen2_moe", "phimoe"]
+# Tiny models of conftest.HF_CONFIGS: every family, DeepSeek-V2 in both its shapes.
+FAMILIES = ["mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2_lite", "deepseek_v2"]
 BASE_POLICIES = ["resident", "on_demand_lru", "on_demand_lfu", "fmoe"]
 
 

@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.cost_model import (
+    DEEPSEEK_V2_LITE,
     HARDWARE,
     MIXTRAL_8X7B,
     MODELS,
+    OLMOE_1B_7B,
     PHI35_MOE,
+    QWEN3_30B_A3B,
     QWEN15_MOE_A27B,
     CostModel,
     HardwarePreset,
@@ -135,7 +138,9 @@ def with_early_eos(hf_dir: Path, out: Path) -> Path:
     raise AssertionError(f"no generated token stops exactly one row early ({tokens}); change BATCHES")
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+# Top-2 of 4; Qwen1.5's dense layer and shared expert; DeepSeek's dense first layer and top-6 of 16. (Qwen3's
+# tiny model is left out: its quarter budget is exactly top-8, where fmoe admits no prefetch to compare.)
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2_lite"])
 def test_replay_counts_equal_live_engine_for_every_policy(family, hf_dirs, tmp_path):
     hf_dir = with_early_eos(hf_dirs[family], tmp_path / family)
     cfg = fj.load_model(hf_dir).config
@@ -430,7 +435,14 @@ def test_cache_bytes_budget_uses_the_preset_expert_size():
 # -- presets and errors --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "preset, published",
-    [(MIXTRAL_8X7B, 46.7e9), (QWEN15_MOE_A27B, 14.3e9), (PHI35_MOE, 41.9e9)],  # model cards
+    [
+        (MIXTRAL_8X7B, 46.7e9),
+        (QWEN15_MOE_A27B, 14.3e9),
+        (PHI35_MOE, 41.9e9),
+        (QWEN3_30B_A3B, 30.5e9),
+        (OLMOE_1B_7B, 6.9e9),
+        (DEEPSEEK_V2_LITE, 15.7e9),
+    ],  # model cards
 )
 def test_model_presets_match_published_parameter_counts(preset, published):
     np.testing.assert_allclose(preset.total_params, published, rtol=0.005)
@@ -438,7 +450,9 @@ def test_model_presets_match_published_parameter_counts(preset, published):
 
 def test_presets_are_registered_and_sane():
     assert MIXTRAL_8X7B.expert_bytes == 3 * 4096 * 14336 * 2
-    assert set(MODELS) == {"mixtral", "qwen2_moe", "phimoe"}
+    assert set(MODELS) == {"mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2"}
+    # DeepSeek-V2-Lite's latent cache: 512 + 64 numbers per token and layer, not 16 heads x (192 + 128).
+    assert DEEPSEEK_V2_LITE.kv_bytes_per_token == (512 + 64) * 2
     for hardware in HARDWARE.values():
         assert 20e9 < hardware.link_effective < hardware.link_bytes_per_s < 70e9
     assert HARDWARE["h100_sxm"].link_effective > 2 * HARDWARE["a100_sxm"].link_effective  # Gen5 vs Gen4
