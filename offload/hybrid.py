@@ -8,10 +8,11 @@ and before any expert runs; the live engine (`fmoe_jax/engines/host.py`) and the
 The decision (DESIGN.md, "One decode iteration", step c), per needed expert:
 - resident on the device: the device computes it (a hit);
 - otherwise the host takes it if it would finish it sooner than its copy would land: an arriving copy's
-  remaining time, or for an expert nobody is copying, an on-demand load issued now behind the loads already
-  planned for this layer. The host's finish time counts its call overhead once per layer (latency,
-  the activations to the host) and, per expert, its compute and the result's trip back; experts go to the
-  host in order of fewest tokens first, since host time grows with tokens and a copy's does not.
+  remaining time, or for an expert nobody is copying, an on-demand load issued now; either counts the
+  on-demand loads already planned for this layer (they go before a prefetch's unsent chunks). The host's
+  finish time counts its call overhead once per layer (latency, the activations to the host) and, per
+  expert, its compute and the result's trip back; experts go to the host in order of fewest tokens first,
+  since host time grows with tokens and a copy's does not.
 So decode (one token per expert) mostly computes misses on the host and prefill (many tokens per expert)
 mostly copies; the cost model decides. Fiddler's rule (efeslab/fiddler, `src/fiddler/mixtral.py`) is the
 same comparison with fixed latencies (7 ms per token on the CPU against 70 ms per copy).
@@ -76,7 +77,7 @@ class HybridPlanner:
             ahead = 0  # on-demand loads already planned on this device's link
             for key in sorted(absent, key=lambda k: (tokens[k[1]], k)):
                 arriving = cache.entry(key) is not None
-                land = cache.copy_eta(key) if arriving else cache.copy_eta(key, ahead)
+                land = cache.copy_eta(key, ahead)
                 done = host_done + self.cost.expert_s(tokens[key[1]])
                 if done < land:
                     on_host.append(key)

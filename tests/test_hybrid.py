@@ -23,7 +23,7 @@ from fmoe_jax.offload.cost_model import (
 from fmoe_jax.offload.hybrid import FixedHostCost, HybridPlanner, MeasuredHostCost, ModelledHostCost
 from fmoe_jax.offload.policies import Fiddler, PolicyContext, StaticSplit
 from fmoe_jax.offload.policies.fiddler import expert_usage
-from fmoe_jax.offload.simulator import simulate
+from fmoe_jax.offload.simulator import SimulatedLink, simulate
 
 import fmoe_jax as fj
 from fmoe_jax.engines.offload import OffloadEngine, router_weights
@@ -277,6 +277,26 @@ def test_host_runs_beside_the_device(mem, host_s, wait_s):
     assert r.ttft_s == [pytest.approx(40.8e-6 + max(300e-6, host_s) + 200e-6, rel=1e-9)]
     assert r.host_compute_s == pytest.approx(host_s, rel=1e-9)
     assert r.host_wait_s == pytest.approx(wait_s, rel=1e-9, abs=1e-12)
+
+
+def test_the_chunked_link_answers_the_planner_as_it_then_copies():
+    """An expert goes over in 3 pieces of 100 s; on-demand loads go before a prefetch's unsent pieces. The
+    planner's estimates (`landing_in`, `load_in`) are the times the link then delivers."""
+    link = SimulatedLink(expert_bytes=300, bytes_per_s=1.0, chunks=3)
+    prefetch = link.start((0, 0))
+    link.compute(50.0)  # the first piece is under way until 100
+    assert link.load_in() == pytest.approx(50 + 300)  # after that piece, before the prefetch's other two
+    assert link.load_in(ahead=1) == pytest.approx(50 + 600)
+    assert link.landing_in(prefetch) == pytest.approx(50 + 200)
+    assert link.landing_in(prefetch, ahead=1) == pytest.approx(50 + 300 + 200)
+    load = link.start((0, 1), urgent=True)
+    assert link.landing_in(load) == pytest.approx(350)
+    assert link.landing_in(prefetch) == pytest.approx(550)
+    link.wait([load])
+    assert link.clock == pytest.approx(400)
+    link.wait([prefetch])
+    assert link.clock == pytest.approx(600)
+    assert link.landing_in(prefetch) == 0.0
 
 
 def test_a_host_slower_than_the_link_changes_nothing():

@@ -57,10 +57,16 @@ class TimedMover:
         """Times one copy of `key` (discarded), so that the planner has a copy time before the first miss."""
         self.wait([self.start(key)])
 
-    def start(self, key: Key) -> Any:
-        handle = self.inner.start(key)
+    def start(self, key: Key, *, urgent: bool = False) -> Any:
+        handle = self.inner.start(key, urgent=urgent)
         self.started[id(handle)] = (time.perf_counter(), handle)
         return handle
+
+    def cancel(self, handle: Any) -> float | None:
+        unsent = self.inner.cancel(handle)
+        if unsent is not None:
+            self.started.pop(id(handle), None)
+        return unsent
 
     def is_ready(self, handle: Any) -> bool:
         ready = self.inner.is_ready(handle)
@@ -85,7 +91,8 @@ class TimedMover:
             self.busy_s += max(0.0, now - max(begin, self._busy_until))
             self._busy_until = max(self._busy_until, now)
 
-    def landing_in(self, handle: Any) -> float:
+    def landing_in(self, handle: Any, ahead: int = 0) -> float:
+        """The rest of the average copy time (`ahead` is ignored: `jax.device_put` has no priorities)."""
         record = self.started.get(id(handle))
         if record is None or self.copy_s is None:
             return 0.0
