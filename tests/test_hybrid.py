@@ -1,11 +1,12 @@
 """Hybrid execution: the planner's rule on stand-in caches, the host's cost (modelled and measured), the
 fixed-placement baselines (fiddler, static_split), the simulator's host on hand-computed timelines, the
-replay's counts against the live engine's, and live serving with its statistics. Losslessness over every
-policy is in tests/test_lossless.py."""
+replay's counts against the live engine's, live serving with its statistics, and losslessness (every policy
+on Mixtral, and the other families) with test_lossless.py's helpers."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -21,9 +22,10 @@ from fmoe_jax.offload.cost_model import (
     ModelPreset,
 )
 from fmoe_jax.offload.hybrid import FixedHostCost, HybridPlanner, MeasuredHostCost, ModelledHostCost
-from fmoe_jax.offload.policies import Fiddler, PolicyContext, StaticSplit
+from fmoe_jax.offload.policies import POLICIES, Fiddler, PolicyContext, StaticSplit
 from fmoe_jax.offload.policies.fiddler import expert_usage
 from fmoe_jax.offload.simulator import SimulatedLink, simulate
+from test_lossless import Subject, check_lossless, subject_loader
 
 import fmoe_jax as fj
 from fmoe_jax.engines.offload import OffloadEngine, router_weights
@@ -324,12 +326,27 @@ def test_a_host_slower_than_the_link_changes_nothing():
 
 
 # -- the live engine -----------------------------------------------------------------------------------------
-BATCHES = [[[3, 14, 15, 92, 65], [7, 7, 7]], [[9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [100, 101]]]
+# Every engine serves the weights and compiled programs of one `Subject` per family (test_lossless.py's
+# fixture, module-scoped here): compiling the per-layer programs of each batch shape is most of these tests'
+# time. Mixtral's batches here have the shape of BATCH_OF_3 below (3 rows padded to 24 tokens, 32 cache
+# positions).
+BATCHES = [
+    [[3, 14, 15, 92, 65], list(range(30, 50)), [7, 7, 7]],
+    [[9, 8, 7, 6, 5, 4, 3, 2, 1, 10], [4] * 17, [100]],
+]
 
 
-def hybrid_model(hf_dir, offload: OffloadConfig, host_cost) -> fj.Model:
-    base = fj.load_model(hf_dir, offload=OffloadConfig(cache_experts=1))
-    base.close()
+@pytest.fixture(scope="module")
+def subjects(hf_dirs):
+    return subject_loader(hf_dirs)
+
+
+@pytest.fixture
+def mixtral(subjects) -> fj.Model:
+    return subjects(("mixtral", "bfloat16")).offloaded
+
+
+def hybrid_model(base: fj.Model, offload: OffloadConfig, host_cost=None) -> fj.Model:
     engine = OffloadEngine(base.module, offload, programs=base.engine.programs, host_cost=host_cost)
     return dataclasses.replace(base, engine=engine, offload=offload)
 
@@ -337,10 +354,9 @@ def hybrid_model(hf_dir, offload: OffloadConfig, host_cost) -> fj.Model:
 @pytest.mark.parametrize(
     ("policy", "options"), [("on_demand_lru", {}), ("fiddler", {}), ("static_split", {}), ("fmoe", None)]
 )
-def test_replay_counts_equal_live_hybrid_engine(policy, options, hf_dirs):
+def test_replay_counts_equal_live_hybrid_engine(policy, options, mixtral):
     """Synchronous copies, every miss on the host in both (a free host live, an instant one replayed): the
     replay's hits, misses, host-computed experts and loads (fills, restored placements) equal the engine's."""
-    hf_dir = hf_dirs["mixtral"]
     options = {"asynchronous": False, "admission": 0.1} if options is None else options
     offload = OffloadConfig(
         policy=policy,
@@ -350,7 +366,7 @@ def test_replay_counts_equal_live_hybrid_engine(policy, options, hf_dirs):
         execution="hybrid",
         policy_options=options,
     )
-    model = hybrid_model(hf_dir, offload, FixedHostCost(0.0))
+    model = hybrid_model(mixtral, offload, FixedHostCost(0.0))
     try:
         outs = [fj.generate(model, b, max_new_tokens=5, record_trace=True) for b in BATCHES]
         live = model.engine.cache.book.stats
@@ -372,25 +388,86 @@ def test_replay_counts_equal_live_hybrid_engine(policy, options, hf_dirs):
     assert sim.layer_needed == [live.layer_needed.get(m, 0) for m in range(len(sim.layer_needed))], policy
 
 
-def test_live_statistics_and_measured_decisions(hf_dirs):
+def test_live_statistics_and_measured_decisions(mixtral):
     """Costs measured online (the default), the host's experts split over two programs: generation equals
-    resident, every counter is consistent, and the host's programs come in a few widths (powers of two up
-    to J for decode, J for prefill), as the device's chunks do, so compilations stay bounded."""
-    hf_dir = hf_dirs["qwen2_moe"]
-    reference = fj.generate(fj.load_model(hf_dir), BATCHES[0], max_new_tokens=6, stop_at_eos=False)
+    copy-only serving's, every counter is consistent, and the host's programs come in a few widths (powers
+    of two up to J for decode, J for prefill), as the device's chunks do, so compilations stay bounded.
+    Until the host is measured it costs nothing, so the first call computes misses there; whether later
+    ones do depends on this machine's timings."""
+    prompts = BATCHES[0]
+    copy = hybrid_model(mixtral, OffloadConfig(policy="on_demand_lru", cache_experts=3))
+    with copy:
+        reference = fj.generate(copy, prompts, max_new_tokens=6, stop_at_eos=False)
     offload = OffloadConfig(policy="on_demand_lru", cache_experts=3, execution="hybrid", host_threads=2)
-    with fj.load_model(hf_dir, offload=offload) as model:
-        outs = [fj.generate(model, BATCHES[0], max_new_tokens=6, stop_at_eos=False) for _ in range(2)]
-        labels = [k for k in model.engine.programs.compilations if k.startswith("host_parts_")]
-        num_experts = model.config.num_experts
+    with hybrid_model(mixtral, offload) as model:
+        outs = [fj.generate(model, prompts, max_new_tokens=6, stop_at_eos=False) for _ in range(2)]
+    labels = [k for k in mixtral.engine.programs.compilations if k.startswith("host_parts_")]
+    num_experts = mixtral.config.num_experts
     widths = {int(label.rsplit("_n", 1)[1]) for label in labels}
     assert widths and widths <= {1, 2, 4, 8, num_experts}, labels
+    first = outs[0].stats
+    assert 0 < first.host_computed and first.extra["host_calls"] > 0
+    assert {"host_dispatch", "host_wait", "hybrid_planning"} <= set(first.overhead_s)
+    assert sum(out.stats.host_compute_s for out in outs) > 0  # calls that compiled are left out
     for out in outs:
         s = out.stats
         assert out.tokens == reference.tokens
-        assert 0 < s.host_computed <= s.misses and s.extra["host_calls"] > 0
-        assert s.host_compute_s > 0 and 0.0 <= s.link_busy_share <= 1.0
-        assert (
-            s.extra["host_copies_alias_pinned"] is True
-        )  # one host copy: the CPU view shares the pinned one
-        assert {"host_dispatch", "host_wait", "hybrid_planning"} <= set(s.overhead_s)
+        assert s.host_computed <= s.misses and 0.0 <= s.link_busy_share <= 1.0
+        assert s.extra["host_copies_alias_pinned"] is True  # one host copy: the CPU view shares pinned memory
+
+
+# -- lossless ------------------------------------------------------------------------------------------------
+class OneTokenOnHost:
+    """A host cost under which the host takes every missed expert that one token uses and the device the
+    others: layers computed on both at once (a padded prefill, a batch's decode step)."""
+
+    def overhead_s(self, tokens: int) -> float:
+        return 0.0
+
+    def expert_s(self, tokens: int) -> float:
+        return 0.0 if tokens <= 1 else math.inf
+
+    def __repr__(self) -> str:
+        return "OneTokenOnHost()"
+
+
+# Hybrid execution compiles the per-layer programs of each shape it serves, and those dominate these tests'
+# time: the policies share one batch shape of one family, the other families one other shape each.
+BATCH_OF_3 = [[3, 14, 15], list(range(20, 44)), [7, 7, 7, 7, 7, 7]]
+BATCH_OF_1 = [[5, 100, 200, 31, 47, 17, 9]]
+HYBRID_NEW_TOKENS = 4
+
+
+def quarter(subject: Subject) -> int:
+    cfg = subject.resident.config
+    return max(1, cfg.num_moe_layers * cfg.num_experts // 4)
+
+
+@pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"resident"}))
+def test_hybrid_execution_is_bit_identical_for_every_policy(policy, subjects):
+    """Mixtral, budgets of one slot and 25 %, a batch of 3: every miss on the host, and the host taking the
+    single-token experts while the device computes the rest of the same layers. Compared bit for bit with
+    copy-only serving (which tests/test_lossless.py holds to resident serving). `resident` is left out: it
+    holds every expert, so nothing misses and its steps take the full-cache fast path, which hybrid
+    execution does not touch."""
+    subject = subjects(("mixtral", "bfloat16"))
+    host_computed = 0
+    for slots in (1, quarter(subject)):
+        for host_cost in (FixedHostCost(0.0), OneTokenOnHost()):
+            host_computed += check_lossless(
+                subject, policy, slots, BATCH_OF_3, HYBRID_NEW_TOKENS, host_cost, against_copy=True
+            )
+    assert host_computed > 0, f"{policy}: the host computed nothing; the test compares little"
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "phimoe", "deepseek_v2"])
+def test_hybrid_execution_is_bit_identical_for_every_family(family, subjects):
+    """The other families' expert kernels and layer layouts on the host: Qwen1.5-MoE (a dense layer, the
+    gated shared expert), Phi-3.5-MoE, and DeepSeek-V2 (dense first layer, ungated shared experts, routing
+    weights scaled by 2.5); Qwen3-MoE and OLMoE run Mixtral's kernel. Batch 1 at one slot: the prefill mixes
+    host and device in each layer, decode sends every miss to the host."""
+    subject = subjects((family, "bfloat16"))
+    host_computed = check_lossless(
+        subject, "on_demand_lru", 1, BATCH_OF_1, HYBRID_NEW_TOKENS, OneTokenOnHost(), against_copy=True
+    )
+    assert host_computed > 0, f"{family}: the host computed nothing; the test compares little"
