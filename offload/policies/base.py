@@ -54,8 +54,9 @@ class Policy:
     preload_all = False  # the cache starts with every expert (the resident policy)
     # Hybrid execution: an expert the host computed is also copied to the cache in the background, behind
     # every prefetch, so that a cache without prediction still follows what is used (on_demand_lru). Off by
-    # default: on the FIFO link such a copy delays the prefetches of a policy that predicts (fmoe, simulated
-    # Mixtral-8x7B on an RTX 3090 + DDR5 desktop: TPOT 41.7 ms with it, 39.6 without; README).
+    # default: the link serves prefetches in the order they start, so such a copy delays the later prefetches
+    # of a policy that predicts (fmoe with admission="all", simulated Mixtral-8x7B on an RTX 3090 + DDR5
+    # desktop at 25 %: TPOT 41.4 ms with it, 40.4 without).
     host_fill = False
 
     @classmethod
