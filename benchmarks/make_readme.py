@@ -211,6 +211,70 @@ def conclusion(results: Path = RESULTS) -> str:
     return " ".join(text)
 
 
+# The main README's hybrid-execution table lies between these lines; `main` rewrites it from exp8's JSON.
+MAIN_README = HERE.parent / "README.md"
+HYBRID_BEGIN = "<!-- exp8_hybrid: written by `python -m benchmarks.make_readme` from its JSON -->"
+HYBRID_END = "<!-- end exp8_hybrid -->"
+
+
+def hybrid_summary(results: Path = RESULTS) -> str:
+    """Experiment 8 at Mixtral-8x7B sizes on the RTX 3090 systems: median TPOT per variant and budget; at
+    25 % the TTFT, the host's share of the needed experts, the host's and the link's busy shares; and the
+    issue's targets."""
+    path = results / "exp8_hybrid.json"
+    if not path.exists():
+        return "*Not run yet: `python -m benchmarks.exp8_hybrid --quick`.*"
+    payload = json.loads(path.read_text())
+    out = []
+    for model, by_system in payload["models"].items():
+        if " at Mixtral" not in model:
+            continue
+        for system, rows in by_system.items():
+            if not system.startswith("rtx_3090"):
+                continue
+            budgets = sorted({r["budget"] for r in rows})
+            by = {}
+            for r in rows:
+                by.setdefault(r["policy"], {})[r["budget"]] = r
+            at = 0.25 if 0.25 in budgets else budgets[len(budgets) // 2]
+            head = [f"TPOT ms, {100 * b:g} %" for b in budgets]
+            head += [f"{col}, {100 * at:g} %" for col in ("TTFT ms", "host share", "host busy", "link busy")]
+            out += [
+                f"Simulated, {model.split(' at ')[0]}'s routing at {model.split(' at ')[1]} sizes, "
+                f"{system.replace('+', ' + ')} (`cost_model.HARDWARE`, `HOSTS`):",
+                "",
+                "| variant | " + " | ".join(head) + " |",
+                "|---|" + "---|" * len(head),
+            ]
+            for policy, cells in by.items():
+                r = cells[at]
+                values = [f"{cells[b]['tpot_ms']:.1f}" for b in budgets]
+                values += [f"{r['ttft_ms']:.0f}"]
+                values += [f"{r[k]:.2f}" for k in ("host_share", "host_busy_share", "link_busy_share")]
+                out.append(f"| {policy} | " + " | ".join(values) + " |")
+            out.append("")
+    goals = next((rows for caption, rows in payload["tables"].items() if caption.startswith("Targets")), [])
+    for g in goals:
+        verdict = "met" if g["met"] else "**not met**"
+        out.append(
+            f"- {g['system'].replace('+', ' + ')}: {g['ratio']} = {g['value']:.3f} (target {g['target']}): "
+            f"{verdict}."
+        )
+    link = "benchmarks/README.md#experiment-8-hybrid-execution-issue-17"
+    out += ["", f"From `{payload['command']}` (all columns: [benchmarks/README.md]({link}))."]
+    return "\n".join(out).rstrip("\n")
+
+
+def write_hybrid_summary(readme: Path = MAIN_README, results: Path = RESULTS) -> None:
+    """Replaces the text between `HYBRID_BEGIN` and `HYBRID_END` in the main README."""
+    text = readme.read_text()
+    if HYBRID_BEGIN not in text or HYBRID_END not in text:
+        raise ValueError(f"{readme} has no {HYBRID_BEGIN!r} ... {HYBRID_END!r} block to fill")
+    before, rest = text.split(HYBRID_BEGIN, 1)
+    after = rest.split(HYBRID_END, 1)[1]
+    readme.write_text(f"{before}{HYBRID_BEGIN}\n{hybrid_summary(results)}\n{HYBRID_END}{after}")
+
+
 def drop_column(markdown: str, column: str) -> str:
     """`markdown` with the table column headed `column` removed from every table."""
     out, index = [], None
@@ -287,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"- `{name}` ({what}): {state}")
     (HERE / "README.md").write_text("\n".join(lines).rstrip("\n") + "\n")
     print(f"wrote {HERE / 'README.md'}")
+    write_hybrid_summary()
+    print(f"wrote the hybrid-execution table of {MAIN_README}")
 
 
 if __name__ == "__main__":

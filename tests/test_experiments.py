@@ -145,3 +145,35 @@ def test_conclusion_is_computed_from_the_results(tmp_path):
     assert "not the highest (promoe 0.70)" in faster and "Mixtral-8x7B" in faster and "RTX 3090" in faster
     slower = write(0.11)
     assert "in 0 of 1 settings" in slower and "10 % above on-demand LRU (ratio 1.10x)" in slower
+
+
+def test_main_readme_hybrid_table_is_written_from_the_results(tmp_path):
+    """The main README's hybrid-execution block is rewritten from exp8's JSON (and only that block): the
+    numbers and whether each target is met follow the saved results."""
+    from benchmarks import make_readme
+
+    def row(policy, budget, tpot):
+        shares = dict(host_share=0.5, host_busy_share=0.75, link_busy_share=0.25)
+        return dict(policy=policy, budget=budget, tpot_ms=tpot, ttft_ms=900.0, **shares)
+
+    rows = [
+        row(p, b, t * b) for p, t in (("on_demand_lru", 400.0), ("fmoe+hybrid", 100.0)) for b in (0.25, 0.5)
+    ]
+    goal = dict(
+        system="rtx_3090+desktop_ddr5", ratio="fmoe+hybrid / fiddler TPOT", value=0.9, target="<= 0.85"
+    )
+    payload = {
+        "command": "python -m benchmarks.exp8_hybrid --quick",
+        "models": {"m at Mixtral-8x7B": {"rtx_3090+desktop_ddr5": rows}, "m at Phi": {"rtx_3090+x": rows}},
+        "tables": {"Targets (issue 17)": [dict(goal, met=False)]},
+    }
+    (tmp_path / "exp8_hybrid.json").write_text(json.dumps(payload))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{make_readme.HYBRID_BEGIN}\nstale\n{make_readme.HYBRID_END}\nrest\n")
+    make_readme.write_hybrid_summary(readme, tmp_path)
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{make_readme.HYBRID_END}\nrest\n")
+    assert "stale" not in text and text.count("| variant |") == 1  # Mixtral sizes only
+    assert "| variant | TPOT ms, 25 % | TPOT ms, 50 % | TTFT ms, 25 % |" in text
+    assert "| fmoe+hybrid | 25.0 | 50.0 | 900 | 0.50 | 0.75 | 0.25 |" in text
+    assert "fmoe+hybrid / fiddler TPOT = 0.900 (target <= 0.85): **not met**" in text
