@@ -43,7 +43,7 @@ class Subject:
     resident: fj.Model
     offloaded: fj.Model  # its experts in pinned host memory; each test serves it with a fresh engine
     _predictors: dict[str, predictors.Predictor] | None = None
-    references: dict = dataclasses.field(default_factory=dict)  # `reference`'s results
+    references: dict = dataclasses.field(default_factory=dict)  # copy-only results of `reference`
 
     def predictor(self, kind: str, traces=None) -> predictors.Predictor:
         """ProMoE's or DuoServe's predictor, trained on first use from `traces` (by default the resident
@@ -130,22 +130,25 @@ def run_steps(model: fj.Model, prompts: list[list[int]], new_tokens: int):
 
 
 def reference(subject: Subject, prompts: list[list[int]], new_tokens: int, *, oracle: bool, copy: bool):
-    """What `check_lossless` compares with, computed once per subject: `run_steps`'s tokens and logits, or
-    for the oracle a `generate` output with its trace and router inputs; of the resident model, or (`copy`)
-    of copy-only serving at one slot."""
-    key = (tuple(map(tuple, prompts)), new_tokens, oracle, copy)
-    if key not in subject.references:
-        model = serve(subject, "on_demand_lru", 1) if copy else subject.resident
-        try:
-            if oracle:
-                record = dict(stop_at_eos=False, record_trace=True, record_hidden=True)
-                subject.references[key] = fj.generate(model, prompts, new_tokens, **record)
-            else:
-                subject.references[key] = run_steps(model, prompts, new_tokens)
-        finally:
-            if copy:
-                model.close()
-    return subject.references[key]
+    """What `check_lossless` compares with: `run_steps`'s tokens and logits, or for the oracle a `generate`
+    output with its trace and router inputs; of the resident model, or (`copy`) of copy-only serving at one
+    slot, computed once per subject and prompts (tests/test_hybrid.py compares many runs with it)."""
+    key = (tuple(map(tuple, prompts)), new_tokens, oracle)
+    if copy and key in subject.references:
+        return subject.references[key]
+    model = serve(subject, "on_demand_lru", 1) if copy else subject.resident
+    try:
+        if oracle:
+            record = dict(stop_at_eos=False, record_trace=True, record_hidden=True)
+            out = fj.generate(model, prompts, new_tokens, **record)
+        else:
+            out = run_steps(model, prompts, new_tokens)
+    finally:
+        if copy:
+            model.close()
+    if copy:
+        subject.references[key] = out
+    return out
 
 
 def check_lossless(
