@@ -77,7 +77,6 @@ class OffloadConfig:
 
         options = dict(self.policy_options)
         if isinstance(self.policy, str) and self.policy in POLICIES:
-
             accepted = accepted_options(self.policy)
             for name in ("store_capacity", "store_path"):
                 value = getattr(self, name)
