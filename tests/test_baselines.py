@@ -22,7 +22,9 @@ import fmoe_jax as fj
 from fmoe_jax.engines.offload import OffloadEngine
 from fmoe_jax.trace import RoutingTrace
 
-FAMILIES = ["mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2_lite", "deepseek_v2"]
+# Routing shapes, not attention, matter to a policy: top-2 of 4, shared experts beside a dense layer, a dense
+# first layer with top-k of many (every family under every policy: tests/test_lossless.py draws them).
+FAMILIES = ["mixtral", "qwen2_moe", "deepseek_v2_lite"]
 PROMPTS = {1: [[3, 14, 15, 92, 65, 35, 89, 79]], 3: [[3, 14, 15], list(range(20, 60)), [7, 7, 7, 7, 7, 7]]}
 NEW_TOKENS = 4
 
@@ -89,11 +91,14 @@ def test_lossless_for_every_budget_and_batch(family, name, loaded):
 
 
 def test_oracle_hit_count_bounds_every_policy(loaded):
-    """Synchronous transfers: hits measure prediction and eviction alone, and nobody beats the oracle."""
+    """Synchronous transfers: hits measure prediction and eviction alone, and nobody beats the oracle, at
+    budgets where no layer runs in chunks (one layer's experts and one and a half layers'). In a chunked
+    layer the oracle's held-back prefetches wait for the next layer's loads, and a policy that admits
+    prefetches freely can get more hits (see the `Oracle` docstring)."""
     base, refs = loaded["qwen2_moe"]
     cfg = base.config
     prompts, ref = PROMPTS[3], refs[3]
-    for slots in (cfg.top_k, cfg.num_moe_layers * cfg.num_experts // 2):
+    for slots in (cfg.num_experts, cfg.num_experts + cfg.num_experts // 2):
         policies = {
             "on_demand_lru": OnDemandLRU(),
             "on_demand_lfu": OnDemandLFU(),
@@ -138,7 +143,7 @@ def test_oracle_refuses_a_different_generation(loaded):
 class InstantMover:
     """Copies that land as they start (synchronous transfers)."""
 
-    def start(self, key):
+    def start(self, key, *, urgent=False):
         return key
 
     def is_ready(self, handle):
@@ -146,6 +151,9 @@ class InstantMover:
 
     def wait(self, handles):
         pass
+
+    def cancel(self, handle):
+        return None  # landed already
 
 
 def context(num_layers: int, num_experts: int, capacity: int, top_k: int = 1, **kw) -> PolicyContext:

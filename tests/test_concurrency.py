@@ -89,11 +89,11 @@ def test_a_failed_call_leaves_no_slot_pinned(hf_dirs, monkeypatch):
     start = cache.mover.start
     calls = {"n": 0}
 
-    def flaky(key):
+    def flaky(key, *, urgent=False):
         calls["n"] += 1
         if calls["n"] == 3:
             raise OSError("device out of memory (simulated)")
-        return start(key)
+        return start(key, urgent=urgent)
 
     monkeypatch.setattr(cache.mover, "start", flaky)
     with pytest.raises(OSError, match="simulated"):

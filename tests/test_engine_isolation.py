@@ -47,12 +47,12 @@ def test_lossless_in_bfloat16_when_jax_started_before_fmoe_jax():
         prompts = ["def fibonacci(n):", "The theory of a finite group G acting on a smooth manifold"]
         resident = fj.load_model("fmoe-tiny-mixtral")
         record = dict(stop_at_eos=False, record_trace=True, record_hidden=True)
-        ref = fj.generate(resident, prompts, 16, **record)
+        ref = fj.generate(resident, prompts, 8, **record)
         ids = [[5, 100, 200, 300, 400, 17, 9]]
-        for slots in (1, 4, 16):
+        for slots in (1, 4):
             offload = fj.OffloadConfig(policy="on_demand_lru", cache_experts=slots)
             with fj.load_model("fmoe-tiny-mixtral", offload=offload) as model:
-                out = fj.generate(model, prompts, 16, **record)
+                out = fj.generate(model, prompts, 8, **record)
                 logits = fj.forward(model, ids)
             assert out.tokens == ref.tokens, slots
             for a, b in zip(ref.trace.requests, out.trace.requests):

@@ -21,6 +21,7 @@ DEVICES = 4
 
 if len(jax.devices()) < DEVICES:
 
+    @pytest.mark.timeout(1300)
     def test_in_subprocess_with_emulated_devices():
         env = dict(os.environ, FMOE_TEST_CPU_DEVICES=str(DEVICES))
         result = subprocess.run(
@@ -29,7 +30,7 @@ if len(jax.devices()) < DEVICES:
             env=env,
             capture_output=True,
             text=True,
-            timeout=1500,
+            timeout=1200,
         )
         assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
         assert " passed" in result.stdout
@@ -44,11 +45,11 @@ else:
             family: fj.generate(
                 fj.load_model(hf_dirs[family]), PROMPTS, max_new_tokens=6, stop_at_eos=False
             ).tokens
-            for family in ("mixtral", "qwen2_moe", "phimoe")
+            for family in ("mixtral", "qwen2_moe")
         }
 
-    @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "phimoe"])
-    @pytest.mark.parametrize("policy", ["resident", "on_demand_lru", "on_demand_lfu", "fmoe"])
+    @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+    @pytest.mark.parametrize("policy", ["resident", "on_demand_lru", "fmoe"])
     def test_lossless_on_four_devices(family, policy, hf_dirs, references):
         cfg = fj.load_model(hf_dirs[family]).config
         total = cfg.num_moe_layers * cfg.num_experts

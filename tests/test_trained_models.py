@@ -111,7 +111,7 @@ def test_generate_from_a_string_returns_text(pair):
     assert 1 <= len(out.tokens[0]) <= 32
 
 
-@pytest.mark.parametrize("name", sorted(SHIPPED))
+@pytest.mark.parametrize("name", ["fmoe-tiny-qwen3-moe"])  # the others: tests/test_lossless.py
 def test_partial_cache_is_bit_identical_to_the_resident_model_in_bfloat16(name):
     """Offloading is lossless on the trained models in their own dtype: every MoE layer's router input and
     every token equal bit for bit between the resident whole-model program and the per-layer programs of

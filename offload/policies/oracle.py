@@ -54,6 +54,10 @@ class Oracle(Policy):
     flight when its layer asks counts as a miss (a late prefetch), and the cache's in-flight limit and queue
     order decide what lands in time: the result bounds what perfect knowledge buys under this transfer
     engine, not the best schedule the link allows (that would also plan issue times against bandwidth).
+    Nor is it a bound when a layer's experts outnumber the slots (the layer runs in chunks): admission holds
+    its prefetches back until the layer's last chunk has loaded, and they start only with the next layer's
+    loads, after that layer has routed; a policy that lets prefetches evict freely can then get more hits
+    (on a tiny Qwen1.5-MoE at one layer's top-k in slots, batch 3: MoE-Infinity 20, the oracle 16).
 
     Args:
       traces: the `RoutingTrace` of the generation to serve, or one per `generate` call in order.
