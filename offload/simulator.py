@@ -17,10 +17,7 @@ finishes when both have (the device waits for the host's result: `host_wait_s`).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import itertools
-import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -35,125 +32,8 @@ from .cost_model import CostModel, HardwarePreset, HostPreset, ModelPreset
 from .driver import Driver, Routed
 from .hybrid import HybridPlanner, ModelledHostCost
 from .policies import Policy, PolicyContext
+from .resources import Copy, SimulatedHost, SimulatedLink  # noqa: F401  (Copy: part of this module's API)
 from .transfer import DeviceExpertCache
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class Copy:
-    """A simulated host-to-device copy (the `SimulatedLink`'s handle)."""
-
-    key: Key
-    urgent: bool  # an on-demand load: served before every prefetch chunk not yet started
-    submitted_s: float  # when the host asked for it
-    chunks_left: int  # chunks the link has not started
-    done_s: float = math.inf  # when its last chunk lands (known once that chunk has started)
-
-
-class SimulatedLink:
-    """A `Mover` over one host-to-device link with a simulated clock, copying in chunks.
-
-    An expert goes over in `chunks` equal pieces (one per weight matrix by default), one piece at a time.
-    The link serves urgent copies (on-demand loads) before any prefetch piece it has not started, so a
-    miss waits behind at most the one piece already under way; prefetches are served in the order asked,
-    back to back while any wait; a prefetch can be cancelled between pieces. `wait` advances the clock to
-    the last completion and counts the advance as stall time (compute waiting for experts); `compute`
-    advances it by compute time. The link's schedule is worked out lazily: a piece is committed when the
-    clock passes its start, so a later urgent copy can still go ahead of the pieces not yet started.
-    """
-
-    def __init__(self, expert_bytes: int, bytes_per_s: float, *, chunks: int = 3):
-        if bytes_per_s <= 0:
-            raise ValueError(f"link bandwidth must be positive, got {bytes_per_s} bytes/s")
-        if chunks < 1:
-            raise ValueError(f"an expert goes over in at least one chunk, got chunks={chunks}")
-        self.copy_s = expert_bytes / bytes_per_s
-        self.chunks = chunks
-        self.chunk_s = self.copy_s / chunks
-        self.clock = 0.0
-        self.free_at = 0.0  # when the last piece the link has started completes
-        self.urgent: collections.deque[Copy] = collections.deque()
-        self.background: collections.deque[Copy] = collections.deque()
-        self.stall_s = 0.0
-        self.compute_s = 0.0
-        self.busy_s = 0.0
-
-    def _next_start(self) -> tuple[float, collections.deque[Copy] | None]:
-        """When the link starts its next piece, and from which queue (urgent first if it is waiting)."""
-        queue = self.urgent if self.urgent else self.background
-        if not queue:
-            return math.inf, None
-        return max(self.free_at, queue[0].submitted_s), queue
-
-    def _commit_one(self) -> bool:
-        """Starts the next piece (the caller checked its start time). False when there is none."""
-        start, queue = self._next_start()
-        if queue is None:
-            return False
-        copy = queue[0]
-        self.free_at = start + self.chunk_s
-        self.busy_s += self.chunk_s
-        copy.chunks_left -= 1
-        if copy.chunks_left == 0:
-            copy.done_s = self.free_at
-            queue.popleft()
-        return True
-
-    def _advance(self, until: float) -> None:
-        """Commits every piece that starts before `until`."""
-        while self._next_start()[0] < until:
-            self._commit_one()
-
-    def start(self, key: Key, *, urgent: bool = False) -> Copy:
-        self._advance(self.clock)
-        copy = Copy(key, urgent, self.clock, self.chunks)
-        (self.urgent if urgent else self.background).append(copy)
-        return copy
-
-    def is_ready(self, handle: Copy) -> bool:
-        self._advance(self.clock)
-        return handle.done_s <= self.clock
-
-    def landing_in(self, handle: Copy, ahead: int = 0) -> float:
-        """Seconds from now until `handle`'s copy lands (0 once it has), if `ahead` more on-demand copies are
-        issued now (they go before a prefetch's pieces not yet started): the hybrid planner's question."""
-        self._advance(self.clock)
-        if handle.done_s != math.inf:
-            return max(0.0, handle.done_s - self.clock)
-        queue = self.urgent if handle.urgent else self.background
-        pieces = sum(c.chunks_left for c in itertools.takewhile(lambda c: c is not handle, queue))
-        pieces += handle.chunks_left
-        if not handle.urgent:
-            pieces += sum(c.chunks_left for c in self.urgent) + ahead * self.chunks
-        return max(self.free_at, self.clock) - self.clock + pieces * self.chunk_s
-
-    def load_in(self, ahead: int = 0) -> float:
-        """Seconds from now until an on-demand copy issued now, behind `ahead` others, would land: after the
-        piece under way and the urgent copies waiting, before the prefetches' pieces not yet started."""
-        self._advance(self.clock)
-        pieces = sum(c.chunks_left for c in self.urgent) + (ahead + 1) * self.chunks
-        return max(self.free_at, self.clock) - self.clock + pieces * self.chunk_s
-
-    def wait(self, handles: Sequence[Copy]) -> None:
-        self._advance(self.clock)
-        while any(h.done_s == math.inf for h in handles):
-            if not self._commit_one():
-                raise RuntimeError("waiting for a copy the link does not hold (cancelled?)")
-        until = max((h.done_s for h in handles), default=self.clock)
-        if until > self.clock:
-            self.stall_s += until - self.clock
-            self.clock = until
-
-    def cancel(self, handle: Copy) -> float | None:
-        self._advance(self.clock)
-        if handle.done_s != math.inf:
-            return None  # its last piece is under way or done
-        queue = self.urgent if handle.urgent else self.background
-        queue.remove(handle)
-        return handle.chunks_left / self.chunks
-
-    def compute(self, seconds: float) -> None:
-        self.compute_s += seconds
-        self.clock += seconds
 
 
 @dataclasses.dataclass
@@ -455,30 +335,6 @@ class Replay:
             host_compute_s=host.busy_s - host_busy,
             host_wait_s=host.wait_s - host_wait,
         )
-
-
-class SimulatedHost:
-    """The host CPU on the simulated clock: a layer's host call starts when the layer has routed, runs
-    concurrently with the device and the link, and takes `ModelledHostCost.call_s`; the device waits for its
-    result before finishing the layer."""
-
-    def __init__(self, cost: ModelledHostCost | None):
-        self.cost = cost
-        self.busy_s = 0.0
-        self.wait_s = 0.0
-        self.done_at: float | None = None  # the pending call's result, simulated time
-
-    def start(self, now: float, tokens: int, expert_tokens: list[int]) -> None:
-        seconds = self.cost.call_s(tokens, expert_tokens)
-        self.busy_s += seconds
-        self.done_at = now + seconds
-
-    def join(self, link: SimulatedLink) -> None:
-        """The device takes the pending call's result: the clock moves on to it if it is not there yet."""
-        if self.done_at is not None and self.done_at > link.clock:
-            self.wait_s += self.done_at - link.clock
-            link.clock = self.done_at
-        self.done_at = None
 
 
 # -- replay ---------------------------------------------------------------------------------------------
