@@ -30,10 +30,13 @@ from fmoe_jax.engines.offload import OffloadEngine
 from fmoe_jax.generation import bucket_length
 
 SHIPPED = ["fmoe-tiny-mixtral", "fmoe-tiny-qwen-moe", "fmoe-tiny-qwen3-moe"]
+# Known failure, kept out of the draw and pinned by test_deepseek_v2_lite_float32_decode below.
+KNOWN_DIFFERENT = {("deepseek_v2_lite", "float32")}
 RANDOM = [
     (family, dtype)
     for family in ("mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2_lite", "deepseek_v2")
     for dtype in ("bfloat16", "float32")
+    if (family, dtype) not in KNOWN_DIFFERENT
 ]
 WARMUP_PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79], [26, 53, 58, 97, 93], list(range(40, 70))]
 
@@ -247,3 +250,15 @@ def test_shipped_models_chunked_budgets(name, policy, subjects):
         assert fj.generate(model, ["def fibonacci(n):"], 24, stop_at_eos=False).tokens == reference.tokens
     finally:
         model.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open bug: the tiny DeepSeek-V2-Lite (no q LoRA) in float32 decodes logits 1 ulp (6e-8) away from "
+    "the resident engine's at every budget, all experts resident included; prefill is identical, bf16 and "
+    "DeepSeek-V2 with a q LoRA are identical. A fix turns this into an XPASS, which fails: then drop it and "
+    "KNOWN_DIFFERENT.",
+)
+def test_deepseek_v2_lite_float32_decode(subjects):
+    prompts = [[20, 254, 157, 255, 91, 39], [3, 201, 83, 107, 235], [9, 57, 174]]  # found by hypothesis
+    check_lossless(subjects(("deepseek_v2_lite", "float32")), "on_demand_lru", 1, prompts, 4)
