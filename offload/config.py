@@ -10,6 +10,8 @@ import dataclasses
 import warnings
 from typing import Any
 
+from fmoe_jax.models.quant import expert_quantization
+
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
@@ -34,6 +36,11 @@ class OffloadConfig:
         budget. These loads count in no request's statistics (a warm cache, as after earlier requests).
       policy_options: keyword arguments of the policy: every setting a policy has (fmoe's store, ablation
         switches, a baseline's predictor...), as its constructor documents them.
+      expert_quantization: None, "int8" or "int4": routed experts held quantized in host memory, copied
+        quantized and dequantized inside the expert kernel (`fmoe_jax.models.quant`); a budget in bytes
+        then holds about 2x (int8) or 4x (int4) the experts. A checkpoint converted with
+        `--expert-quantization` already holds them so; a float one is quantized while loading.
+      quantization_group_size: inputs sharing one scale (default 64, or the quantized checkpoint's).
     """
 
     policy: Any = "on_demand_lru"
@@ -48,8 +55,13 @@ class OffloadConfig:
     synchronous_transfers: bool = False
     preload: bool = False
     policy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    expert_quantization: str | None = None
+    quantization_group_size: int | None = None
 
     def __post_init__(self) -> None:
+        expert_quantization(
+            self.expert_quantization, self.quantization_group_size
+        )  # raises, naming the values
         if self.cache_experts is not None and self.cache_bytes is not None:
             raise ValueError("give cache_experts or cache_bytes, not both")
         if self.cache_experts is not None and self.cache_experts < 1:
@@ -77,7 +89,6 @@ class OffloadConfig:
 
         options = dict(self.policy_options)
         if isinstance(self.policy, str) and self.policy in POLICIES:
-
             accepted = accepted_options(self.policy)
             for name in ("store_capacity", "store_path"):
                 value = getattr(self, name)
