@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .layers import linear
-from .quant import ExpertQuantization, QuantizedMatrix, QuantizedWeight, dense, reference_dequantize
+from .quant import ExpertQuantization, QuantizedMatrix, QuantizedWeight, dense, reference_dequantize, stack
 
 
 class ExpertWeights(NamedTuple):
@@ -386,9 +386,8 @@ def _mixture_ragged(x, local, weights, experts, num_layer_experts):
     """Grouped GEMM with `jax.lax.ragged_dot` over the stacked experts (fast where it is a native kernel)."""
     n_exp = len(experts)
     dtype = experts[0].gate.dtype
-    gate = jnp.stack([dense(w.gate).T for w in experts])  # [n, D, F]
-    up = jnp.stack([dense(w.up).T for w in experts])
-    down = jnp.stack([dense(w.down).T for w in experts])  # [n, F, D]
+    gate, up, down = (stack([getattr(w, name) for w in experts]).mT for name in ("gate", "up", "down"))
+    # gate, up [n, D, F]; down [n, F, D]
     flat_e, se, st, sw, order = _sort_by_expert(local, weights, n_exp)
     sizes = jnp.bincount(flat_e, length=n_exp + 1)[:n_exp].astype(jnp.int32)
     rows = x[st].astype(dtype)
@@ -412,9 +411,7 @@ def _mixture_blocked(x, local, weights, experts, num_layer_experts):
     g, p = tiles.rows, tiles.count
     rows = jnp.zeros((p * g, d), dtype).at[tiles.dest].set(x[tiles.tokens].astype(dtype), mode="drop")
     expert = jnp.minimum(tiles.expert, len(experts) - 1)  # [P]; unused tiles hold zero rows, not read
-    gate, up, down = (
-        jnp.stack([dense(getattr(w, name)) for w in experts]) for name in ("gate", "up", "down")
-    )
+    gate, up, down = (stack([getattr(w, name) for w in experts]) for name in ("gate", "up", "down"))
     rows = rows.reshape(p, g, d)
     h = jax.nn.silu(jnp.einsum("pgd,pfd->pgf", rows, gate[expert]))
     h = h * jnp.einsum("pgd,pfd->pgf", rows, up[expert])

@@ -125,9 +125,9 @@ class QuantizedMatrix(NamedTuple):
         return 4 if self.values.dtype == jnp.uint8 else 8
 
     @property
-    def shape(self) -> tuple[int, int]:
-        out, stored = self.values.shape
-        return (out, stored * 2 if self.bits == 4 else stored)
+    def shape(self) -> tuple[int, ...]:
+        *lead, stored = self.values.shape
+        return (*lead, stored * 2 if self.bits == 4 else stored)
 
     @property
     def nbytes(self) -> int:
@@ -140,15 +140,25 @@ def dense(w: jax.Array | QuantizedMatrix) -> jax.Array:
 
 
 def dequantize(m: QuantizedMatrix) -> jax.Array:
-    """`[out, in]` in `m.dtype`: each value times its group's scale (one rounding, the product's)."""
+    """`[..., out, in]` in `m.dtype`: each value times its group's scale (one rounding, the product's).
+    Leading dimensions are stacked matrices (the "ragged" and "blocked" kernels expand all at once: one
+    fusion instead of one per expert, which compiled 3x slower)."""
     v, s = m.values, m.scales
     if m.bits == 4:
         q = jnp.concatenate([(v & 15).astype(jnp.int8) - 8, (v >> 4).astype(jnp.int8) - 8], axis=-1)
     else:
         q = v
-    out, fan_in = q.shape
+    *lead, out, fan_in = q.shape
     groups = s.shape[-1]
-    return (q.reshape(out, groups, fan_in // groups).astype(s.dtype) * s[:, :, None]).reshape(out, fan_in)
+    grouped = q.reshape(*lead, out, groups, fan_in // groups).astype(s.dtype) * s[..., None]
+    return grouped.reshape(*lead, out, fan_in)
+
+
+def stack(matrices: list[jax.Array | QuantizedMatrix]) -> jax.Array:
+    """`[n, out, in]`: the matrices stacked, dequantized (after stacking) when quantized."""
+    if isinstance(matrices[0], QuantizedMatrix):
+        return dequantize(QuantizedMatrix(*(jnp.stack(parts) for parts in zip(*matrices, strict=True))))
+    return jnp.stack(matrices)
 
 
 def quantize(w: np.ndarray, spec: ExpertQuantization, scale_dtype: np.dtype | None = None) -> QuantizedMatrix:
