@@ -420,7 +420,8 @@ def _expert_leaves(graph: Graph, moe_index: dict[int, int]) -> list[tuple[int, K
     for path, index in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
         if keys[0] == "experts":
-            out.append((index, (moe_index[keys[1]], keys[2]), tuple(keys[3:])))
+            fields = tuple(k.key for k in path[3:] if isinstance(k, jax.tree_util.DictKey))  # not ".value"
+            out.append((index, (moe_index[keys[1]], keys[2]), fields))
     return out
 
 
