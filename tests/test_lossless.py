@@ -39,9 +39,10 @@ class Subject:
     predictors: dict[str, predictors.Predictor]
 
 
-def _load(source, dtype=None) -> Subject:
-    resident = fj.load_model(source, dtype=dtype)
-    offloaded = fj.load_model(source, dtype=dtype, offload=OffloadConfig(cache_experts=1))
+def _load(source, dtype=None, **quantization) -> Subject:
+    """`quantization`: load_model's expert_quantization / quantization_group_size (test_quant_lossless.py)."""
+    resident = fj.load_model(source, dtype=dtype, **quantization)
+    offloaded = fj.load_model(source, dtype=dtype, offload=OffloadConfig(cache_experts=1), **quantization)
     offloaded.close()
     # ProMoE / DuoServe need predictors trained on the model's traces: a few seconds of training on the
     # resident model's routing is enough to make them prefetch (their accuracy is not under test here).
