@@ -49,7 +49,14 @@ def real_size_rows(hardware: list[str], repeats: int, prefetch_distance: int) ->
     from benchmarks import matcher_overhead as mo
 
     flush = np.ones((mo.FLUSH_BYTES // 4,), np.float32)
-    names = {"mixtral": "Mixtral-8x7B", "qwen2_moe": "Qwen1.5-MoE", "phimoe": "Phi-3.5-MoE"}
+    names = {
+        "mixtral": "Mixtral-8x7B",
+        "qwen2_moe": "Qwen1.5-MoE",
+        "phimoe": "Phi-3.5-MoE",
+        "qwen3_moe": "Qwen3-30B-A3B",
+        "olmoe": "OLMoE-1B-7B",
+        "deepseek_v2": "DeepSeek-V2-Lite",
+    }
     rows = []
     for family, preset in MODELS.items():
         m = mo.measure(names[family], mo.MODELS[names[family]], 1024, repeats, flush)

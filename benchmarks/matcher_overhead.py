@@ -34,6 +34,9 @@ MODELS = {
     "Mixtral-8x7B": dict(num_layers=32, num_experts=8, embed_dim=4096),
     "Qwen1.5-MoE": dict(num_layers=24, num_experts=60, embed_dim=2048),
     "Phi-3.5-MoE": dict(num_layers=32, num_experts=16, embed_dim=4096),
+    "Qwen3-30B-A3B": dict(num_layers=48, num_experts=128, embed_dim=2048),
+    "OLMoE-1B-7B": dict(num_layers=16, num_experts=64, embed_dim=2048),
+    "DeepSeek-V2-Lite": dict(num_layers=26, num_experts=64, embed_dim=2048),
 }
 CAPACITIES = (1024, 4096, 16384, 32768)
 PREFETCH_DISTANCE = 3

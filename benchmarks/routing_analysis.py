@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from benchmarks.common import HelpFormatter, print_table, save  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = ("fmoe-tiny-mixtral", "fmoe-tiny-qwen-moe")
+MODELS = ("fmoe-tiny-mixtral", "fmoe-tiny-qwen-moe", "fmoe-tiny-qwen3-moe")
 DOMAINS = tuple(workloads.CORPUS_DOMAINS)
 
 

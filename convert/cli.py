@@ -24,7 +24,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from fmoe_jax.models import UnsupportedConfigError
+from fmoe_jax.models import FAMILIES, UnsupportedConfigError
 from fmoe_jax.models.quant import KINDS, ExpertQuantization, quantized_params
 from tqdm import tqdm
 
@@ -368,8 +368,8 @@ def _convert_parser() -> argparse.ArgumentParser:
         f"[--expert-quantization {{{','.join(KINDS)}}}] [--group-size N] [--overwrite] [--quiet]\n"
         f"       {PROG} verify OUT_DIR [--against HF_DIR] [--quiet]\n"
         f"       {PROG} --version",
-        description="Convert a Hugging Face Mixture-of-Experts checkpoint (safetensors; model_type mixtral, "
-        "qwen2_moe or phimoe) into an fmoe_jax orbax checkpoint that `fmoe_jax.load_model(OUT_DIR, "
+        description="Convert a Hugging Face Mixture-of-Experts checkpoint (safetensors; model_type "
+        f"{', '.join(FAMILIES)}) into an fmoe_jax orbax checkpoint that `fmoe_jax.load_model(OUT_DIR, "
         "offload=...)` restores with routed experts straight into pinned host memory. The weights stream "
         "one MoE layer at a time, so the conversion needs about one layer's experts of RAM, not the "
         "model's size. The result appears at OUT_DIR only when complete; a failed or interrupted "

@@ -40,10 +40,30 @@ class HFTensor:
     expert: int = -1  # routed expert it belongs to (hub layout; -1 otherwise)
 
 
+GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class HubNames:
+    """How a family names its MoE block in the hub layout."""
+
+    moe: str  # the module holding the router (`gate`) and the routed experts
+    expert: tuple[str, str, str]  # a routed expert's gate, up and down linears
+    shared: str = ""  # the shared expert's module (its gate, if any, is `mlp.shared_expert_gate`)
+
+
+HUB_NAMES = {
+    "mixtral": HubNames("block_sparse_moe", ("w1", "w3", "w2")),
+    "phimoe": HubNames("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen2_moe": HubNames("mlp", GATE_UP_DOWN, "mlp.shared_expert"),
+    "qwen3_moe": HubNames("mlp", GATE_UP_DOWN),
+    "olmoe": HubNames("mlp", GATE_UP_DOWN),
+    "deepseek_v2": HubNames("mlp", GATE_UP_DOWN, "mlp.shared_experts"),
+}
+
+
 def _moe_prefix(cfg: MoEConfig, layout: HFLayout) -> str:
-    if layout == "fused" or cfg.family == "qwen2_moe":
-        return "mlp"
-    return "block_sparse_moe"
+    return "mlp" if layout == "fused" else HUB_NAMES[cfg.family].moe
 
 
 def _router_name(cfg: MoEConfig, layout: HFLayout) -> str:
@@ -84,21 +104,50 @@ def _swiglu(
     ]
 
 
+def _vector(key: str, path: Path, size: int, layer: int) -> HFTensor:
+    """A norm weight of `size` that is not the hidden size (q/k norms, MLA's latent norms)."""
+    return HFTensor(f"{key}.weight", (size,), (Target((*path, "weight"), (size,)),), layer)
+
+
+def _attention(cfg: MoEConfig, i: int) -> list[HFTensor]:
+    """Layer i's attention: grouped-query (with the optional q/k norms) or multi-head latent (MLA)."""
+    d, h, k, e = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    key, path = f"model.layers.{i}.self_attn", ("layers", i, "attn")
+    if cfg.is_mla:
+        n, p, v, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        out = []
+        if cfg.q_lora_rank:
+            out += _linear(f"{key}.q_a_proj", (*path, "q_a_proj"), d, cfg.q_lora_rank, False, i)
+            out.append(_vector(f"{key}.q_a_layernorm", (*path, "q_a_norm"), cfg.q_lora_rank, i))
+            out += _linear(f"{key}.q_b_proj", (*path, "q_b_proj"), cfg.q_lora_rank, h * (n + p), False, i)
+        else:
+            out += _linear(f"{key}.q_proj", (*path, "q_proj"), d, h * (n + p), False, i)
+        out += _linear(f"{key}.kv_a_proj_with_mqa", (*path, "kv_a_proj"), d, r + p, False, i)
+        out.append(_vector(f"{key}.kv_a_layernorm", (*path, "kv_a_norm"), r, i))
+        out += _linear(f"{key}.kv_b_proj", (*path, "kv_b_proj"), r, h * (n + v), False, i)
+        return out + _linear(f"{key}.o_proj", (*path, "o_proj"), h * v, d, False, i)
+    out = _linear(f"{key}.q_proj", (*path, "q_proj"), d, h * e, cfg.qkv_bias, i)
+    out += _linear(f"{key}.k_proj", (*path, "k_proj"), d, k * e, cfg.qkv_bias, i)
+    out += _linear(f"{key}.v_proj", (*path, "v_proj"), d, k * e, cfg.qkv_bias, i)
+    out += _linear(f"{key}.o_proj", (*path, "o_proj"), h * e, d, cfg.o_bias, i)
+    if cfg.qk_norm != "none":
+        q_dim, k_dim = (e, e) if cfg.qk_norm == "head" else (h * e, k * e)
+        out.append(_vector(f"{key}.q_norm", (*path, "q_norm"), q_dim, i))
+        out.append(_vector(f"{key}.k_norm", (*path, "k_norm"), k_dim, i))
+    return out
+
+
 def hf_tensors(cfg: MoEConfig, layout: HFLayout = "hub") -> list[HFTensor]:
     """Every tensor of a checkpoint of this config, in a streaming-friendly order (layer by layer)."""
     d, v = cfg.hidden_size, cfg.vocab_size
-    h, k, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     f = cfg.expert_intermediate_size
     tensors = [HFTensor("model.embed_tokens.weight", (v, d), (Target(("embed", "embedding"), (v, d)),))]
-    expert_names = ("gate_proj", "up_proj", "down_proj") if cfg.family == "qwen2_moe" else ("w1", "w3", "w2")
+    names = HUB_NAMES[cfg.family]
     moe = _moe_prefix(cfg, layout)
     for i in range(cfg.num_layers):
         p, lp = f"model.layers.{i}", ("layers", i)
         tensors += _norm(f"{p}.input_layernorm", (*lp, "input_norm"), cfg, i)
-        tensors += _linear(f"{p}.self_attn.q_proj", (*lp, "attn", "q_proj"), d, h * e, cfg.qkv_bias, i)
-        tensors += _linear(f"{p}.self_attn.k_proj", (*lp, "attn", "k_proj"), d, k * e, cfg.qkv_bias, i)
-        tensors += _linear(f"{p}.self_attn.v_proj", (*lp, "attn", "v_proj"), d, k * e, cfg.qkv_bias, i)
-        tensors += _linear(f"{p}.self_attn.o_proj", (*lp, "attn", "o_proj"), h * e, d, cfg.o_bias, i)
+        tensors += _attention(cfg, i)
         tensors += _norm(f"{p}.post_attention_layernorm", (*lp, "post_norm"), cfg, i)
         if not cfg.moe_layers[i]:
             tensors += _swiglu(
@@ -106,7 +155,7 @@ def hf_tensors(cfg: MoEConfig, layout: HFLayout = "hub") -> list[HFTensor]:
                 (*lp, "mlp"),
                 d,
                 cfg.dense_intermediate_size,
-                ("gate_proj", "up_proj", "down_proj"),
+                GATE_UP_DOWN,
                 i,
             )
             continue
@@ -115,17 +164,18 @@ def hf_tensors(cfg: MoEConfig, layout: HFLayout = "hub") -> list[HFTensor]:
         )
         if cfg.shared_expert_intermediate_size:
             tensors += _swiglu(
-                f"{p}.mlp.shared_expert",
+                f"{p}.{names.shared}",
                 (*lp, "shared_expert"),
                 d,
                 cfg.shared_expert_intermediate_size,
-                ("gate_proj", "up_proj", "down_proj"),
+                GATE_UP_DOWN,
                 i,
             )
+        if cfg.shared_expert_gate:
             tensors += _linear(f"{p}.mlp.shared_expert_gate", (*lp, "shared_gate"), d, 1, False, i)
         if layout == "hub":
             for j in range(cfg.num_experts):
-                tensors += _swiglu(f"{p}.{moe}.experts.{j}", ("experts", i, j), d, f, expert_names, i, j)
+                tensors += _swiglu(f"{p}.{moe}.experts.{j}", ("experts", i, j), d, f, names.expert, i, j)
         else:
             j_all = range(cfg.num_experts)
             tensors.append(

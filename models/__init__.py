@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from . import mixtral, phimoe, qwen2_moe
+from . import deepseek_v2, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe
 from .base import DecoderLayer, MoECausalLM, RouteFn
 from .config import MoEConfig, RopeConfig, UnsupportedConfigError, model_identity
 from .layers import LayerKV, Layout, init_kv_cache
@@ -32,6 +32,9 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family("mixtral", mixtral.config_from_hf, mixtral.route),
     "qwen2_moe": Family("qwen2_moe", qwen2_moe.config_from_hf, qwen2_moe.route),
     "phimoe": Family("phimoe", phimoe.config_from_hf, phimoe.route),
+    "qwen3_moe": Family("qwen3_moe", qwen3_moe.config_from_hf, qwen3_moe.route),
+    "olmoe": Family("olmoe", olmoe.config_from_hf, olmoe.route),
+    "deepseek_v2": Family("deepseek_v2", deepseek_v2.config_from_hf, deepseek_v2.route),
 }
 
 

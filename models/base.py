@@ -1,7 +1,8 @@
 """The decoder-only MoE model every family instantiates, split into the steps the engine calls.
 
 A family supplies its config parser and routing function (`models/mixtral.py` etc.); this module wires
-norms, attention, router, routed experts, an optional shared expert and dense MLP layers. Routed experts
+norms, attention (grouped-query, or multi-head latent from `models/mla.py`), router, routed experts, an
+optional shared expert and dense MLP layers. Routed experts
 live in `MoECausalLM.experts`, outside the layers, so the offload engine can run a layer's dense part on
 the device while the experts come from its cache.
 """
@@ -16,6 +17,7 @@ from flax import nnx
 
 from .config import MoEConfig
 from .layers import Attention, LayerKV, Layout, Linear, linear, make_norm, rope_tables
+from .mla import LatentAttention
 from .moe import Expert, ExpertWeights, Kernel, Routing, expert_parts, sum_parts
 from .quant import ExpertQuantization
 
@@ -31,13 +33,14 @@ class DecoderLayer(nnx.Module):
         self.window = cfg.sliding_windows[layer]
         self.route_fn = route_fn
         self.input_norm = make_norm(cfg, dtype=dtype)
-        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.attn = (LatentAttention if cfg.is_mla else Attention)(cfg, dtype=dtype, rngs=rngs)
         self.post_norm = make_norm(cfg, dtype=dtype)
         kw = dict(dtype=dtype, rngs=rngs)
         if self.is_moe:
             self.router = Linear(cfg.hidden_size, cfg.num_experts, use_bias=False, **kw)
             if cfg.shared_expert_intermediate_size:
                 self.shared_expert = Expert(cfg.hidden_size, cfg.shared_expert_intermediate_size, **kw)
+            if cfg.shared_expert_gate:
                 self.shared_gate = Linear(cfg.hidden_size, 1, use_bias=False, **kw)
         else:
             self.mlp = Expert(cfg.hidden_size, cfg.dense_intermediate_size, **kw)
@@ -52,7 +55,11 @@ class DecoderLayer(nnx.Module):
 
     def route(self, z: jax.Array) -> Routing:
         """z `[N, D]` -> routing of N tokens (probabilities in float32)."""
-        return self.route_fn(self.router(z), self.config)
+        if self.config.router_matmul_float32:
+            logits = linear(z.astype(jnp.float32), self.router.weight[...].astype(jnp.float32))
+        else:
+            logits = self.router(z)
+        return self.route_fn(logits, self.config)
 
     def moe_output(
         self,
@@ -73,10 +80,13 @@ class DecoderLayer(nnx.Module):
         return sum_parts(parts).astype(z.dtype) + self.shared_output(z).astype(z.dtype)
 
     def shared_output(self, z: jax.Array) -> jax.Array:
-        """Qwen's always-on shared expert scaled by its sigmoid gate (zeros for families without one)."""
+        """The always-on shared expert: scaled by its sigmoid gate (Qwen1.5-MoE) or not (DeepSeek-V2's
+        shared experts, one MLP of their summed width); zeros for families without one."""
         if not hasattr(self, "shared_expert"):
             return jnp.zeros(z.shape, z.dtype)
-        return jax.nn.sigmoid(self.shared_gate(z)) * self.shared_expert(z)
+        if hasattr(self, "shared_gate"):
+            return jax.nn.sigmoid(self.shared_gate(z)) * self.shared_expert(z)
+        return self.shared_expert(z)
 
     def dense_output(self, z: jax.Array) -> jax.Array:
         return self.mlp(z)
@@ -151,8 +161,8 @@ class MoECausalLM(nnx.Module):
 
     @staticmethod
     def rope_for(cfg: MoEConfig, layout: Layout, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-        """cos/sin tables `[B, T, E]` of one call, shared by every layer."""
-        return rope_tables(cfg.rope, cfg.head_dim, layout.positions, layout.token_valid, dtype)
+        """cos/sin tables `[B, T, E]` (E: rotated dimensions per head) of one call, shared by every layer."""
+        return rope_tables(cfg.rope, cfg.rope_dim, layout.positions, layout.token_valid, dtype)
 
     @property
     def output_projection(self) -> Linear | nnx.Embed:
@@ -179,7 +189,7 @@ class MoECausalLM(nnx.Module):
 
         Args:
           tokens: `[B, T]` new tokens (left padded).
-          cache: per-layer KV caches `[B, S, K, E]`.
+          cache: per-layer KV caches (`LayerKV`, `[B, S, ...]`).
           layout: where the tokens go in the cache.
           last_only: return only the last position's logits `[B, V]` (prefill never needs `[B, T, V]`).
           moe_inputs: if a list, each MoE layer's router input `[B*T, D]` is appended to it (traces for

@@ -1,7 +1,8 @@
 """The one model configuration every family is described by, and its checks.
 
-Family modules (`mixtral.py`, `qwen2_moe.py`, `phimoe.py`) build a `MoEConfig` from a Hugging Face
-`config.json`; shared layers, the engine and the offload runtime read only this dataclass.
+Family modules (`mixtral.py`, `qwen2_moe.py`, `phimoe.py`, `qwen3_moe.py`, `olmoe.py`, `deepseek_v2.py`) build
+a `MoEConfig` from a Hugging Face `config.json`; shared layers, the engine and the offload runtime read only
+this dataclass.
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from typing import Any, Literal
 
 NormKind = Literal["rms", "layer"]
-RouterKind = Literal["softmax_topk", "sparsemixer"]
+RouterKind = Literal["softmax_topk", "sparsemixer", "deepseek"]
+QKNorm = Literal["none", "head", "full"]
+TopkMethod = Literal["greedy", "group_limited_greedy"]
 
 
 class UnsupportedConfigError(ValueError):
@@ -25,21 +29,30 @@ class RopeConfig:
 
     `kind="default"` is plain RoPE. `kind="longrope"` (Phi-3.5) rescales the inverse frequencies by
     `short_factor` while the sequence fits `original_max_position_embeddings` and by `long_factor`
-    beyond it, and multiplies cos/sin by `short_mscale` / `long_mscale` accordingly.
+    beyond it, and multiplies cos/sin by `short_mscale` / `long_mscale` accordingly. `kind="yarn"`
+    (DeepSeek-V2) blends interpolated (`/ factor`) and original frequencies over a ramp between the
+    dimensions that turn `beta_fast` and `beta_slow` times in `original_max_position_embeddings`, and
+    multiplies cos/sin by `attention_factor`; it is static (the same at every length).
     """
 
     theta: float
-    kind: Literal["default", "longrope"] = "default"
+    kind: Literal["default", "longrope", "yarn"] = "default"
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     short_mscale: float = 1.0
     long_mscale: float = 1.0
     original_max_position_embeddings: int = 0
+    factor: float = 1.0  # yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float = 1.0  # yarn: cos/sin scale
+    mscale_all_dim: float = 0.0  # yarn: DeepSeek's attention softmax scale uses it (`yarn_mscale`)
+    truncate: bool = True  # yarn: round the ramp's ends outwards to whole dimensions
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class MoEConfig:
-    """Architecture of a decoder-only MoE language model (all three supported families).
+    """Architecture of a decoder-only MoE language model (every supported family).
 
     Attributes whose names follow the public API (`family`, `num_layers`, `num_experts`, `top_k`,
     `hidden_size`, `vocab_size`) are stable; the rest describe the math of each block.
@@ -72,6 +85,28 @@ class MoEConfig:
     moe_layers: tuple[bool, ...] = ()
     dense_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False  # Qwen1.5-MoE scales its shared expert by sigmoid(x W), DeepSeek not
+    # RMSNorm on queries and keys before RoPE: over each head's `head_dim` (Qwen3) or over the whole q / k
+    # projection (OLMoE).
+    qk_norm: QKNorm = "none"
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip_qkv, clip_qkv] after projection
+    # Multi-head latent attention (DeepSeek-V2) when kv_lora_rank > 0: keys and values are decompressed from
+    # a cached latent of kv_lora_rank plus one shared rotary key of qk_rope_head_dim; queries are projected
+    # directly (q_lora_rank 0) or through a rank-q_lora_rank bottleneck. head_dim is then nope + rope.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # DeepSeek routing: experts in n_group groups, only the topk_group best groups (by their best expert)
+    # eligible under "group_limited_greedy"; weights times routed_scaling_factor unless renormalised.
+    topk_method: TopkMethod = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # DeepSeek-V2 computes the router's matmul in float32 (input and weight cast up); the others in the
+    # model's dtype. Only bfloat16 / float16 models see the difference.
+    router_matmul_float32: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -111,16 +146,48 @@ class MoEConfig:
             raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
         if not all(self.moe_layers) and self.dense_intermediate_size <= 0:
             raise ValueError("dense layers need dense_intermediate_size > 0")
-        if self.rope.kind == "longrope" and len(self.rope.short_factor) != self.head_dim // 2:
+        if self.rope.kind == "longrope" and len(self.rope.short_factor) != self.rope_dim // 2:
             raise ValueError(
                 f"longrope short_factor has {len(self.rope.short_factor)} entries, expected head_dim/2 = "
-                f"{self.head_dim // 2}"
+                f"{self.rope_dim // 2}"
             )
-        if self.rope.kind == "longrope" and len(self.rope.long_factor) != self.head_dim // 2:
+        if self.rope.kind == "longrope" and len(self.rope.long_factor) != self.rope_dim // 2:
             raise ValueError(
                 f"longrope long_factor has {len(self.rope.long_factor)} entries, expected head_dim/2 = "
-                f"{self.head_dim // 2}"
+                f"{self.rope_dim // 2}"
             )
+        if self.clip_qkv is not None and self.clip_qkv <= 0:
+            raise ValueError(f"clip_qkv must be positive or None, got {self.clip_qkv}")
+        if self.is_mla:
+            for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"latent attention needs {name} > 0, got {getattr(self, name)}")
+            if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+                raise ValueError(
+                    f"MLA head_dim ({self.head_dim}) must be qk_nope_head_dim + qk_rope_head_dim "
+                    f"({self.qk_nope_head_dim} + {self.qk_rope_head_dim})"
+                )
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must divide num_experts ({self.num_experts})")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
+        if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+            raise ValueError(
+                f"topk_group={self.topk_group} groups of {self.num_experts // self.n_group} experts hold "
+                f"fewer than top_k={self.top_k} experts"
+            )
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2) instead of grouped-query attention."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions per head that RoPE rotates: all of `head_dim`, or MLA's `qk_rope_head_dim`."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
@@ -135,7 +202,9 @@ class MoEConfig:
         return dataclasses.asdict(self)
 
 
-def rope_from_hf(hf: dict[str, Any], head_dim: int, *, allow_longrope: bool) -> RopeConfig:
+def rope_from_hf(
+    hf: dict[str, Any], head_dim: int, *, allow_longrope: bool = False, allow_yarn: bool = False
+) -> RopeConfig:
     """RoPE settings from transformers-5 `rope_parameters` or the older `rope_theta` / `rope_scaling`."""
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
@@ -163,11 +232,73 @@ def rope_from_hf(hf: dict[str, Any], head_dim: int, *, allow_longrope: bool) -> 
             long_mscale=float(params.get("long_mscale", 1.0)),
             original_max_position_embeddings=int(original),
         )
+    if kind == "yarn":
+        if not allow_yarn:
+            raise UnsupportedConfigError("rope type 'yarn' is only implemented for deepseek_v2")
+        return _yarn_from_hf(hf, params, float(theta))
     if kind != "default":
-        raise UnsupportedConfigError(f"rope type {kind!r} is not implemented (supported: default, longrope)")
+        raise UnsupportedConfigError(
+            f"rope type {kind!r} is not implemented (supported: default, longrope for phimoe, yarn for "
+            "deepseek_v2)"
+        )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedConfigError("partial_rotary_factor != 1.0 is not implemented")
     return RopeConfig(theta=float(theta))
+
+
+YARN_KEYS = frozenset(
+    {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    }
+)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction `0.1 * mscale * ln(scale) + 1` (1 when not extending)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_from_hf(hf: dict[str, Any], params: dict[str, Any], theta: float) -> RopeConfig:
+    """YaRN as transformers 5.23 and the DeepSeek-V2 code define it (defaults included)."""
+    unknown = sorted(set(params) - YARN_KEYS)
+    if unknown:
+        raise UnsupportedConfigError(f"rope_scaling keys {unknown} are not implemented for yarn")
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        raise UnsupportedConfigError(
+            "yarn needs rope_scaling.original_max_position_embeddings in config.json"
+        )
+    factor = params.get("factor")
+    if factor is None:  # transformers: the ratio of the context lengths
+        factor = hf["max_position_embeddings"] / original
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    return RopeConfig(
+        theta=theta,
+        kind="yarn",
+        original_max_position_embeddings=int(original),
+        factor=float(factor),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=float(attention_factor),
+        mscale_all_dim=float(mscale_all_dim or 0.0),
+        truncate=bool(params.get("truncate", True)),
+    )
 
 
 def refuse_unsupported(hf: dict[str, Any], checks: dict[str, Any], family: str) -> None:
@@ -190,7 +321,12 @@ def refuse_unsupported(hf: dict[str, Any], checks: dict[str, Any], family: str) 
 
 
 def common_fields(
-    hf: dict[str, Any], family: str, *, default_max_positions: int, allow_longrope: bool = False
+    hf: dict[str, Any],
+    family: str,
+    *,
+    default_max_positions: int,
+    allow_longrope: bool = False,
+    allow_yarn: bool = False,
 ) -> dict[str, Any]:
     """The `MoEConfig` fields every family reads from config.json the same way: sizes, attention shape,
     RoPE, position limit, tied embeddings and special token ids."""
@@ -204,7 +340,7 @@ def common_fields(
         num_heads=hf["num_attention_heads"],
         num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=head_dim,
-        rope=rope_from_hf(hf, head_dim, allow_longrope=allow_longrope),
+        rope=rope_from_hf(hf, head_dim, allow_longrope=allow_longrope, allow_yarn=allow_yarn),
         max_position_embeddings=hf.get("max_position_embeddings", default_max_positions),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         bos_token_id=hf.get("bos_token_id"),

@@ -144,6 +144,9 @@ def rope_tables(
     exponent = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
     inv_freq = 1.0 / (rope.theta**exponent)  # [E/2]
     scale = jnp.float32(1.0)
+    if rope.kind == "yarn":
+        inv_freq = _yarn_inv_freq(rope, head_dim)
+        scale = jnp.float32(rope.attention_factor)
     if rope.kind == "longrope":
         seq_len = jnp.max(jnp.where(valid, positions, 0)) + 1
         is_long = seq_len > rope.original_max_position_embeddings
@@ -155,6 +158,26 @@ def rope_tables(
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return (jnp.cos(emb) * scale).astype(dtype), (jnp.sin(emb) * scale).astype(dtype)
+
+
+def _yarn_inv_freq(rope: RopeConfig, dim: int) -> jax.Array:
+    """YaRN frequencies `[E/2]`: the original ones for dimensions that turn more than `beta_fast` times over
+    the original context, interpolated (`/ factor`) below `beta_slow` turns, a linear blend between."""
+
+    def dim_of(turns: float) -> float:  # the dimension whose wavelength fits `turns` times in the context
+        context = rope.original_max_position_embeddings
+        return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as the reference: avoids dividing by zero
+    pos_freqs = rope.theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # share of the original (extrapolated) frequency
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -171,18 +194,41 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerKV:
-    k: jax.Array  # [B, S, K, E]
-    v: jax.Array  # [B, S, K, E]
+    """One layer's cache, axis 1 the cache position. Grouped-query attention caches keys `k` and values
+    `v` `[B, S, K, E]`; multi-head latent attention (`models/mla.py`) caches what it needs instead: the
+    normalised latent `k` `[B, S, 1, kv_lora_rank]` and the rotated shared key `v` `[B, S, 1, rope_dim]`."""
+
+    k: jax.Array
+    v: jax.Array
 
 
 def init_kv_cache(cfg: MoEConfig, batch: int, length: int, dtype: jnp.dtype) -> list[LayerKV]:
     """One `LayerKV` per layer, zero filled; a list so the engine can donate one layer's cache at a time."""
-    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-    return [LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+    if cfg.is_mla:
+        k_shape, v_shape = (batch, length, 1, cfg.kv_lora_rank), (batch, length, 1, cfg.qk_rope_head_dim)
+    else:
+        k_shape = v_shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return [LayerKV(jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype)) for _ in range(cfg.num_layers)]
+
+
+def attention_mask(layout: Layout, length: int, window: int | None) -> jax.Array:
+    """`[B, T, S]` bool: causal over the cache, no left padding, within the sliding window if any."""
+    q_idx = layout.write_index + jnp.arange(layout.num_new, dtype=jnp.int32)  # [T]
+    k_idx = jnp.arange(length, dtype=jnp.int32)  # [S]
+    allowed = (k_idx[None, None, :] <= q_idx[None, :, None]) & (
+        k_idx[None, None, :] >= layout.key_start[:, None, None]
+    )
+    if window is not None:
+        allowed &= (q_idx[None, :, None] - k_idx[None, None, :]) < window
+    return allowed
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention that appends the new keys/values to the cache and attends over it."""
+    """Grouped-query attention that appends the new keys/values to the cache and attends over it.
+
+    Optional per config: RMSNorm of queries and keys before RoPE, per head (`qk_norm="head"`, Qwen3) or
+    over the whole projection (`"full"`, OLMoE), and OLMoE's clamp of q, k and v (`clip_qkv`).
+    """
 
     def __init__(self, cfg: MoEConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         d, h, k, e = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -192,30 +238,32 @@ class Attention(nnx.Module):
         self.v_proj = Linear(d, k * e, use_bias=cfg.qkv_bias, **kw)
         self.o_proj = Linear(h * e, d, use_bias=cfg.o_bias, **kw)
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, e
+        self.qk_norm, self.clip = cfg.qk_norm, cfg.clip_qkv
+        if cfg.qk_norm != "none":
+            q_dim, k_dim = (e, e) if cfg.qk_norm == "head" else (h * e, k * e)
+            self.q_norm = RMSNorm(q_dim, cfg.norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(k_dim, cfg.norm_eps, dtype=dtype)
 
     def __call__(
         self, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv: LayerKV, layout: Layout, window: int | None
     ) -> tuple[jax.Array, LayerKV]:
         b, t, _ = x.shape
         h, k, e = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).reshape(b, t, h, e)
-        k_new = self.k_proj(x).reshape(b, t, k, e)
-        v_new = self.v_proj(x).reshape(b, t, k, e)
+        q, k_new, v_new = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H*E], [B, T, K*E] x 2
+        if self.qk_norm == "full":
+            q, k_new = self.q_norm(q), self.k_norm(k_new)
+        if self.clip is not None:
+            q, k_new, v_new = (jnp.clip(a, -self.clip, self.clip) for a in (q, k_new, v_new))
+        q, k_new, v_new = q.reshape(b, t, h, e), k_new.reshape(b, t, k, e), v_new.reshape(b, t, k, e)
+        if self.qk_norm == "head":
+            q, k_new = self.q_norm(q), self.k_norm(k_new)
         cos, sin = rope
         q, k_new = apply_rope(q, cos, sin), apply_rope(k_new, cos, sin)
 
         start = (0, layout.write_index, 0, 0)
         keys = jax.lax.dynamic_update_slice(kv.k, k_new.astype(kv.k.dtype), start)
         values = jax.lax.dynamic_update_slice(kv.v, v_new.astype(kv.v.dtype), start)
-
-        s = keys.shape[1]
-        q_idx = layout.write_index + jnp.arange(t, dtype=jnp.int32)  # [T]
-        k_idx = jnp.arange(s, dtype=jnp.int32)  # [S]
-        allowed = (k_idx[None, None, :] <= q_idx[None, :, None]) & (
-            k_idx[None, None, :] >= layout.key_start[:, None, None]
-        )  # [B, T, S]
-        if window is not None:
-            allowed &= (q_idx[None, :, None] - k_idx[None, None, :]) < window
+        allowed = attention_mask(layout, keys.shape[1], window)  # [B, T, S]
 
         qg = q.reshape(b, t, k, h // k, e)
         scores = jnp.einsum("btkge,bske->bkgts", qg, keys.astype(q.dtype)) * (1.0 / math.sqrt(e))

@@ -14,10 +14,8 @@ from .mixtral import softmax_topk
 def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
     refuse_unsupported(hf, {"hidden_act": "silu"}, "qwen2_moe")
     layers = hf["num_hidden_layers"]
-    step = hf.get("decoder_sparse_step", 1)
-    mlp_only = set(hf.get("mlp_only_layers") or [])
     num_experts = hf["num_experts"]
-    moe_layers = tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(layers))
+    moe_layers = sparse_layers(hf, num_experts)
     windows: tuple[int | None, ...] = (None,) * layers
     if hf.get("use_sliding_window"):
         types = hf.get("layer_types") or [
@@ -39,6 +37,17 @@ def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
         moe_layers=moe_layers,
         dense_intermediate_size=hf.get("intermediate_size", 0),
         shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
+        shared_expert_gate=bool(hf.get("shared_expert_intermediate_size")),
+    )
+
+
+def sparse_layers(hf: dict[str, Any], num_experts: int) -> tuple[bool, ...]:
+    """Per layer, True for a routed MoE block: not in `mlp_only_layers` and every `decoder_sparse_step`-th
+    layer (Qwen1.5-MoE and Qwen3-MoE alike)."""
+    step = hf.get("decoder_sparse_step", 1)
+    mlp_only = set(hf.get("mlp_only_layers") or [])
+    return tuple(
+        i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(hf["num_hidden_layers"])
     )
 
 

@@ -39,6 +39,7 @@ class CacheStats:
     prefetches: int = 0
     wasted_prefetches: int = 0
     dropped_prefetches: int = 0  # requested, never started (no longer wanted, or no room)
+    cancelled_prefetches: int = 0  # started, stopped between chunks when no longer wanted
     loads: int = 0
     bytes_to_device: int = 0
     peak_bytes: int = 0
@@ -187,6 +188,14 @@ class CacheBook:
             raise RuntimeError(f"expert {key} is pinned and cannot be evicted")
         if entry.prefetched and not entry.used:
             self.stats.wasted_prefetches += 1
+
+    def cancel(self, key: Key, unsent_bytes: int) -> None:
+        """A prefetch stopped before it landed: its slot is free again and its unsent bytes uncounted."""
+        entry = self.entries.pop(key)
+        if entry.pins or entry.ready:
+            raise RuntimeError(f"expert {key} is pinned or has landed and cannot be cancelled")
+        self.stats.cancelled_prefetches += 1
+        self.stats.bytes_to_device -= unsent_bytes
 
     def pin(self, keys: Iterable[Key]) -> None:
         for key in keys:

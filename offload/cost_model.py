@@ -131,7 +131,11 @@ class ModelPreset:
 
     Only byte and FLOP sizes are read by the simulator: the number of MoE layers, experts and top-k of a
     replay come from the routing trace, so a trace recorded on a small model replays "at real size" with
-    these per-layer and per-expert sizes. `num_layers`, `num_experts` and `top_k` describe the real model.
+    these per-layer and per-expert sizes. `num_layers`, `num_experts` and `top_k` describe the real model
+    (`num_layers` counts its MoE layers). Attention is grouped-query, or multi-head latent (DeepSeek-V2)
+    when `kv_lora_rank > 0`; then `head_dim` is the query/key head (nope + rope part). Dense layers
+    (DeepSeek's first) count in the parameters and the resident bytes; their time is not modelled (the
+    simulator steps through the MoE layers of a trace): 1 of 27 layers in DeepSeek-V2-Lite.
 
     `expert_quantization` ("int8" / "int4", `quantization_group_size` inputs per scale of
     `bytes_per_param`, as `fmoe_jax.models.quant` stores them) is the routed experts' stored precision:
@@ -149,8 +153,15 @@ class ModelPreset:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    shared_expert_intermediate_size: int = 0  # Qwen1.5-MoE's always-active shared expert (0: none)
+    shared_expert_intermediate_size: int = 0  # always-active shared expert(s), summed (0: none)
+    shared_expert_gate: bool = True  # Qwen1.5-MoE gates its shared expert (a [D] vector); DeepSeek does not
     tie_word_embeddings: bool = False
+    kv_lora_rank: int = 0  # MLA: cached latent per token and layer (0: grouped-query attention)
+    q_lora_rank: int = 0  # MLA: query bottleneck (0: queries projected directly)
+    qk_rope_head_dim: int = 0  # MLA: rotary part of head_dim, one key shared by every head (cached)
+    v_head_dim: int = 0  # MLA: value head size
+    dense_layers: int = 0  # layers with a dense MLP instead of experts
+    dense_intermediate_size: int = 0
     bytes_per_param: int = 2  # bf16
     expert_quantization: str | None = None  # None: experts in bytes_per_param too
     quantization_group_size: int | None = None  # default 64 when quantized
@@ -194,7 +205,14 @@ class ModelPreset:
             head_dim=cfg.head_dim,
             vocab_size=cfg.vocab_size,
             shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+            shared_expert_gate=cfg.shared_expert_gate,
             tie_word_embeddings=cfg.tie_word_embeddings,
+            kv_lora_rank=cfg.kv_lora_rank,
+            q_lora_rank=cfg.q_lora_rank,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            dense_layers=cfg.num_layers - cfg.num_moe_layers,
+            dense_intermediate_size=cfg.dense_intermediate_size,
             expert_quantization=None if quantization is None else quantization.kind,
             quantization_group_size=None if quantization is None else quantization.group_size,
         )
@@ -206,15 +224,37 @@ class ModelPreset:
 
     @property
     def attention_params(self) -> int:
-        q_and_o = 2 * self.hidden_size * self.num_heads * self.head_dim
-        k_and_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        d, h = self.hidden_size, self.num_heads
+        if self.kv_lora_rank:  # MLA: q (or its LoRA), kv down to latent + rope key, kv up per head, o
+            r, p, v = self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim
+            q = (
+                d * self.q_lora_rank + self.q_lora_rank * h * self.head_dim
+                if self.q_lora_rank
+                else d * h * self.head_dim
+            )
+            return q + d * (r + p) + r * h * (self.head_dim - p + v) + h * v * d
+        q_and_o = 2 * d * h * self.head_dim
+        k_and_v = 2 * d * self.num_kv_heads * self.head_dim
         return q_and_o + k_and_v
+
+    @property
+    def score_flops(self) -> int:
+        """FLOPs per (query, key) pair and layer: QK^T and PV over every head."""
+        if self.kv_lora_rank:
+            return 2 * self.num_heads * (self.head_dim + self.v_head_dim)
+        return 4 * self.num_heads * self.head_dim
 
     @property
     def shared_params(self) -> int:
         if not self.shared_expert_intermediate_size:
             return 0
-        return 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size  # + its gate
+        gate = self.hidden_size if self.shared_expert_gate else 0
+        return 3 * self.hidden_size * self.shared_expert_intermediate_size + gate
+
+    @property
+    def dense_layer_params(self) -> int:
+        """Attention plus dense MLP of one dense layer."""
+        return self.attention_params + 3 * self.hidden_size * self.dense_intermediate_size
 
     def router_params(self, num_experts: int) -> int:
         return self.hidden_size * num_experts
@@ -229,7 +269,7 @@ class ModelPreset:
             + self.num_experts * self.expert_params
         )
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embeddings
+        return self.num_layers * per_layer + self.dense_layers * self.dense_layer_params + embeddings
 
     @property
     def expert_bytes(self) -> int:
@@ -243,15 +283,18 @@ class ModelPreset:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes of one token in one layer."""
+        """KV-cache bytes of one token in one layer (MLA: the latent and the shared rope key)."""
+        if self.kv_lora_rank:
+            return (self.kv_lora_rank + self.qk_rope_head_dim) * self.bytes_per_param
         return 2 * self.num_kv_heads * self.head_dim * self.bytes_per_param
 
     def resident_bytes(self, num_layers: int, num_experts: int) -> int:
-        """Weights that stay on the device whatever the policy: attention, routers, shared experts,
-        embedding and LM head, for `num_layers` MoE layers of `num_experts` experts."""
+        """Weights that stay on the device whatever the policy: attention, routers, shared experts, dense
+        layers, embedding and LM head, for `num_layers` MoE layers of `num_experts` experts."""
         per_layer = self.attention_params + self.router_params(num_experts) + self.shared_params
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return (num_layers * per_layer + embeddings) * self.bytes_per_param
+        dense = self.dense_layers * self.dense_layer_params
+        return (num_layers * per_layer + dense + embeddings) * self.bytes_per_param
 
 
 # Sizes from each model's published Hugging Face `config.json`.
@@ -303,10 +346,68 @@ PHI35_MOE = ModelPreset(
     vocab_size=32064,
 )
 
+# Qwen/Qwen3-30B-A3B: hidden_size 2048, moe_intermediate_size 768, num_hidden_layers 48 (decoder_sparse_step
+# 1, no mlp_only_layers), num_attention_heads 32, num_key_value_heads 4, head_dim 128, num_experts 128,
+# num_experts_per_tok 8, vocab_size 151936, tie_word_embeddings false. 30.5 B parameters (model card).
+QWEN3_30B_A3B = ModelPreset(
+    "Qwen3-30B-A3B",
+    num_layers=48,
+    num_experts=128,
+    top_k=8,
+    hidden_size=2048,
+    expert_intermediate_size=768,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    vocab_size=151936,
+)
+# allenai/OLMoE-1B-7B-0924: hidden_size 2048, intermediate_size 1024 (per expert), num_hidden_layers 16,
+# num_attention_heads 16, num_key_value_heads 16 (head_dim 128), num_experts 64, num_experts_per_tok 8,
+# vocab_size 50304, tie_word_embeddings false. 6.9 B parameters (model card: 7 B total, 1 B active).
+OLMOE_1B_7B = ModelPreset(
+    "OLMoE-1B-7B",
+    num_layers=16,
+    num_experts=64,
+    top_k=8,
+    hidden_size=2048,
+    expert_intermediate_size=1024,
+    num_heads=16,
+    num_kv_heads=16,
+    head_dim=128,
+    vocab_size=50304,
+)
+# deepseek-ai/DeepSeek-V2-Lite: hidden_size 2048, num_hidden_layers 27 with first_k_dense_replace 1 (dense
+# intermediate_size 10944), moe_intermediate_size 1408, n_routed_experts 64, n_shared_experts 2,
+# num_experts_per_tok 6, num_attention_heads 16, kv_lora_rank 512, q_lora_rank null, qk_nope_head_dim 128,
+# qk_rope_head_dim 64, v_head_dim 128, vocab_size 102400, tie_word_embeddings false. 15.7 B parameters
+# (model card: 15.7 B total, 2.4 B active).
+DEEPSEEK_V2_LITE = ModelPreset(
+    "DeepSeek-V2-Lite",
+    num_layers=26,
+    num_experts=64,
+    top_k=6,
+    hidden_size=2048,
+    expert_intermediate_size=1408,
+    num_heads=16,
+    num_kv_heads=16,
+    head_dim=192,
+    vocab_size=102400,
+    shared_expert_intermediate_size=2 * 1408,
+    shared_expert_gate=False,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    dense_layers=1,
+    dense_intermediate_size=10944,
+)
+
 MODELS: dict[str, ModelPreset] = {
     "mixtral": MIXTRAL_8X7B,
     "qwen2_moe": QWEN15_MOE_A27B,
     "phimoe": PHI35_MOE,
+    "qwen3_moe": QWEN3_30B_A3B,
+    "olmoe": OLMOE_1B_7B,
+    "deepseek_v2": DEEPSEEK_V2_LITE,
 }  # by model family, as `RoutingTrace.meta["family"]` names it
 
 
@@ -327,7 +428,7 @@ class CostModel:
         bp = model.bytes_per_param
         self._attention_params = model.attention_params + model.router_params(num_experts)
         self._attention_bytes = self._attention_params * bp
-        self._score_flops = 4 * model.num_heads * model.head_dim  # QK^T and PV per (query, key) pair
+        self._score_flops = model.score_flops  # QK^T and PV per (query, key) pair
 
     def attention_s(self, new_tokens: np.ndarray, past_tokens: np.ndarray) -> float:
         """One layer's attention and router: `new_tokens` `[R]` tokens per active row, `past_tokens` `[R]`

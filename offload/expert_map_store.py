@@ -98,9 +98,15 @@ class ExpertMapStore:
         width = num_layers * num_experts
 
         self._size = 0
+        # Arrays a policy keeps beside the maps (fmoe's calibration tables), saved and loaded with them.
+        self.attachments: dict[str, np.ndarray] = {}
         self._embeds = np.zeros((capacity, embed_dim), np.float32)  # [C, H]
         self._inv_embed_norm = np.zeros((capacity,), np.float32)  # [C]
         self._maps = np.zeros((capacity, width), np.float32)  # [C, L*J]
+        # What followed each map in its request: the sum of the next tokens' maps, and how many were added
+        # (`add_future`); `future_of` answers with the mean of the best-matching map's followers.
+        self._future = np.zeros((capacity, width), np.float32)  # [C, L*J]
+        self._future_count = np.zeros((capacity,), np.float32)  # [C]
         self._inv_prefix_norm = np.zeros((num_layers, capacity), np.float32)  # [L, C]
         # A sketch only pays off when it is smaller than the embedding and the store can outgrow
         # the rerank shortlist; otherwise every search is exact.
@@ -217,6 +223,29 @@ class ExpertMapStore:
             traj[i + 1 :, slot] = traj_batch[i + 1 :, i]
         return slots
 
+    def add_future(self, slots: np.ndarray, maps: np.ndarray) -> None:
+        """Records that maps `[B, L, J]` followed the maps stored at `slots` `[B]` in their requests (a
+        slot reused since holds another map: the caller passes slots it has just been given)."""
+        slots = np.asarray(slots, np.int64)
+        flat = self._rows(maps, (self.num_layers, self.num_experts), "maps").reshape(len(slots), -1)
+        np.add.at(self._future, slots, flat)
+        np.add.at(self._future_count, slots, 1.0)
+
+    def future_of(self, maps: np.ndarray) -> np.ndarray:  # [B, L, J] -> [B, L, J]
+        """What followed the stored map most like each of `maps` (cosine over whole maps, among maps with
+        followers): the mean of its followers' maps, zeros when none has any."""
+        maps = self._rows(maps, (self.num_layers, self.num_experts), "maps")
+        out = np.zeros(maps.shape, np.float32)
+        n = self._size
+        has = self._future_count[:n] > 0
+        if not has.any():
+            return out
+        flat = maps.reshape(len(maps), -1)
+        sims = _scores(self._maps[:n], flat * _inv_norm(flat)[:, None]) * self._inv_prefix_norm[-1, :n]
+        best = np.argmax(np.where(has[None, :], sims, -np.inf), axis=1)  # [B]
+        mean = self._future[best] / self._future_count[best, None]
+        return mean.reshape(maps.shape)
+
     def match_embed(
         self,
         embeds: np.ndarray,  # [B, H]
@@ -299,7 +328,8 @@ class ExpertMapStore:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                np.savez(f, header=np.array(header_text), embeds=self.embeds, maps=self.maps)
+                extra = {f"attachment_{name}": np.asarray(a) for name, a in self.attachments.items()}
+                np.savez(f, header=np.array(header_text), embeds=self.embeds, maps=self.maps, **extra)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -355,6 +385,11 @@ class ExpertMapStore:
                     raise ValueError("it has no header")
                 header = json.loads(str(data["header"]))
                 embeds, maps = data["embeds"], data["maps"]
+                attachments = {
+                    name.removeprefix("attachment_"): data[name]
+                    for name in data.files
+                    if name.startswith("attachment_")
+                }
             if not isinstance(header, dict) or not isinstance(header.get("meta"), dict):
                 raise ValueError("its header is not a store header")
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
@@ -397,6 +432,7 @@ class ExpertMapStore:
             )
         for start in range(0, size, _LOAD_CHUNK):
             store.add(embeds[start : start + _LOAD_CHUNK], maps[start : start + _LOAD_CHUNK])
+        store.attachments = attachments
         return store
 
     def _rows(self, x: np.ndarray, trailing: tuple[int, ...], name: str) -> np.ndarray:
@@ -439,6 +475,8 @@ class ExpertMapStore:
         self._embeds[slots] = embeds
         self._inv_embed_norm[slots] = inv_embed
         self._maps[slots] = flat_maps
+        self._future[slots] = 0.0
+        self._future_count[slots] = 0.0
         self._inv_prefix_norm[:, slots] = inv_prefix.T
         if self._sketch is not None:
             self._sketch[slots] = sketch

@@ -12,7 +12,9 @@ Routing comes from the trace (layer, expert and top-k counts included); byte and
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -29,46 +31,98 @@ from .policies import Policy, PolicyContext
 from .transfer import DeviceExpertCache
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(eq=False, slots=True)
 class Copy:
     """A simulated host-to-device copy (the `SimulatedLink`'s handle)."""
 
     key: Key
-    done_s: float  # simulated time at which the expert is on the device
+    urgent: bool  # an on-demand load: served before every prefetch chunk not yet started
+    submitted_s: float  # when the host asked for it
+    chunks_left: int  # chunks the link has not started
+    done_s: float = math.inf  # when its last chunk lands (known once that chunk has started)
 
 
 class SimulatedLink:
-    """A `Mover` over one host-to-device link with a simulated clock.
+    """A `Mover` over one host-to-device link with a simulated clock, copying in chunks.
 
-    Copies are serialized FIFO on the link: a copy starts when the link frees (or now, if idle) and takes
-    `expert_bytes / bytes_per_s` seconds. `wait` advances the clock to the last completion and counts the
-    advance as stall time (compute waiting for experts); `compute` advances it by compute time.
+    An expert goes over in `chunks` equal pieces (one per weight matrix by default), one piece at a time.
+    The link serves urgent copies (on-demand loads) before any prefetch piece it has not started, so a
+    miss waits behind at most the one piece already under way; prefetches are served in the order asked,
+    back to back while any wait; a prefetch can be cancelled between pieces. `wait` advances the clock to
+    the last completion and counts the advance as stall time (compute waiting for experts); `compute`
+    advances it by compute time. The link's schedule is worked out lazily: a piece is committed when the
+    clock passes its start, so a later urgent copy can still go ahead of the pieces not yet started.
     """
 
-    def __init__(self, expert_bytes: int, bytes_per_s: float):
+    def __init__(self, expert_bytes: int, bytes_per_s: float, *, chunks: int = 3):
         if bytes_per_s <= 0:
             raise ValueError(f"link bandwidth must be positive, got {bytes_per_s} bytes/s")
+        if chunks < 1:
+            raise ValueError(f"an expert goes over in at least one chunk, got chunks={chunks}")
         self.copy_s = expert_bytes / bytes_per_s
+        self.chunks = chunks
+        self.chunk_s = self.copy_s / chunks
         self.clock = 0.0
-        self.free_at = 0.0  # when the last queued copy completes
+        self.free_at = 0.0  # when the last piece the link has started completes
+        self.urgent: collections.deque[Copy] = collections.deque()
+        self.background: collections.deque[Copy] = collections.deque()
         self.stall_s = 0.0
         self.compute_s = 0.0
         self.busy_s = 0.0
 
-    def start(self, key: Key) -> Copy:
-        begin = max(self.clock, self.free_at)
-        self.free_at = begin + self.copy_s
-        self.busy_s += self.copy_s
-        return Copy(key, self.free_at)
+    def _next_start(self) -> tuple[float, collections.deque[Copy] | None]:
+        """When the link starts its next piece, and from which queue (urgent first if it is waiting)."""
+        queue = self.urgent if self.urgent else self.background
+        if not queue:
+            return math.inf, None
+        return max(self.free_at, queue[0].submitted_s), queue
+
+    def _commit_one(self) -> bool:
+        """Starts the next piece (the caller checked its start time). False when there is none."""
+        start, queue = self._next_start()
+        if queue is None:
+            return False
+        copy = queue[0]
+        self.free_at = start + self.chunk_s
+        self.busy_s += self.chunk_s
+        copy.chunks_left -= 1
+        if copy.chunks_left == 0:
+            copy.done_s = self.free_at
+            queue.popleft()
+        return True
+
+    def _advance(self, until: float) -> None:
+        """Commits every piece that starts before `until`."""
+        while self._next_start()[0] < until:
+            self._commit_one()
+
+    def start(self, key: Key, *, urgent: bool = False) -> Copy:
+        self._advance(self.clock)
+        copy = Copy(key, urgent, self.clock, self.chunks)
+        (self.urgent if urgent else self.background).append(copy)
+        return copy
 
     def is_ready(self, handle: Copy) -> bool:
+        self._advance(self.clock)
         return handle.done_s <= self.clock
 
     def wait(self, handles: Sequence[Copy]) -> None:
+        self._advance(self.clock)
+        while any(h.done_s == math.inf for h in handles):
+            if not self._commit_one():
+                raise RuntimeError("waiting for a copy the link does not hold (cancelled?)")
         until = max((h.done_s for h in handles), default=self.clock)
         if until > self.clock:
             self.stall_s += until - self.clock
             self.clock = until
+
+    def cancel(self, handle: Copy) -> float | None:
+        self._advance(self.clock)
+        if handle.done_s != math.inf:
+            return None  # its last piece is under way or done
+        queue = self.urgent if handle.urgent else self.background
+        queue.remove(handle)
+        return handle.chunks_left / self.chunks
 
     def compute(self, seconds: float) -> None:
         self.compute_s += seconds
@@ -150,6 +204,7 @@ def simulate(
     hardware: HardwarePreset,
     router_weights: Sequence[np.ndarray] | None = None,
     warmup: Sequence[RoutingTrace] = (),
+    chunks: int = 3,
 ) -> SimResult:
     """Replays routing traces through an offload policy and expert cache on a simulated clock.
 
@@ -173,6 +228,7 @@ def simulate(
         (the trace must then hold hidden states: `generate(..., record_trace=True, record_hidden=True)`).
       warmup: traces replayed first through the same policy and cache, left out of the result (cache and
         policy state carry over into `traces`, as `generate` calls before a measurement do).
+      chunks: pieces each expert's copy goes over the link in (`SimulatedLink`); 1: whole experts.
 
     Returns:
       a `SimResult` of `traces`. The policy is bound to a fresh cache and closed at the end.
@@ -188,6 +244,7 @@ def simulate(
         hardware=hardware,
         router_weights=router_weights,
         check=everything,
+        chunks=chunks,
     )
     try:
         for trace in everything[: len(everything) - len(traces)]:
@@ -219,6 +276,7 @@ class Replay:
         hardware: HardwarePreset,
         router_weights: Sequence[np.ndarray] | None = None,
         check: Sequence[RoutingTrace] = (),
+        chunks: int = 3,
     ):
         offload = offload or OffloadConfig()
         if offload.devices not in (None, 1) or offload.placement is not None:
@@ -239,7 +297,7 @@ class Replay:
 
         total = self.num_layers * num_experts
         self.capacity = total if self.policy.preload_all else offload.slots(model.expert_bytes, total)
-        self.link = SimulatedLink(model.expert_bytes, hardware.link_effective)
+        self.link = SimulatedLink(model.expert_bytes, hardware.link_effective, chunks=chunks)
         self.cache = DeviceExpertCache(
             self.link,
             self.capacity,

@@ -31,12 +31,17 @@ class EvictionPolicy(Protocol):
 
 
 class Mover(Protocol):
-    def start(self, key: Key) -> Any:
-        """Begins copying expert `key` to the device; returns a handle (the device arrays)."""
+    def start(self, key: Key, *, urgent: bool = False) -> Any:
+        """Begins copying expert `key` to the device; returns a handle (the device arrays). An urgent copy
+        (an on-demand load) goes ahead of every prefetch chunk the link has not started."""
 
     def is_ready(self, handle: Any) -> bool: ...
 
     def wait(self, handles: Sequence[Any]) -> None: ...
+
+    def cancel(self, handle: Any) -> float | None:
+        """Stops a copy between chunks: the fraction of its bytes not sent, or None if it cannot be stopped
+        (it has landed, its last chunk is under way, or this mover cannot cancel)."""
 
 
 class JaxMover:
@@ -46,7 +51,7 @@ class JaxMover:
         self.host = host
         self.device = device
 
-    def start(self, key: Key) -> ExpertWeights:
+    def start(self, key: Key, *, urgent: bool = False) -> ExpertWeights:
         return jax.device_put(self.host(key), self.device)
 
     def is_ready(self, handle: ExpertWeights) -> bool:
@@ -54,6 +59,9 @@ class JaxMover:
 
     def wait(self, handles: Sequence[ExpertWeights]) -> None:
         jax.block_until_ready(list(handles))
+
+    def cancel(self, handle: ExpertWeights) -> None:
+        return None  # an issued device_put runs to its end
 
 
 class DeviceExpertCache(BookView):
@@ -106,7 +114,7 @@ class DeviceExpertCache(BookView):
     # -- copies ----------------------------------------------------------------------------------------
     def _start_copy(self, key: Key, *, prefetched: bool) -> None:
         """Caller holds the lock and has made room. A copy that fails to start leaves the cache unchanged."""
-        handle = self.mover.start(key)
+        handle = self.mover.start(key, urgent=not prefetched)
         if self.synchronous:
             self.mover.wait([handle])
         self.book.add(key, prefetched=prefetched)
@@ -161,11 +169,14 @@ class DeviceExpertCache(BookView):
                         or (stale_before is not None and key[0] < stale_before)
                     )
 
+                items = list(items)
                 kept = [entry for entry in self.queue if not unwanted(entry[2])]
                 self.book.stats.dropped_prefetches += len(self.queue) - len(kept)
                 heapq.heapify(kept)
                 self.queue = kept
                 self.queued = {entry[2] for entry in kept}
+                still = {key for key, _ in items}
+                self._cancel_arriving(lambda key: unwanted(key) and key not in still)
             for key, priority in items:
                 if key in self.book or key in self.queued or key[0] == self.serving:
                     continue
@@ -174,6 +185,18 @@ class DeviceExpertCache(BookView):
                 self.queued.add(key)
             self._pump()
         self.timers["prefetch_issue"] += time.perf_counter() - start
+
+    def _cancel_arriving(self, unwanted: Callable[[Key], bool]) -> None:
+        """Stops prefetches still arriving that are no longer wanted (between chunks, where the mover can):
+        their slots and the link's remaining time go to what is wanted now. Caller holds the lock."""
+        for key, entry in list(self.book.entries.items()):
+            if key in self.protected:  # the layer being served needs it: a late prefetch still beats a miss
+                continue
+            if entry.prefetched and not entry.ready and not entry.pins and unwanted(key):
+                unsent = self.mover.cancel(self.arrays[key])
+                if unsent is not None:
+                    self.book.cancel(key, int(round(unsent * self.book.expert_bytes)))
+                    del self.arrays[key]
 
     def _pump(self) -> None:
         """Starts queued prefetches while allowed. Caller holds the lock."""

@@ -1,4 +1,5 @@
-"""Training the small MoE models that ship with fmoe_jax (`fmoe-tiny-mixtral`, `fmoe-tiny-qwen-moe`) on CPU.
+"""Training the small MoE models that ship with fmoe_jax (`fmoe-tiny-mixtral`, `fmoe-tiny-qwen-moe`,
+`fmoe-tiny-qwen3-moe`) on CPU.
 
 `benchmarks/train_tiny_moe.py` is the command line; tests train tiny configs for a few steps. The data are
 the domain corpora (`workloads.load_corpora`), the model is the project's own Flax model built from an HF
@@ -77,6 +78,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         decoder_sparse_step=1,
         mlp_only_layers=[],
         qkv_bias=True,
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+    ),
+    # Many small experts with top-8, as Qwen3-30B-A3B (128 experts of 768 on hidden 2048): 64 experts of
+    # 48 (the same 0.375 x hidden), renormalised top-8, per-head q/k norms, no shared expert.
+    "fmoe-tiny-qwen3-moe": dict(
+        _COMMON,
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        intermediate_size=512,  # dense MLP size; unused (every layer is MoE) but required by the config
+        moe_intermediate_size=48,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        attention_bias=False,
         rms_norm_eps=1e-6,
         use_sliding_window=False,
     ),

@@ -34,7 +34,10 @@ import pytest  # noqa: E402
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 # Small configs that still exercise every feature: GQA, >= 2 layers, >= 4 experts, Mixtral's sliding
-# window, Qwen's dense layer and shared expert, Phi's biases and LongRoPE (original max 64 < 300 tokens).
+# window, Qwen's dense layer and shared expert, Phi's biases and LongRoPE (original max 64 < 300 tokens),
+# Qwen3's per-head q/k norms with a head_dim that is not hidden / heads and top-8 of 16 experts renormalised,
+# OLMoE's whole-projection q/k norms and clip_qkv, DeepSeek-V2's latent attention with YaRN, its dense
+# first layer and shared experts, greedy (Lite) and group-limited routing with a q LoRA (V2).
 HF_CONFIGS = {
     "mixtral": dict(
         vocab_size=256,
@@ -97,8 +100,114 @@ HF_CONFIGS = {
             "original_max_position_embeddings": 64,
         },
     ),
+    "qwen3_moe": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=80,
+        moe_intermediate_size=24,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=16,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        max_position_embeddings=1024,
+    ),
+    "olmoe": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=16,
+        num_experts_per_tok=8,
+        norm_topk_prob=False,
+        clip_qkv=0.8,  # below the largest normalised query/key entries: clamping changes the result
+        max_position_embeddings=1024,
+        pad_token_id=None,
+        eos_token_id=None,
+    ),
+    # DeepSeek-V2-Lite's shape in small: no q LoRA, greedy top-k, its YaRN settings (mscale = mscale_all_dim).
+    "deepseek_v2_lite": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=16,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        topk_method="greedy",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        max_position_embeddings=1024,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+    ),
+    # DeepSeek-V2's shape in small: q LoRA, group-limited greedy routing scaled by routed_scaling_factor, a
+    # YaRN attention factor other than 1.
+    "deepseek_v2": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        kv_lora_rank=32,
+        q_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=False,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=1024,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+        },
+    ),
 }
-FAMILY_OF = {"mixtral": "mixtral", "mixtral_window": "mixtral", "qwen2_moe": "qwen2_moe", "phimoe": "phimoe"}
+FAMILY_OF = {
+    "mixtral": "mixtral",
+    "mixtral_window": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "phimoe": "phimoe",
+    "qwen3_moe": "qwen3_moe",
+    "olmoe": "olmoe",
+    "deepseek_v2_lite": "deepseek_v2",
+    "deepseek_v2": "deepseek_v2",
+}
 
 
 def make_hf_model(name: str, seed: int = 0):
@@ -109,6 +218,9 @@ def make_hf_model(name: str, seed: int = 0):
         "mixtral": transformers.MixtralConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig,
         "phimoe": transformers.PhimoeConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "olmoe": transformers.OlmoeConfig,
+        "deepseek_v2": transformers.DeepseekV2Config,
     }[FAMILY_OF[name]]
     torch.manual_seed(seed)
     config = config_cls(**HF_CONFIGS[name])
@@ -119,6 +231,13 @@ def make_hf_model(name: str, seed: int = 0):
             for module in model.modules():
                 if isinstance(module, torch.nn.LayerNorm) or module is model.lm_head:
                     module.bias.normal_(0.0, 0.02)
+    if FAMILY_OF[name] in ("qwen3_moe", "olmoe", "deepseek_v2"):
+        # Random norm weights (q/k norms, MLA's latent norms included), so a norm applied to the wrong
+        # axis, or not at all, shows.
+        with torch.no_grad():
+            for module_name, param in model.named_parameters():
+                if "norm" in module_name:
+                    param.normal_(1.0, 0.2)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import FAMILY_OF
 from fmoe_jax.convert import orbax_io
 from fmoe_jax.convert.cli import main
 from fmoe_jax.convert.hf import write_safetensors
@@ -20,7 +21,9 @@ from fmoe_jax.convert.manifest import MANIFEST_NAME, Manifest
 
 import fmoe_jax as fj
 
-FAMILIES = ("mixtral", "qwen2_moe", "phimoe")
+# Tiny models of conftest.HF_CONFIGS: one per family, and DeepSeek-V2's two shapes (latent attention with and
+# without the q LoRA).
+FAMILIES = ("mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2_lite", "deepseek_v2")
 PROMPT = [3, 17, 42, 99, 5, 250, 7, 64, 128, 11, 1, 200]  # vocab of the tiny models is 256
 # The shape test_parity.py uses too, so a full run compiles this forward once.
 F32_IDS = np.random.default_rng(3).integers(0, 256, (2, 40)).astype(np.int32)
@@ -85,7 +88,7 @@ def converted(hf_dirs, tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_float32_round_trip_matches_hf_logits(family, hf_dirs, converted):
     model = fj.load_model(converted[family])
-    assert model.config.family == family
+    assert model.config.family == FAMILY_OF[family]
     logits = np.asarray(fj.forward(model, F32_IDS))
     expected = torch_logits(torch_model(hf_dirs[family]), F32_IDS)
     np.testing.assert_allclose(logits, expected, rtol=0, atol=F32_ATOL)
@@ -127,8 +130,14 @@ def test_bfloat16_round_trip_matches_hf_bfloat16(family, hf_dirs, converted_bf16
     sequence = PROMPT + greedy
     logits = np.asarray(fj.forward(model, [sequence]))
     np.testing.assert_allclose(logits, torch_logits(reference, sequence), rtol=0, atol=BF16_ATOL)
-    # Torch's own top-2 margins go down to one bf16 step here, so this is as strict as it can be.
-    assert logits[0, len(PROMPT) - 1 : -1].argmax(-1).tolist() == greedy
+    # The same argmax wherever torch's own top-2 margin is above one bf16 step (2**-8): a closer call may go
+    # either way, since each side rounds in its own order (Qwen3-MoE's tiny model has one, at a margin of
+    # exactly one step, among many more rounded top-8 expert sums). Most steps are far from that.
+    ours = logits[0, len(PROMPT) - 1 : -1].argmax(-1)
+    top2 = np.sort(torch_logits(reference, sequence)[0, len(PROMPT) - 1 : -1], axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2**-8
+    assert clear.sum() >= len(greedy) // 2
+    np.testing.assert_array_equal(ours[clear], np.asarray(greedy)[clear])
 
 
 def test_bfloat16_generate_matches_hf_bfloat16_greedy(hf_dirs, converted_bf16):
@@ -251,5 +260,7 @@ def test_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("HF_DIR", "OUT_DIR", "--dtype", "bfloat16", "--overwrite", "--quiet", "verify"):
         assert option in text
+    for model_type in ("mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2"):
+        assert model_type in text
     assert main(["verify", "--help"]) == 0
     assert "--against" in capsys.readouterr().out

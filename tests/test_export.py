@@ -50,6 +50,36 @@ CONFIGS = {
         mlp_only_layers=[1],  # a dense layer too
         tie_word_embeddings=False,
     ),
+    "qwen3_moe": dict(
+        _BASE,
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        intermediate_size=40,
+        moe_intermediate_size=16,
+        num_experts=8,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        mlp_only_layers=[],
+        tie_word_embeddings=True,
+    ),
+    "deepseek_v2": dict(
+        _BASE,
+        model_type="deepseek_v2",
+        architectures=["DeepseekV2ForCausalLM"],
+        num_key_value_heads=4,
+        intermediate_size=40,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=3,
+        kv_lora_rank=16,
+        q_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        tie_word_embeddings=False,
+    ),
 }
 TOKENS = np.random.default_rng(0).integers(3, 96, size=(2, 11)).astype(np.int32)
 

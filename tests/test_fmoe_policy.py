@@ -114,9 +114,10 @@ def test_cost_admission_measures_copy_and_layer_time_live(hf_dirs):
     assert out.stats.extra["copy_ms"] > 0 and out.stats.extra["layer_ms"] > 0
 
 
-def test_eviction_keeps_highest_p_times_freq():
-    policy, cache = bound_policy(one_map_store())
-    policy.guide_prob.update({(1, 0): 0.9, (1, 1): 0.1, (1, 2): 0.5})
+def test_paper_eviction_keeps_highest_p_times_freq():
+    policy, cache = bound_policy(one_map_store(), eviction="fmoe")
+    policy._guide_p[1, :3] = [0.9, 0.1, 0.5]  # the guides of layer 1 in this iteration
+    policy._guided[1, :3] = True
     cache.book.freq.update({(1, 0): 1, (1, 1): 10, (1, 2): 0})
     scores = {key: policy.keep_score(key, Entry()) for key in [(1, 0), (1, 1), (1, 2), (1, 3)]}
     assert scores[(1, 3)] == 0.0  # not in any map: evicted first
@@ -124,6 +125,23 @@ def test_eviction_keeps_highest_p_times_freq():
     assert scores[(1, 1)] == pytest.approx(1.1) and scores[(1, 0)] == pytest.approx(1.8)
     lru, _ = bound_policy(one_map_store(), eviction="lru")
     assert lru.keep_score((1, 0), Entry(last_use=7)) == 7
+
+
+def test_reuse_eviction_keeps_what_this_iteration_or_the_next_ones_need():
+    policy, _ = bound_policy(one_map_store())  # eviction="reuse", the default
+    iteration_start(policy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
+    layer_routed(policy, 0, np.full((1, 4), 0.25, np.float32), np.array([[3]]), np.ones((1, 1), bool))
+    policy._need[2, 1] = 0.6  # a guide says layer 2, still to route, needs expert 1 with probability 0.6
+    policy._need[2, 2] = 0.0
+    reuse = policy.forecast.scores
+    assert policy.keep_score((2, 1), Entry()) == pytest.approx(1 - 0.4 * (1 - reuse[2, 1]))
+    assert policy.keep_score((2, 1), Entry()) > policy.keep_score((2, 2), Entry())  # no guide for (2, 2)
+    # Expert 3 of layer 0 was just used: the forecast counts it as used in the previous iteration.
+    assert policy.keep_score((0, 3), Entry()) > policy.keep_score((0, 2), Entry())
+    layer_routed(policy, 1, np.full((1, 4), 0.25, np.float32), np.array([[0]]), np.ones((1, 1), bool))
+    layer_routed(policy, 2, np.full((1, 4), 0.25, np.float32), np.array([[0]]), np.ones((1, 1), bool))
+    # Layer 2 has routed: what is left of (2, 1) is its chance of reuse in the next iterations.
+    assert policy.keep_score((2, 1), Entry()) == pytest.approx(policy.forecast.scores[2, 1])
 
 
 def test_a_failing_context_is_dropped_and_reported_not_fatal():

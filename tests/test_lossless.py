@@ -24,10 +24,13 @@ from hypothesis import strategies as st
 
 import fmoe_jax as fj
 from fmoe_jax.engines.offload import OffloadEngine
+from fmoe_jax.generation import bucket_length
 
-SHIPPED = ["fmoe-tiny-mixtral", "fmoe-tiny-qwen-moe"]
+SHIPPED = ["fmoe-tiny-mixtral", "fmoe-tiny-qwen-moe", "fmoe-tiny-qwen3-moe"]
 RANDOM = [
-    (family, dtype) for family in ("mixtral", "qwen2_moe", "phimoe") for dtype in ("bfloat16", "float32")
+    (family, dtype)
+    for family in ("mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2_lite", "deepseek_v2")
+    for dtype in ("bfloat16", "float32")
 ]
 WARMUP_PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79], [26, 53, 58, 97, 93], list(range(40, 70))]
 
@@ -36,7 +39,20 @@ WARMUP_PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79], [26, 53, 58, 97, 93], list(ra
 class Subject:
     resident: fj.Model
     offloaded: fj.Model  # its experts in pinned host memory; each test serves it with a fresh engine
-    predictors: dict[str, predictors.Predictor]
+    _predictors: dict[str, predictors.Predictor] | None = None
+
+    def predictor(self, kind: str) -> predictors.Predictor:
+        """ProMoE's or DuoServe's predictor, trained on first use: a few seconds of training on the resident
+        model's routing is enough to make them prefetch (their accuracy is not under test here)."""
+        if self._predictors is None:
+            record = dict(stop_at_eos=False, record_trace=True, record_hidden=True)
+            traces = [fj.generate(self.resident, [p], 4, **record).trace for p in WARMUP_PROMPTS]
+            quick = dict(epochs=2, batch_size=32, progress=False)
+            self._predictors = {
+                "promoe": predictor_training.train_promoe(traces, stride=1, hidden=(16,), **quick),
+                "duoserve": predictor_training.train_duoserve(traces, hidden=(16,), **quick),
+            }
+        return self._predictors[kind]
 
 
 def _load(source, dtype=None, **quantization) -> Subject:
@@ -44,18 +60,7 @@ def _load(source, dtype=None, **quantization) -> Subject:
     resident = fj.load_model(source, dtype=dtype, **quantization)
     offloaded = fj.load_model(source, dtype=dtype, offload=OffloadConfig(cache_experts=1), **quantization)
     offloaded.close()
-    # ProMoE / DuoServe need predictors trained on the model's traces: a few seconds of training on the
-    # resident model's routing is enough to make them prefetch (their accuracy is not under test here).
-    traces = [
-        fj.generate(resident, [p], 4, stop_at_eos=False, record_trace=True, record_hidden=True).trace
-        for p in WARMUP_PROMPTS
-    ]
-    settings_ = dict(epochs=2, batch_size=32, progress=False)
-    trained = {
-        "promoe": predictor_training.train_promoe(traces, stride=1, hidden=(16,), **settings_),
-        "duoserve": predictor_training.train_duoserve(traces, hidden=(16,), **settings_),
-    }
-    return Subject(resident, offloaded, trained)
+    return Subject(resident, offloaded)
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +81,9 @@ def serve(subject: Subject, policy: str, slots: int, reference_trace=None) -> fj
     if policy == "oracle":
         policy_obj = Oracle(reference_trace)
     elif policy == "promoe":
-        policy_obj = ProMoE(predictor=subject.predictors["promoe"])
+        policy_obj = ProMoE(predictor=subject.predictor("promoe"))
     elif policy == "duoserve":
-        policy_obj = DuoServe(predictor=subject.predictors["duoserve"])
+        policy_obj = DuoServe(predictor=subject.predictor("duoserve"))
     else:
         policy_obj = policy
     offload = OffloadConfig(policy=policy_obj, cache_experts=slots, prefetch_distance=1)
@@ -89,19 +94,19 @@ def serve(subject: Subject, policy: str, slots: int, reference_trace=None) -> fj
 
 
 def run_steps(model: fj.Model, prompts: list[list[int]], new_tokens: int):
-    """Prefill + greedy decode through the engine's `step`; each step's tokens `[B]` and logits `[B, V]`."""
+    """Prefill + greedy decode through the engine's `step`; each step's tokens `[B]` and logits `[B, V]`.
+    Padding and cache length are bucketed as `generate` buckets them, so few shapes compile."""
     engine = model.engine
-    b, t_pad = len(prompts), max(len(p) for p in prompts)
+    b, t_pad = len(prompts), bucket_length(max(len(p) for p in prompts))
     tokens = np.zeros((b, t_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, t_pad - len(p) :] = p
     key_start = np.asarray([t_pad - len(p) for p in prompts], np.int32)
     active = np.ones((b,), bool)
-    kv = engine.init_cache(b, t_pad + new_tokens)
+    kv = engine.init_cache(b, bucket_length(t_pad + new_tokens))
     key = jax.random.key(0)
-    out, kv = engine.step(
-        jnp.asarray(tokens), kv, Layout(np.int32(0), key_start, active, t_pad), key, fj.Greedy()
-    )
+    layout = Layout(np.int32(0), key_start, active, t_pad)
+    out, kv = engine.step(jnp.asarray(tokens), kv, layout, key, fj.Greedy())
     logits, generated = [np.asarray(out.logits)], [np.asarray(out.tokens)]
     for step in range(new_tokens - 1):
         layout = Layout(np.int32(t_pad + step), key_start, active, 1)
@@ -151,7 +156,7 @@ MODELS = [*SHIPPED, *RANDOM]
 # No shrinking: each example loads engines and compiles, and a failure already names its model, policy,
 # budget and prompts.
 @settings(
-    max_examples=30,
+    max_examples=25,
     deadline=None,
     phases=(Phase.explicit, Phase.reuse, Phase.generate),
     suppress_health_check=[HealthCheck.function_scoped_fixture],
@@ -175,7 +180,7 @@ def test_offloading_is_bit_identical_to_resident(model, policy, fraction, data, 
     check_lossless(subject, policy, slots, prompts, data.draw(st.integers(1, 5)))
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", SHIPPED[:2])  # the bug report's two; the 64-expert model is drawn above
 @pytest.mark.parametrize("policy", ["on_demand_lru", "fmoe"])
 def test_shipped_models_chunked_budgets(name, policy, subjects):
     """The budgets the bug report named (1, 2, 4 slots, below one layer's experts) and all experts, on the

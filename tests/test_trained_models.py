@@ -14,7 +14,11 @@ from fmoe_jax.convert.hf import SafetensorsFile
 import fmoe_jax as fj
 from fmoe_jax.loading import SHIPPED_DIR
 
-SHIPPED = {"fmoe-tiny-mixtral": ("mixtral", 8, 2, 0), "fmoe-tiny-qwen-moe": ("qwen2_moe", 32, 4, 1)}
+SHIPPED = {
+    "fmoe-tiny-mixtral": ("mixtral", 8, 2, 0),
+    "fmoe-tiny-qwen-moe": ("qwen2_moe", 32, 4, 1),
+    "fmoe-tiny-qwen3-moe": ("qwen3_moe", 64, 8, 0),
+}
 # Real text, from the start of Tiny Shakespeare (training data: the model should predict it well). Both
 # prompts pad to the same 16-token bucket, so the generate tests share one prefill and one decode compilation.
 PROMPT = "First Citizen:\nBefore we proceed any further, hear me speak."

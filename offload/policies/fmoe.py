@@ -32,9 +32,10 @@ from typing import Any, Literal
 import numpy as np
 
 from ..cache import CacheView, Entry, Key
-from ..events import IterationStart, LayerRouted
+from ..events import IterationStart, LayerRouted, RequestStart
 from ..expert_map_store import ExpertMapStore
 from ..fmoe_select import keep_priority, prefetch_priority, select_experts
+from ..forecast import Calibration, ReuseForecast
 from .base import Policy, PolicyContext
 
 
@@ -44,6 +45,9 @@ class _Context:
     layer: int = -1
     data: Any = None
     extra: Any = None
+    iteration: int = 0  # the policy's iteration count when published (a late match updates no guide)
+    request: int = 0  # the policy's request count when published
+    rows: Any = None  # update: each token's batch row
 
 
 class FMoE(Policy):
@@ -53,7 +57,12 @@ class FMoE(Policy):
       semantic: semantic (embedding) search guides layers [0, d) at each iteration start.
       trajectory: trajectory search after each layer guides the layers d ahead.
       dynamic_delta: similarity-aware selection (delta = 1 - score); off: exactly top-k per layer.
-      eviction: "fmoe" (keep the highest p * freq), "lfu", or "lru".
+      eviction: "reuse" (keep the experts most likely needed soon: later in this iteration, by calibrated
+        map probability, or in the next `reuse_horizon` iterations, by `ReuseForecast`), "fmoe" (the
+        paper's rule: keep the highest p * freq), "lfu", or "lru".
+      calibrate: turn matched-map probabilities into need probabilities learned online (`Calibration`)
+        before admission, priority and eviction use them; off: the raw map probability (the paper).
+      reuse_horizon: iterations ahead the reuse forecast looks (eviction "reuse").
       traj_target: "band" guides every layer from l + d on after layer l (as the authors' code);
         "single" guides layer l + d only (as the paper's text). Measured in benchmarks/ablations.
       asynchronous: match on a thread of its own (the paper's publisher/subscriber); off: inline,
@@ -82,7 +91,9 @@ class FMoE(Policy):
         semantic: bool = True,
         trajectory: bool = True,
         dynamic_delta: bool = True,
-        eviction: Literal["fmoe", "lfu", "lru"] = "fmoe",
+        eviction: Literal["reuse", "fmoe", "lfu", "lru"] = "reuse",
+        calibrate: bool = True,
+        reuse_horizon: int = 2,
         traj_target: Literal["band", "single"] = "band",
         asynchronous: bool = True,
         learn: bool = True,
@@ -94,8 +105,8 @@ class FMoE(Policy):
         copy_s: float | None = None,
         layer_s: float | None = None,
     ):
-        if eviction not in ("fmoe", "lfu", "lru"):
-            raise ValueError(f"eviction must be 'fmoe', 'lfu' or 'lru', got {eviction!r}")
+        if eviction not in ("reuse", "fmoe", "lfu", "lru"):
+            raise ValueError(f"eviction must be 'reuse', 'fmoe', 'lfu' or 'lru', got {eviction!r}")
         if not (admission in ("cost", "all") or isinstance(admission, (int, float))):
             raise ValueError(f"admission must be 'cost', 'all' or a probability, got {admission!r}")
         if traj_target not in ("band", "single"):
@@ -103,7 +114,10 @@ class FMoE(Policy):
         if store_capacity < 1:
             raise ValueError(f"store_capacity must be >= 1, got {store_capacity}")
         self.semantic, self.trajectory, self.dynamic_delta = semantic, trajectory, dynamic_delta
+        self.needs_semantic = semantic  # without semantic search, traces need no embeddings
         self.eviction, self.traj_target = eviction, traj_target
+        self.calibrate, self.reuse_horizon = calibrate, reuse_horizon
+        self.calibration = Calibration()
         self.asynchronous, self.learn = asynchronous, learn
         self.store = store
         self.store_capacity = store_capacity
@@ -112,7 +126,6 @@ class FMoE(Policy):
         self.admission = admission
         self.copy_s, self.layer_s = copy_s, layer_s
         self._clock: tuple[float, float, int] | None = None  # (time, on-demand wait, misses), last layer
-        self.guide_prob: dict[Key, float] = {}  # p of each expert in the map guiding its layer now
         self.timers = {"matching": 0.0, "store_update": 0.0}
         self.counts = collections.Counter()
         self.scores: dict[str, list[float]] = {"semantic": [], "trajectory": []}
@@ -165,6 +178,23 @@ class FMoE(Policy):
                 f"H={self.store.embed_dim}; the model needs L={ctx.num_layers}, J={ctx.num_experts}, "
                 f"H={ctx.embed_dim}"
             )
+        shape = (ctx.num_layers, ctx.num_experts)
+        self.forecast = ReuseForecast(*shape, horizon=self.reuse_horizon)
+        self.calibration.load(self.store.attachments)  # what an earlier run learned, saved with the store
+        self.forecast.load(self.store.attachments)
+        # The guides of the current iteration, per expert [L, J]: the raw map probability, the match's
+        # similarity and distance in layers when the guide was made, whether a guide exists, and the need
+        # probability (calibrated p) that admission, priority and eviction use. Written by the matcher.
+        self._guide_p, self._guide_s = np.zeros(shape), np.zeros(shape)
+        self._guide_d, self._guided = np.ones(shape, np.int64), np.zeros(shape, bool)
+        self._need = np.zeros(shape)
+        self._used = np.zeros(shape, bool)  # the experts this iteration has needed so far
+        self._current = -1  # the MoE layer that routed last in this iteration
+        self._iteration = 0
+        self._request = 0
+        self._hint: np.ndarray | None = None  # [L, J] what the store says follows the last token
+        self._recent: dict[int, collections.deque] = {}  # matcher: each row's last slots in the store
+        self._recent_request = -1
         if self.asynchronous:
             self._thread = threading.Thread(target=self._run, name="fmoe-matcher", daemon=True)
             self._thread.start()
@@ -188,33 +218,65 @@ class FMoE(Policy):
             self._thread.join()
             self._thread = None
         if self.store_path and self.store is not None and hasattr(self, "ctx"):
+            self.store.attachments = {**self.calibration.state(), **self.forecast.state()}
             self.store.save(self.store_path, self.meta)
 
     # -- events from the engine (engine thread: cheap, never waits for matching) -------------------------
+    def on_request_start(self, event: RequestStart) -> None:
+        self.forecast.start_request()
+        self._request += 1
+        self._hint = None
+
     def on_iteration_start(self, event: IterationStart) -> None:
-        embeds, valid = event.embeds, event.valid
+        valid = event.valid
         rows, tokens = valid.shape
         self._valid = valid.reshape(-1)
         self._last = (
             np.where(valid.any(1), tokens - 1, -1) + np.arange(rows) * tokens
         )  # each row's last token
-        self._embeds = embeds[self._valid]
+        n_valid = int(self._valid.sum())
+        if event.embeds is not None:
+            self._embeds = event.embeds[self._valid]
+        else:  # no semantic search: the store keeps zero embeddings (its redundancy rule uses maps alone)
+            self._embeds = np.zeros((n_valid, self.ctx.embed_dim), np.float32)
         self._maps = np.zeros((rows * tokens, self.ctx.num_layers, self.ctx.num_experts), np.float32)
+        self._token_rows = np.repeat(np.arange(rows), tokens)[self._valid]  # each valid token's row
         self._clock = None
         self._decoding = tokens == 1
-        if self.semantic and self._embeds.shape[0]:
-            self._publish(_Context("semantic", data=self._embeds))
+        self._iteration += 1
+        self._guided[:] = False
+        self._need[:] = 0.0
+        self._used[:] = False
+        self._current = -1
+        self.forecast.begin_iteration(self._hint if self.eviction == "reuse" else None)
+        if self.semantic and n_valid:
+            self._publish(_Context("semantic", data=self._embeds, iteration=self._iteration))
 
     def on_layer_routed(self, event: LayerRouted) -> None:
         layer, valid = event.layer, event.valid
         if self._measure:
             self._measure_costs()
+        needed = np.asarray(event.needed, np.int64)
+        guided = self._guided[layer].copy()  # the matcher may be writing later layers' guides meanwhile
+        if guided.any():  # what this layer's guides were worth: the calibration learns it
+            outcome = np.zeros(self.ctx.num_experts, bool)
+            outcome[needed] = True
+            self.calibration.observe(
+                self._guide_p[layer, guided],
+                self._guide_s[layer, guided],
+                self._guide_d[layer, guided],
+                outcome[guided],
+            )
+        self._current = layer
+        self._used[layer, needed] = True
+        self.forecast.mark_used(layer, needed)
         self._maps[:, layer] = event.probs
         if not self.trajectory or layer + self.ctx.prefetch_distance >= self.ctx.num_layers:
             return
         active = self._last[valid.any(1)]
         if active.size:
-            self._publish(_Context("trajectory", layer=layer, data=self._maps[active, : layer + 1].copy()))
+            data = self._maps[active, : layer + 1].copy()
+            self._publish(_Context("trajectory", layer=layer, data=data, iteration=self._iteration))
 
     def _measure_costs(self) -> None:
         """Live estimates of T and of one layer's compute (exponential averages), from the cache's on-demand
@@ -242,8 +304,15 @@ class FMoE(Policy):
         return self.copy_s / (self.copy_s + min(self.copy_s, window))
 
     def on_iteration_end(self) -> None:
-        if self.learn and self._embeds.shape[0]:
-            self._publish(_Context("update", data=self._embeds, extra=self._maps[self._valid]))
+        self.forecast.end_iteration(self._used)
+        if self._embeds.shape[0] and (self.learn or self.eviction == "reuse"):
+            context = _Context("update", data=self._embeds, extra=self._maps[self._valid])
+            context.rows, context.request, context.iteration = (
+                self._token_rows,
+                self._request,
+                self._iteration,
+            )
+            self._publish(context)
 
     def _publish(self, context: _Context) -> None:
         if not self.asynchronous:
@@ -308,7 +377,11 @@ class FMoE(Policy):
     def _process(self, context: _Context) -> None:
         if context.kind == "update":
             start = time.perf_counter()
-            self.store.add(context.data, context.extra)
+            if self.learn:
+                self._learn(context)
+            if self.eviction == "reuse":  # what followed maps like each row's last token: the next hint
+                last = np.flatnonzero(np.append(context.rows[1:] != context.rows[:-1], True))
+                self._hint = self.store.future_of(context.extra[last]).max(axis=0)
             self.timers["store_update"] += time.perf_counter() - start
             return
         start = time.perf_counter()
@@ -325,55 +398,88 @@ class FMoE(Policy):
         self.counts[f"{context.kind}_matches"] += 1
         if len(self.scores[context.kind]) < 100_000:
             self.scores[context.kind].extend(scores.tolist())
-        items = self._select(scores, maps, targets, current)
+        items = self._select(scores, maps, targets, current, fresh=context.iteration == self._iteration)
         self.timers["matching"] += time.perf_counter() - start
         replace = True if self.traj_target == "band" or context.kind == "semantic" else targets
         self.cache.request_prefetch(items, replace=replace, stale_before=current + 1)
 
+    def _learn(self, context: _Context) -> None:
+        """Adds the iteration's maps to the store and records each as a follower of the same row's
+        previous `reuse_horizon` tokens (`ExpertMapStore.add_future`)."""
+        slots = self.store.add(context.data, context.extra)
+        if context.request != self._recent_request:  # a new batch of requests: no earlier tokens
+            self._recent, self._recent_request = {}, context.request
+        for slot, row, token_map in zip(slots, context.rows, context.extra, strict=True):
+            recent = self._recent.setdefault(int(row), collections.deque(maxlen=self.reuse_horizon))
+            if recent:
+                self.store.add_future(
+                    np.fromiter(recent, np.int64), np.repeat(token_map[None], len(recent), 0)
+                )
+            recent.append(int(slot))
+
     def _select(
-        self, scores: np.ndarray, maps: np.ndarray, targets: range, current: int
+        self, scores: np.ndarray, maps: np.ndarray, targets: range, current: int, *, fresh: bool = True
     ) -> list[tuple[Key, float]]:
-        """Similarity-aware selection per matched map and target layer; a batch's wishes are merged,
-        keeping each expert's highest probability. Returns prefetches `(key, p / (layer - current))`."""
+        """Similarity-aware selection per matched map and target layer; a batch's wishes are merged, each
+        expert keeping its highest probability. Updates the target layers' guides (when the match is of
+        the current iteration) and returns prefetches `(key, q / (layer - current))`, q the need
+        probability (calibrated p), for the selected experts whose q pays for their copy."""
         if not len(targets):
             return []
         j = self.ctx.num_experts
         layers = np.asarray(targets)
-        probs = maps[:, layers, :].reshape(-1, j)  # [B * n_targets, J]
-        score = np.repeat(scores if self.dynamic_delta else np.ones_like(scores), len(layers))
-        best = np.zeros((len(layers), j))
-        for row, ids in enumerate(select_experts(probs, score, self.ctx.top_k)):
-            layer_pos = row % len(layers)
-            best[layer_pos, ids] = np.maximum(best[layer_pos, ids], probs[row, ids])
-        guide = maps[:, layers, :].max(axis=0)  # [n_targets, J]
-        for pos, layer in enumerate(layers):
-            for expert in range(j):
-                self.guide_prob[(int(layer), expert)] = float(guide[pos, expert])
-        items = []
-        for pos, layer in enumerate(layers):
-            chosen = np.flatnonzero(best[pos])
-            admitted = chosen[best[pos, chosen] >= self.threshold(int(layer), current)]
-            self.counts["not_admitted"] += len(chosen) - len(admitted)
-            priority = prefetch_priority(best[pos, admitted], int(layer), current)
-            items += [((int(layer), int(e)), float(pri)) for e, pri in zip(admitted, priority, strict=True)]
-        return items
+        distance = layers - current  # [n]
+        probs = maps[:, layers, :]  # [B, n, J]
+        score = scores if self.dynamic_delta else np.ones_like(scores)  # [B]
+        chosen = np.zeros(probs.shape, bool)
+        selected = select_experts(probs.reshape(-1, j), np.repeat(score, len(layers)), self.ctx.top_k)
+        for row, ids in enumerate(selected):
+            chosen.reshape(-1, j)[row, ids] = True
+        best = np.where(chosen, probs, 0.0).max(axis=0)  # [n, J] selected experts' best probability
+        guide = probs.max(axis=0)  # [n, J] every expert's best probability in the matched maps
+        match = np.full(guide.shape, float(np.max(scores)) if len(scores) else 0.0)
+        dist = np.broadcast_to(distance[:, None], guide.shape)
+        need = self.calibration.predict(guide, match, dist) if self.calibrate else guide
+        if fresh:
+            self._guide_p[layers], self._guide_s[layers], self._guide_d[layers] = guide, match, dist
+            self._guided[layers] = True
+            self._need[layers] = need
+        q = np.where(best > 0, need, 0.0)
+        thresholds = np.array([self.threshold(int(layer), current) for layer in layers])  # [n]
+        admitted = (q > 0) & (q >= thresholds[:, None])
+        self.counts["not_admitted"] += int(((best > 0) & ~admitted).sum())
+        pos, experts = np.nonzero(admitted)
+        priority = prefetch_priority(q[pos, experts], layers[pos], current)
+        return [
+            ((int(layers[p]), int(e)), float(pri)) for p, e, pri in zip(pos, experts, priority, strict=True)
+        ]
 
     # -- eviction ----------------------------------------------------------------------------------------
     def keep_score(self, key: Key, entry: Entry) -> float:
-        """fMoE keeps the highest p * freq (equivalently evicts the highest 1 / (p * freq)); freq counts
-        the arrival as one visit so a freshly prefetched expert is not the first to go."""
+        """Higher is kept longer. "reuse": the probability the expert is needed soon: later in this
+        iteration (its need probability, for a layer still to route) or in the next iterations (the reuse
+        forecast), combined as independent chances. "fmoe": the paper's p * freq (`keep_priority`)."""
         if self.eviction == "lru":
             return float(entry.last_use)
-        uses = self.cache.freq(key)
         if self.eviction == "lfu":
-            return float(uses)
-        return float(keep_priority(self.guide_prob.get(key, 0.0), uses))
+            return float(self.cache.freq(key))
+        layer, expert = key
+        if self.eviction == "fmoe":
+            p = self._guide_p[layer, expert] if self._guided[layer, expert] else 0.0
+            return float(keep_priority(p, self.cache.freq(key)))
+        now = self._need[layer, expert] if layer > self._current else 0.0
+        return float(1.0 - (1.0 - now) * (1.0 - self.forecast.scores[layer, expert]))
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
-        """A prefetch evicts only an expert worth less than the one it brings (same p * freq measure)."""
-        if self.eviction != "fmoe":
+        """A prefetch evicts only an expert worth less than the one it brings."""
+        if self.eviction in ("lru", "lfu"):
             return True
-        incoming = float(keep_priority(self.guide_prob.get(key, 0.0), self.cache.freq(key)))
+        layer, expert = key
+        if self.eviction == "fmoe":
+            p = self._guide_p[layer, expert] if self._guided[layer, expert] else 0.0
+            incoming = float(keep_priority(p, self.cache.freq(key)))
+        else:
+            incoming = float(self._need[layer, expert])
         return self.keep_score(victim, self.cache.entry(victim)) < incoming
 
     def stats(self) -> dict[str, Any]:

@@ -58,17 +58,26 @@ class Oracle(Policy):
     Args:
       traces: the `RoutingTrace` of the generation to serve, or one per `generate` call in order.
       prefetch: prefetch the future (off: Belady eviction with on-demand loading only).
+      horizon: foresight in iterations (tokens of a decode): the oracle sees the rest of the current
+        iteration and the next `horizon` iterations of the current call, and nothing beyond (an expert
+        next needed later counts as never needed again; ties go to the least recently used). None: the
+        whole future. With `prefetch=False` this is Belady limited to that foresight, which measures how
+        far ahead an eviction rule must see to approach the optimum.
     """
 
     name = "oracle"
 
-    def __init__(self, traces: Any, *, prefetch: bool = True):
+    def __init__(self, traces: Any, *, prefetch: bool = True, horizon: int | None = None):
         traces = list(traces) if isinstance(traces, Sequence) else [traces]
         if not traces:
             raise ValueError("Oracle needs the RoutingTrace of the generation it serves, got none")
         meta = traces[0].meta
         self.num_layers, self.num_experts = int(meta["num_layers"]), int(meta["num_experts"])
+        if horizon is not None and horizon < 0:
+            raise ValueError(f"horizon must be >= 0 iterations (or None: the whole future), got {horizon}")
         self.prefetch = prefetch
+        self.horizon = horizon
+        self._until = math.inf  # the last step the oracle may see (its horizon)
         self.calls: list[_Call] = []
         self.needs: list[frozenset[Key]] = []  # per step: experts needed
         self.uses: dict[Key, list[int]] = {}  # per expert: the steps that need it, ascending
@@ -157,6 +166,9 @@ class Oracle(Policy):
         if valid.shape[0] != expected.shape[0] or not np.array_equal(got, expected):
             raise self._diverged(f"valid tokens per row {got.tolist()}, the trace has {expected.tolist()}")
         self._now = call.offset + self._iteration * self.num_layers - 1
+        if self.horizon is not None:
+            last = min(self._iteration + self.horizon, call.iterations - 1)  # not past the call
+            self._until = call.offset + (last + 1) * self.num_layers - 1
         self._at_routing = {}
         if self.prefetch:
             self._request(exclude=frozenset())
@@ -203,7 +215,7 @@ class Oracle(Policy):
         if key in self._at_routing and not self._served(key):
             return float(self._now)
         i = bisect.bisect_right(steps, self._now)
-        return float(steps[i]) if i < len(steps) else math.inf
+        return float(steps[i]) if i < len(steps) and steps[i] <= self._until else math.inf
 
     def _served(self, key: Key) -> bool:
         """The current layer has used `key` since it routed (its last use moved on)."""

@@ -1,0 +1,151 @@
+"""What fMoE's predictions are worth, learned online from outcomes: calibrated need probabilities for
+prefetching, and forecasts of reuse a few tokens ahead for eviction. Used by `offload/policies/fmoe.py`.
+
+Why: a matched expert map's probability is not the probability that the expert will be needed (a map
+matched with similarity 0.7 is not a forecast), and what eviction must know is reuse two to four tokens
+ahead, which the current token's map does not say. Both are estimated here the cheap way, as tables of
+counts over a few binned features, updated from what each layer and iteration turned out to need.
+
+Letters: L MoE layers, J experts per layer, H the reuse horizon in iterations.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import numpy as np
+
+# Bin edges. Map probability p and match similarity s in [0, 1]; distance in layers (1, 2, 3, 4+).
+P_EDGES = np.array([0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8])
+S_EDGES = np.array([0.5, 0.7, 0.85, 0.95])
+MAX_DISTANCE = 4
+# Reuse features: iterations since the request last used the expert (0 = the previous one) and the share
+# of the request's iterations that used it (decayed).
+GAP_EDGES = np.array([1, 2, 3, 5, 9])  # gap 0, 1, 2, 3-4, 5-8, 9+ ; "never" is its own bin
+SHARE_EDGES = np.array([0.05, 0.15, 0.3, 0.5, 0.75])
+
+
+class Calibration:
+    """P(needed | map probability, match similarity, distance in layers) from counts.
+
+    `predict` and `observe` take arrays of equal shape. The prior (`prior_strength` pseudo-observations at
+    the raw map probability) makes an empty table return p itself, so calibration starts as the paper's
+    rule and moves as outcomes arrive.
+    """
+
+    def __init__(self, prior_strength: float = 4.0):
+        shape = (len(P_EDGES) + 1, len(S_EDGES) + 1, MAX_DISTANCE)
+        self.needed = np.zeros(shape)
+        self.seen = np.zeros(shape)
+        self.p_sum = np.zeros(shape)  # sum of raw p per bin: the prior's mean
+        self.prior_strength = prior_strength
+
+    @staticmethod
+    def _bins(p: np.ndarray, score: np.ndarray, distance: np.ndarray) -> tuple[np.ndarray, ...]:
+        d = np.clip(np.asarray(distance, np.int64), 1, MAX_DISTANCE) - 1
+        return np.searchsorted(P_EDGES, p), np.searchsorted(S_EDGES, score), d
+
+    def observe(self, p: np.ndarray, score: np.ndarray, distance: np.ndarray, needed: np.ndarray) -> None:
+        bins = self._bins(p, score, distance)
+        np.add.at(self.seen, bins, 1.0)
+        np.add.at(self.needed, bins, np.asarray(needed, np.float64))
+        np.add.at(self.p_sum, bins, p)
+
+    def predict(self, p: np.ndarray, score: np.ndarray, distance: np.ndarray) -> np.ndarray:
+        p = np.asarray(p, np.float64)
+        bins = self._bins(p, score, distance)
+        seen, needed = self.seen[bins], self.needed[bins]
+        prior = np.where(seen > 0, self.p_sum[bins] / np.maximum(seen, 1.0), p)
+        return (needed + self.prior_strength * prior) / (seen + self.prior_strength)
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {"needed": self.needed, "seen": self.seen, "p_sum": self.p_sum}
+
+    def load(self, state: dict[str, Any]) -> None:
+        for name in ("needed", "seen", "p_sum"):
+            if name in state and np.shape(state[name]) == getattr(self, name).shape:
+                setattr(self, name, np.asarray(state[name], np.float64))
+
+
+class ReuseForecast:
+    """P(an expert is needed within the next `horizon` iterations of the request), per expert `[L, J]`.
+
+    Features per expert, from the request's own routing so far: iterations since its last use (temporal
+    locality) and the decayed share of iterations that used it, plus, when given, the probability a
+    matched expert map gives it for the current token (`hint`). A table of counts over the binned
+    features is updated each iteration with the outcomes `horizon` iterations later.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, *, horizon: int = 2, decay: float = 0.8):
+        if horizon < 1:
+            raise ValueError(f"the reuse horizon must be >= 1 iteration, got {horizon}")
+        self.shape = (num_layers, num_experts)
+        self.horizon, self.decay = horizon, decay
+        table = (len(GAP_EDGES) + 2, len(SHARE_EDGES) + 1, len(P_EDGES) + 1)
+        self.reused = np.zeros(table)
+        self.seen = np.zeros(table)
+        self.start_request()
+
+    def start_request(self) -> None:
+        self.iteration = 0
+        self.last_use = np.full(self.shape, -1, np.int64)  # -1: not used by this request yet
+        self.share = np.zeros(self.shape)
+        self.pending: collections.deque[tuple[tuple[np.ndarray, ...], list[np.ndarray]]] = collections.deque()
+        bins = self._bins(None)
+        self._hint_bins = bins[2]
+        self.scores = self._predict(bins)
+
+    def _bins(self, hint: np.ndarray | None) -> tuple[np.ndarray, ...]:
+        gap = np.where(
+            self.last_use < 0,
+            len(GAP_EDGES) + 1,
+            np.searchsorted(GAP_EDGES, self.iteration - 1 - self.last_use, side="right"),
+        )
+        share = np.searchsorted(SHARE_EDGES, self.share)
+        p = np.zeros(self.shape, np.int64) if hint is None else np.searchsorted(P_EDGES, hint)
+        return gap, share, p
+
+    def _predict(self, bins: tuple[np.ndarray, ...]) -> np.ndarray:
+        # Laplace-smoothed; an unseen bin falls back to a weak prior of "recently used is likely reused".
+        prior = np.where(bins[0] == 0, 0.6, 0.2)
+        return (self.reused[bins] + prior) / (self.seen[bins] + 1.0)
+
+    def begin_iteration(self, hint: np.ndarray | None = None) -> None:
+        """A new iteration of the request: scores for it from the routing so far (and the map's `hint`
+        `[L, J]` for this token, if any)."""
+        bins = self._bins(hint)
+        self._hint_bins = bins[2]
+        self.scores = self._predict(bins)
+        self.pending.append((bins, []))
+
+    def mark_used(self, layer: int, experts: np.ndarray) -> None:
+        """Experts of `layer` needed in the current iteration: from now on they score as experts the
+        request used in its previous iteration, which is what they will be at the next one."""
+        if not len(experts):
+            return
+        gap = np.zeros(len(experts), np.int64)
+        share = np.searchsorted(SHARE_EDGES, self.decay * self.share[layer, experts] + (1 - self.decay))
+        self.scores[layer, experts] = self._predict((gap, share, self._hint_bins[layer, experts]))
+
+    def end_iteration(self, used: np.ndarray) -> None:
+        """The iteration's experts `[L, J]` bool: features update, and the snapshot `horizon` iterations back
+        learns what followed it."""
+        for _, later in self.pending:
+            later.append(used)
+        if len(self.pending) > self.horizon:  # the oldest snapshot has seen its whole horizon
+            bins, later = self.pending.popleft()
+            outcome = np.any(np.stack(later[1 : self.horizon + 1]), axis=0)  # the iterations after it
+            np.add.at(self.seen, bins, 1.0)
+            np.add.at(self.reused, bins, outcome.astype(np.float64))
+        self.last_use = np.where(used, self.iteration, self.last_use)
+        self.share = self.decay * self.share + (1 - self.decay) * used
+        self.iteration += 1
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {"reused": self.reused, "reuse_seen": self.seen}
+
+    def load(self, state: dict[str, Any]) -> None:
+        if np.shape(state.get("reused")) == self.reused.shape:
+            self.reused = np.asarray(state["reused"], np.float64)
+            self.seen = np.asarray(state["reuse_seen"], np.float64)

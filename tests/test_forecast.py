@@ -1,0 +1,61 @@
+"""fMoE's learned forecasts: calibrated need probabilities and reuse a few iterations ahead."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fmoe_jax.offload.forecast import Calibration, ReuseForecast
+
+
+def test_calibration_starts_as_the_raw_probability_and_learns_outcomes():
+    cal = Calibration(prior_strength=4.0)
+    p = np.array([0.1, 0.5, 0.9])
+    np.testing.assert_allclose(cal.predict(p, np.full(3, 0.8), np.ones(3)), p, rtol=0, atol=1e-12)
+    # Maps that say 0.9 at similarity 0.6, two layers ahead, are right only a fifth of the time.
+    rng = np.random.default_rng(0)
+    n = 500
+    outcomes = rng.random(n) < 0.2
+    cal.observe(np.full(n, 0.9), np.full(n, 0.6), np.full(n, 2), outcomes)
+    q = cal.predict(np.array([0.9]), np.array([0.6]), np.array([2]))[0]
+    assert q == pytest.approx(outcomes.mean(), abs=0.02)
+    # Other bins (another distance, another similarity) are untouched.
+    assert cal.predict(np.array([0.9]), np.array([0.6]), np.array([1]))[0] == pytest.approx(0.9)
+    assert cal.predict(np.array([0.9]), np.array([0.99]), np.array([2]))[0] == pytest.approx(0.9)
+    restored = Calibration()
+    restored.load(cal.state())
+    assert restored.predict(np.array([0.9]), np.array([0.6]), np.array([2]))[0] == pytest.approx(q)
+
+
+def test_reuse_forecast_learns_that_recent_experts_come_back():
+    """A request whose every iteration reuses expert 0 of layer 0 and picks expert 1 or 2 at random: after
+    some iterations expert 0 scores far above an expert unused for long."""
+    forecast = ReuseForecast(1, 4, horizon=2)
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        forecast.begin_iteration()
+        used = np.zeros((1, 4), bool)
+        used[0, 0] = True
+        used[0, rng.integers(1, 3)] = True
+        forecast.end_iteration(used)
+    forecast.begin_iteration()
+    scores = forecast.scores[0]
+    assert scores[0] > 0.9  # used every iteration
+    assert 0.5 < scores[1] < 1.0 and 0.5 < scores[2] < 1.0  # half the time, two chances in the horizon
+    assert scores[3] < 0.4  # never used: no evidence it comes back
+    assert scores[0] >= max(scores[1], scores[2]) > scores[3]  # (an expert just used shares expert 0's bin)
+
+
+def test_reuse_forecast_marks_experts_used_in_the_current_iteration():
+    forecast = ReuseForecast(2, 3, horizon=1)
+    for _ in range(20):
+        forecast.begin_iteration()
+        used = np.zeros((2, 3), bool)
+        used[:, 0] = True
+        forecast.end_iteration(used)
+    forecast.start_request()  # a new request: nothing used yet, expert 0 is not special any more
+    forecast.begin_iteration()
+    before = forecast.scores[1, 0]
+    forecast.mark_used(1, np.array([0]))
+    assert forecast.scores[1, 0] > before  # used now: scored as used in the previous iteration
+    with pytest.raises(ValueError, match="horizon must be >= 1"):
+        ReuseForecast(2, 3, horizon=0)
