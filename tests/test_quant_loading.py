@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from fmoe_jax.convert.cli import main
 from fmoe_jax.convert.hf import HFCheckpoint
 from fmoe_jax.convert.manifest import MANIFEST_NAME, Manifest
@@ -87,6 +88,34 @@ def test_every_loading_path_holds_quantize_of_the_source(checkpoints):
     )
     dense_bf16 = np.asarray(fj.load_model(checkpoints["bf16"]).module.layers[0].attn.q_proj.weight)
     assert dense_int4.dtype == dense_bf16.dtype and np.array_equal(dense_int4, dense_bf16)  # dense untouched
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v2"])
+def test_newer_families_quantize_their_routed_experts_only(family, hf_dirs):
+    """The newer families' routed experts (24 intermediate units here, so groups of 8) load as `quantize` of
+    the source; their shared experts (DeepSeek-V2), dense layers and attention keep the model's dtype."""
+    spec = ExpertQuantization("int4", 8)
+    model = fj.load_model(
+        hf_dirs[family], dtype="bfloat16", expert_quantization="int4", quantization_group_size=8
+    )
+    expected = {}
+    for _, target, value in HFCheckpoint(hf_dirs[family]).params(np.dtype("bfloat16")):
+        if target.path[0] == "experts":
+            _, layer, expert, name = target.path
+            expected[layer, expert, name, "values"], expected[layer, expert, name, "scales"] = quantize(
+                value, spec
+            )
+    got = host_experts(model)
+    assert got.keys() == expected.keys() and expected
+    for key, want in expected.items():
+        assert got[key].dtype == want.dtype and got[key].tobytes() == want.tobytes(), key
+    kept = {
+        jax.tree_util.keystr(path): leaf.dtype
+        for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model.module))
+        if getattr(path[0], "key", None) != "experts"
+    }
+    assert set(kept.values()) == {np.dtype("bfloat16")}, kept
+    model.close()
 
 
 def test_manifest_and_byte_accounting(checkpoints):
