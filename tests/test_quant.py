@@ -24,7 +24,7 @@ from fmoe_jax.models.quant import (
     reference_dequantize,
 )
 from fmoe_jax.offload.config import OffloadConfig
-from fmoe_jax.offload.cost_model import MIXTRAL_8X7B, PHI35_MOE, QWEN15_MOE_A27B, ModelPreset
+from fmoe_jax.offload.cost_model import MIXTRAL_8X7B, MODELS, ModelPreset
 
 D, F, J = 32, 48, 6
 KINDS = ("int8", "int4")
@@ -150,7 +150,7 @@ def test_unused_quantized_experts_are_never_dequantized():
     assert np.isfinite(np.asarray(out)).all()
 
 
-@pytest.mark.parametrize("preset", [MIXTRAL_8X7B, QWEN15_MOE_A27B, PHI35_MOE], ids=lambda p: p.name)
+@pytest.mark.parametrize("preset", list(MODELS.values()), ids=lambda p: p.name)
 def test_bytes_per_expert_against_bfloat16(preset):
     """The issue's targets at the default group size, scales included: int8 <= 0.52x, int4 <= 0.28x."""
     int8, int4 = (dataclasses.replace(preset, expert_quantization=k).expert_bytes for k in KINDS)
