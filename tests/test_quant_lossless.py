@@ -5,11 +5,11 @@ arrays travel through the offload engine's jitted per-layer steps and its full-c
 `resident` policy preloads every expert), as `ExpertWeights` of `QuantizedMatrix`es.
 
 The models are `test_lossless.py`'s tiny random ones, in bfloat16 with groups of 8 inputs (the newer
-families' experts have 24 intermediate units). A family costs 25-35 s of compilation on a 2-core CPU,
-whatever the number of policies (those cost milliseconds each), so one run checks Mixtral in int4 and one
-other family and kind drawn by hypothesis: every family's routed experts are the same `Expert`s, and the
-offload engine never looks inside them. Their quantized numerics are tested in `test_quant.py` and
-`test_quant_loading.py`.
+families' experts have 24 intermediate units). A family costs 20-35 s of compilation on a 2-core CPU,
+whatever the number of policies (those cost milliseconds each), so one run checks Mixtral in int4 over
+prefill and two decode steps, and one other family and kind drawn by hypothesis over prefill and its token
+(one compiled shape less): every family's routed experts are the same `Expert`s, and the offload engine
+never looks inside them. Their quantized numerics are tested in `test_quant.py` and `test_quant_loading.py`.
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ RECORD = dict(stop_at_eos=False, record_trace=True, record_hidden=True, return_l
 
 @pytest.fixture(scope="module")
 def subjects(hf_dirs):
-    """(family, kind) -> the tiny model quantized that way (resident and offloaded) and the resident model's
-    generation of PROMPTS; loaded on first use."""
+    """(family, kind, new tokens) -> the tiny model quantized that way (resident and offloaded) and the
+    resident model's generation of PROMPTS; loaded on first use."""
     cache: dict = {}
 
-    def get(family: str, kind: str) -> tuple[Subject, fj.GenerateOutput]:
-        if (family, kind) not in cache:
+    def get(family: str, kind: str, new_tokens: int = NEW_TOKENS) -> tuple[Subject, fj.GenerateOutput]:
+        if (family, kind, new_tokens) not in cache:
             subject = _load(hf_dirs[family], "bfloat16", expert_quantization=kind, quantization_group_size=8)
-            reference = fj.generate(subject.resident, PROMPTS, NEW_TOKENS, **RECORD)
+            reference = fj.generate(subject.resident, PROMPTS, new_tokens, **RECORD)
             # ProMoE's and DuoServe's predictors from the reference's routing: no generation of other shapes
             # to compile (their accuracy is not under test).
             quick = dict(epochs=1, batch_size=32, progress=False, hidden=(16,))
@@ -55,8 +55,8 @@ def subjects(hf_dirs):
                 "duoserve": predictor_training.train_duoserve([reference.trace], **quick),
             }
             subject = dataclasses.replace(subject, _predictors=trained)
-            cache[family, kind] = subject, reference
-        return cache[family, kind]
+            cache[family, kind, new_tokens] = subject, reference
+        return cache[family, kind, new_tokens]
 
     return get
 
@@ -71,7 +71,7 @@ def check_generation(subject: Subject, reference: fj.GenerateOutput, policy: str
     label = f"{policy} at {slots} slots"
     model = serve(subject, policy, slots, reference.trace)  # the oracle serves the reference's routing
     try:
-        out = fj.generate(model, PROMPTS, NEW_TOKENS, **RECORD)
+        out = fj.generate(model, PROMPTS, len(reference.tokens[0]), **RECORD)
     finally:
         model.close()
     assert out.tokens == reference.tokens, label
@@ -91,7 +91,7 @@ def test_offloaded_int4_mixtral_equals_resident(subjects):
     check_every_policy(*subjects(ALWAYS, "int4"))
 
 
-# One draw per run (a family compiles for 25-35 s); no shrinking: a failure names its family and kind.
+# One draw per run (a family compiles for 20-35 s); no shrinking: a failure names its family and kind.
 @settings(
     max_examples=1,
     deadline=None,
@@ -100,4 +100,4 @@ def test_offloaded_int4_mixtral_equals_resident(subjects):
 )
 @given(family=st.sampled_from(DRAWN), kind=st.sampled_from(KINDS))
 def test_offloaded_drawn_family_equals_resident(family, kind, subjects):
-    check_every_policy(*subjects(family, kind))
+    check_every_policy(*subjects(family, kind, new_tokens=1))
