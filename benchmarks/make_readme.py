@@ -40,6 +40,7 @@ BENCHMARKS = [
     ("matcher_overhead", "expert-map matcher latency by store size"),
     ("convert_speed", "checkpoint conversion throughput and peak memory"),
     ("multi_device", "expert-parallel decoding over several devices"),
+    ("quantization", "int8 / int4 experts: bytes, held-out NLL, expert-kernel speed, simulated TPOT"),
 ]
 
 TITLE = "# Benchmarks and experiments"

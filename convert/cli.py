@@ -25,6 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from fmoe_jax.models import FAMILIES, UnsupportedConfigError
+from fmoe_jax.models.quant import KINDS, ExpertQuantization, quantized_params
 from tqdm import tqdm
 
 import fmoe_jax
@@ -42,6 +43,7 @@ from .destination import (
 )
 from .hf import CheckpointError, HFCheckpoint
 from .manifest import (
+    FLOAT_FORMAT_VERSION,
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -141,10 +143,15 @@ def convert(
     overwrite: bool = False,
     progress: bool = False,
     poll: Callable[[], None] = lambda: None,
+    expert_quantization: str | None = None,
+    group_size: int | None = None,
 ) -> tuple[Manifest, float]:
     """Converts a Hugging Face checkpoint directory into an fmoe_jax checkpoint at `out_dir`.
 
-    Everything is checked before anything is written. Weights stream one layer at a time into a
+    With `expert_quantization` ("int8" or "int4", `group_size` inputs per scale, default 64) the routed
+    experts are stored quantized, as `load_model(..., expert_quantization=...)` would quantize them, and the
+    manifest records it, so that loading never quantizes again. Everything is checked before anything is
+    written. Weights stream one layer at a time into a
     hidden directory beside `out_dir`, which is renamed to `out_dir` only once complete; on any failure
     or interruption it is removed. `poll` is called at every safe point (between tensors, after each
     item); raising from it abandons the conversion. Returns the manifest and the seconds it took.
@@ -162,11 +169,13 @@ def convert(
         raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     np_dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(ckpt.stored_dtype())
     cfg = ckpt.config
+    quantization = _quantization_arg(expert_quantization, group_size, cfg)
     param_count = sum(int(np.prod(t.shape)) for tensor in ckpt.tensors for t in tensor.targets)
+    bytes_per_expert, param_bytes = _stored_bytes(cfg, param_count, np_dtype, quantization)
     check_destination(out_dir, overwrite)
     parent = out_dir.parent
     remove_stale(parent, out_dir.name)
-    check_space(parent, param_count * np_dtype.itemsize)
+    check_space(parent, param_bytes)
     tmp = work_dir(out_dir)
     try:
         tmp.mkdir()
@@ -191,7 +200,12 @@ def convert(
 
         with _bar(ckpt.total_bytes, "converting", progress) as bar:
             items = orbax_io.write_items(
-                ckpt, tmp, np_dtype, on_bytes=_polling(bar.update, poll), on_item=_polling(item_written, poll)
+                ckpt,
+                tmp,
+                np_dtype,
+                on_bytes=_polling(bar.update, poll),
+                on_item=_polling(item_written, poll),
+                quantization=quantization,
             )
         outputs = [p.relative_to(tmp).as_posix() for p in files_under(tmp)]
         for name in outputs:
@@ -206,8 +220,8 @@ def convert(
             num_layers=cfg.num_layers,
             num_experts=cfg.num_experts,
             moe_layers=list(cfg.moe_layer_ids),
-            bytes_per_expert=3 * cfg.hidden_size * cfg.expert_intermediate_size * np_dtype.itemsize,
-            param_bytes=param_count * np_dtype.itemsize,
+            bytes_per_expert=bytes_per_expert,
+            param_bytes=param_bytes,
             items=items,
             source_dir=str(hf_dir.absolute()),
             source_layout=ckpt.layout,
@@ -216,6 +230,8 @@ def convert(
             files=files,
             converter=f"fmoe-jax {fmoe_jax.__version__}",
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            format_version=FORMAT_VERSION if quantization is not None else FLOAT_FORMAT_VERSION,
+            expert_quantization=None if quantization is None else quantization.as_dict(),
         )
         manifest.write(tmp)
         install(tmp, out_dir)
@@ -227,6 +243,34 @@ def convert(
         raise
     hasher.close()
     return manifest, time.perf_counter() - start
+
+
+def _quantization_arg(kind: str | None, group_size: int | None, cfg: Any) -> ExpertQuantization | None:
+    """The command's `--expert-quantization` / `--group-size`, checked against the model's dimensions."""
+    if kind is None:
+        if group_size is not None:
+            raise ConvertError(
+                f"--group-size {group_size} needs --expert-quantization ({' or '.join(KINDS)})"
+            )
+        return None
+    try:
+        quantization = ExpertQuantization(kind, 64 if group_size is None else group_size)
+        quantization.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
+    except ValueError as err:
+        raise ConvertError(f"--expert-quantization {kind} --group-size {group_size}: {err}") from None
+    return quantization
+
+
+def _stored_bytes(
+    cfg: Any, param_count: int, dtype: np.dtype, quantization: ExpertQuantization | None
+) -> tuple[int, int]:
+    """Bytes of one routed expert as stored, and of all parameters."""
+    d, f, size = cfg.hidden_size, cfg.expert_intermediate_size, dtype.itemsize
+    if quantization is None:
+        return 3 * d * f * size, param_count * size
+    per_expert = 2 * quantization.matrix_bytes(f, d, size) + quantization.matrix_bytes(d, f, size)
+    experts = cfg.num_moe_layers * cfg.num_experts
+    return per_expert, (param_count - experts * 3 * d * f) * size + experts * per_expert
 
 
 def _abandon(hasher: _Hasher, tmp: Path) -> None:
@@ -262,7 +306,8 @@ def verify(
 ) -> str:
     """Checks a converted checkpoint: every file's size and sha256 against the manifest, every item
     restorable with the shapes the config implies and, with `against`, every tensor equal to the Hugging
-    Face source cast to the checkpoint's dtype. Returns a one-line summary; raises `CheckpointError`.
+    Face source cast to the checkpoint's dtype (and quantized, for quantized experts: the values and scales
+    must be those `fmoe-convert` computes). Returns a one-line summary; raises `CheckpointError`.
     """
     out_dir = Path(out_dir)
     if not orbax_io.is_converted(out_dir):
@@ -286,31 +331,41 @@ def verify(
                 continue
             stream = hf.params(dtype, where=lambda t, name=name: orbax_io.item_of_tensor(t) == name)
             for tensor, target, value in stream:
-                ours = arrays[target.path]
-                if (
-                    ours.dtype != value.dtype
-                    or ours.shape != value.shape
-                    or ours.tobytes() != value.tobytes()
-                ):
-                    diff = np.max(np.abs(ours.astype(np.float32) - value.astype(np.float32)))
-                    raise CheckpointError(
-                        f"{out_dir / name}: {'/'.join(map(str, target.path))} differs from {tensor.key} in "
-                        f"{against} (max |difference| {diff:.3g} in {manifest.dtype})"
-                    )
+                wanted = {target.path: value}
+                if manifest.quantization is not None and target.path[0] == "experts":
+                    wanted = quantized_params(target.path, value, manifest.quantization)
+                for path, want in wanted.items():
+                    ours = arrays[path]
+                    if (
+                        ours.dtype != want.dtype
+                        or ours.shape != want.shape
+                        or ours.tobytes() != want.tobytes()
+                    ):
+                        diff = np.max(np.abs(ours.astype(np.float32) - want.astype(np.float32)))
+                        raise CheckpointError(
+                            f"{out_dir / name}: {'/'.join(map(str, path))} differs from {tensor.key} in "
+                            f"{against} (max |difference| {diff:.3g} in {ours.dtype})"
+                        )
                 compared += 1
     summary = (
         f"{out_dir}: OK: {len(manifest.files)} files match the manifest, "
-        f"{len(expected)} items restore ({manifest.family}, {manifest.dtype})"
+        f"{len(expected)} items restore ({manifest.family}, {_stored_as(manifest)})"
     )
     if hf is not None:
-        summary += f", all {compared} tensors equal {against} in {manifest.dtype}"
+        summary += f", all {compared} tensors equal {against} in {_stored_as(manifest)}"
     return summary
+
+
+def _stored_as(manifest: Manifest) -> str:
+    q = manifest.quantization
+    return manifest.dtype if q is None else f"{manifest.dtype}, experts {q.kind} in groups of {q.group_size}"
 
 
 def _convert_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        usage=f"{PROG} HF_DIR OUT_DIR [--dtype {{{','.join(DTYPES)}}}] [--overwrite] [--quiet]\n"
+        usage=f"{PROG} HF_DIR OUT_DIR [--dtype {{{','.join(DTYPES)}}}] "
+        f"[--expert-quantization {{{','.join(KINDS)}}}] [--group-size N] [--overwrite] [--quiet]\n"
         f"       {PROG} verify OUT_DIR [--against HF_DIR] [--quiet]\n"
         f"       {PROG} --version",
         description="Convert a Hugging Face Mixture-of-Experts checkpoint (safetensors; model_type "
@@ -340,6 +395,22 @@ def _convert_parser() -> argparse.ArgumentParser:
         default=None,
         help="dtype of the stored weights (default: the dtype most of the source's bytes are stored in); "
         "casting float32 to bfloat16 rounds to nearest even, as torch does",
+    )
+    parser.add_argument(
+        "--expert-quantization",
+        choices=KINDS,
+        default=None,
+        help="store the routed experts quantized (symmetric, one scale per group of inputs, int4 packed two "
+        "to a byte); dense weights, routers and shared experts keep --dtype. load_model then serves them "
+        "quantized without quantizing again (default: experts in --dtype)",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="inputs sharing one scale; must divide hidden_size and the expert intermediate size "
+        "(default with --expert-quantization: 64)",
     )
     parser.add_argument(
         "--overwrite",
@@ -450,12 +521,19 @@ def _run(args: argparse.Namespace, is_verify: bool, progress: bool, poll: Callab
     if is_verify:
         return verify(args.out_dir, against=args.against, progress=progress, poll=poll)
     manifest, seconds = convert(
-        args.hf_dir, args.out_dir, dtype=args.dtype, overwrite=args.overwrite, progress=progress, poll=poll
+        args.hf_dir,
+        args.out_dir,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        progress=progress,
+        poll=poll,
+        expert_quantization=args.expert_quantization,
+        group_size=args.group_size,
     )
     source_bytes = sum(r.size for r in manifest.source_files.values())
     return (
         f"{args.out_dir}: {manifest.family}, {manifest.num_layers} layers x {manifest.num_experts} experts, "
-        f"{manifest.dtype}, {manifest.param_bytes / 1e9:.2f} GB written in {seconds:.1f} s "
+        f"{_stored_as(manifest)}, {manifest.param_bytes / 1e9:.2f} GB written in {seconds:.1f} s "
         f"({source_bytes / 1e6 / seconds:.0f} MB/s of source)"
     )
 

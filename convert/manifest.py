@@ -14,11 +14,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fmoe_jax.models.quant import ExpertQuantization
+
 from .hf import CheckpointError
 
 MANIFEST_NAME = "fmoe_manifest.json"
 FORMAT_NAME = "fmoe-jax-orbax"
-FORMAT_VERSION = 2  # 2: matrices stored [out, in] (version 1 stored them [in, out])
+# 2: matrices stored [out, in] (version 1 stored them [in, out]); 3: routed experts stored quantized
+# (`expert_quantization`). A checkpoint of float experts is still written as version 2, which earlier
+# fmoe-jax releases read; one with quantized experts as 3, which they refuse by its version.
+FORMAT_VERSION = 3
+FLOAT_FORMAT_VERSION = 2
+READABLE_VERSIONS = (2, 3)
 HASH_CHUNK_BYTES = 8 << 20
 
 
@@ -41,6 +48,8 @@ class Manifest:
     `items` maps an orbax item (a subdirectory) to what it holds: `{"kind": "dense"}` or
     `{"kind": "experts", "layer": l}`, with its parameter bytes. `files` lists every output file (relative
     to the checkpoint directory, the manifest itself excepted); `source_files` the Hugging Face files read.
+    `expert_quantization` is None (experts in `dtype`) or `{"kind": "int8" | "int4", "group_size": n}`;
+    `bytes_per_expert` counts the experts as stored (values and scales).
     """
 
     family: str
@@ -59,7 +68,17 @@ class Manifest:
     converter: str
     created: str
     format: str = FORMAT_NAME
-    format_version: int = FORMAT_VERSION
+    format_version: int = FLOAT_FORMAT_VERSION
+    expert_quantization: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.expert_quantization is not None:  # an unknown kind or group size raises here
+            ExpertQuantization(**self.expert_quantization)
+
+    @property
+    def quantization(self) -> ExpertQuantization | None:
+        q = self.expert_quantization
+        return None if q is None else ExpertQuantization(q["kind"], q["group_size"])
 
     def write(self, directory: Path) -> Path:
         path = Path(directory) / MANIFEST_NAME
@@ -74,17 +93,18 @@ class Manifest:
     def read(cls, directory: Path) -> Manifest:
         path = Path(directory) / MANIFEST_NAME
         raw = _load(path)
-        if raw.get("format_version") != FORMAT_VERSION:
+        if raw.get("format_version") not in READABLE_VERSIONS:
             raise CheckpointError(
-                f"{path}: format version {raw.get('format_version')!r}, this fmoe-jax reads version "
-                f"{FORMAT_VERSION}; convert the model again with this version"
+                f"{path}: format version {raw.get('format_version')!r}, this fmoe-jax reads versions "
+                f"{' and '.join(map(str, READABLE_VERSIONS))}; convert the model again with this version"
             )
         try:
             raw["files"] = _records(raw["files"])
             raw["source_files"] = _records(raw["source_files"])
-            return cls(**raw)
-        except (KeyError, TypeError, AttributeError) as err:
+            manifest = cls(**raw)
+        except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise CheckpointError(f"{path}: corrupt manifest ({err!r}); re-run fmoe-convert") from None
+        return manifest
 
     def item_dirs(self, directory: Path) -> list[Path]:
         return [Path(directory) / name for name in self.items]

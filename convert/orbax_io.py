@@ -7,7 +7,8 @@ A checkpoint directory holds `fmoe_manifest.json` (see `manifest.py`), the Huggi
 `generation_config.json` and tokenizer files, and one orbax PyTree item per subdirectory:
   `dense`               embedding, final norm, LM head (keyed by our parameter path, e.g. `embed/embedding`)
   `dense_layer_LLL`     layer L without its routed experts (`attn/q_proj/weight`, `router/weight`, ...)
-  `experts_layer_LLL`   routed experts of MoE layer L (`expert_JJJ/{gate,up,down}`, input-major)
+  `experts_layer_LLL`   routed experts of MoE layer L (`expert_JJJ/{gate,up,down}`, `[out, in]`; quantized
+                        checkpoints hold `expert_JJJ/{gate,up,down}/{values,scales}`, see `models/quant.py`)
 so that neither writing nor restoring needs more than one layer in memory.
 """
 
@@ -26,8 +27,18 @@ import numpy as np
 import orbax.checkpoint as ocp
 from fmoe_jax.models import MoEConfig, config_from_hf
 from fmoe_jax.models.moe import Kernel
+from fmoe_jax.models.quant import ExpertQuantization, quantized_params
 
-from fmoe_jax.loading import Model, _dtype_arg, build, generation_eos, load_tokenizer_if_any, param_sharding
+from fmoe_jax.loading import (
+    Model,
+    QuantizationRequest,
+    _dtype_arg,
+    build,
+    expert_quantization_of,
+    generation_eos,
+    load_tokenizer_if_any,
+    param_sharding,
+)
 
 from .hf import CheckpointError, HFCheckpoint, read_json
 from .keys import HFTensor, hf_tensors
@@ -85,8 +96,8 @@ def item_of(path: ParamPath) -> str:
 def item_key(path: ParamPath) -> ItemKey:
     """Our parameter path -> its key inside its item (per-layer items drop the `(kind, layer)` prefix)."""
     if path[0] == "experts":
-        _, _, expert, name = path
-        return (expert_key(int(expert)), str(name))
+        _, _, expert, *names = path
+        return (expert_key(int(expert)), *map(str, names))
     if path[0] == "layers":
         return tuple(str(k) for k in path[2:])
     return tuple(str(k) for k in path)
@@ -97,9 +108,10 @@ def item_of_tensor(tensor: HFTensor) -> str:
     return item_of(tensor.targets[0].path)
 
 
-def expected_items(cfg: MoEConfig) -> Expected:
+def expected_items(cfg: MoEConfig, quantization: ExpertQuantization | None = None) -> Expected:
     """Item name -> {key in the item: (our parameter path, shape)}, in write order, from the key tables
-    (`assemble` checks those against the model; tracing `abstract_model` here would cost seconds)."""
+    (`assemble` checks those against the model; tracing `abstract_model` here would cost seconds). With
+    `quantization`, each routed expert matrix is its `values` and `scales`."""
     items: Expected = {DENSE_ITEM: {}}
     for layer in range(cfg.num_layers):
         items[dense_layer_item(layer)] = {}
@@ -107,8 +119,24 @@ def expected_items(cfg: MoEConfig) -> Expected:
             items[experts_item(layer)] = {}
     for tensor in hf_tensors(cfg, "hub"):
         for target in tensor.targets:
-            items[item_of(target.path)][item_key(target.path)] = (target.path, target.shape)
+            path, shape = target.path, target.shape
+            if quantization is not None and path[0] == "experts":
+                for part, part_shape in (
+                    ("values", quantization.values_shape(*shape)),
+                    ("scales", quantization.scales_shape(*shape)),
+                ):
+                    items[item_of(path)][item_key((*path, part))] = ((*path, part), part_shape)
+            else:
+                items[item_of(path)][item_key(path)] = (path, shape)
     return items
+
+
+def stored_dtype(path: ParamPath, dtype: np.dtype, quantization: ExpertQuantization | None) -> np.dtype:
+    """The dtype a parameter is stored and restored in: a quantized expert's values keep their integer
+    type; everything else (scales included) is in the model's `dtype`."""
+    if quantization is not None and path[0] == "experts" and path[-1] == "values":
+        return quantization.storage_dtype
+    return np.dtype(dtype)
 
 
 def _item_info(name: str, flat: dict[ItemKey, np.ndarray]) -> dict[str, Any]:
@@ -169,12 +197,14 @@ def write_items(
     *,
     on_bytes: Callable[[int], None] = lambda n: None,
     on_item: Callable[[str], None] = lambda name: None,
+    quantization: ExpertQuantization | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Streams a HF checkpoint into orbax items under `out_dir`; returns the manifest's `items`.
 
     Memory: the embedding/head item, then one layer (its dense part and its experts) at a time, each read,
     written, dropped. `on_bytes` gets the source bytes of each tensor read (progress); `on_item` the name
-    of each item once it is on disk.
+    of each item once it is on disk. With `quantization`, routed expert matrices are cast to `dtype` and
+    quantized (values and scales), exactly as `load_model` quantizes a float checkpoint.
     """
     names = list(expected_items(ckpt.config))
     groups = [[DENSE_ITEM]] + [
@@ -186,7 +216,11 @@ def write_items(
         for group in groups:
             buffers: dict[str, dict[ItemKey, np.ndarray]] = {name: {} for name in group}
             for tensor, target, value in ckpt.params(dtype, where=lambda t, g=group: item_of_tensor(t) in g):
-                buffers[item_of(target.path)][item_key(target.path)] = value
+                if quantization is not None and target.path[0] == "experts":
+                    for path, part in quantized_params(target.path, value, quantization).items():
+                        buffers[item_of(path)][item_key(path)] = part
+                else:
+                    buffers[item_of(target.path)][item_key(target.path)] = value
                 on_bytes(value.size * ckpt.location[tensor.key].entries[tensor.key][0].itemsize)
                 del value
             for name in group:
@@ -243,7 +277,7 @@ def open_converted(directory: Path) -> tuple[Manifest, MoEConfig, Expected]:
     """Manifest, model config and expected items of a converted checkpoint, checked against each other."""
     manifest = Manifest.read(directory)
     cfg = config_from_hf(read_json(directory / "config.json", "config.json"))
-    expected = expected_items(cfg)
+    expected = expected_items(cfg, manifest.quantization)
     if cfg.family != manifest.family or list(expected) != list(manifest.items):
         raise CheckpointError(
             f"{directory}: config.json ({cfg.family}, {len(expected)} items) does not match the manifest "
@@ -260,7 +294,12 @@ def _by_expert(entries: dict[ItemKey, Any]) -> list[dict[ItemKey, Any]]:
 
 
 def restore_params(
-    directory: str | Path, *, offload: Any = None, dtype: Any = None, verify: bool = False
+    directory: str | Path,
+    *,
+    offload: Any = None,
+    dtype: Any = None,
+    verify: bool = False,
+    quantization: QuantizationRequest = (None, None),
 ) -> tuple[MoEConfig, jnp.dtype, dict[ParamPath, jax.Array]]:
     """Restores every parameter where `param_sharding(path, offload)` says it lives.
 
@@ -268,11 +307,15 @@ def restore_params(
     the checkpoint once more). Dense items go to the device, one restore each; with `offload`, each routed
     expert is restored on its own straight into `pinned_host` memory (orbax places arrays with the target
     sharding's memory kind; checked on CPU with jax 0.10.2), so loading never holds more than one expert in
-    transit. Restoring as another `dtype` than stored casts on the way in. Returns (config, dtype,
-    {path: array}).
+    transit. Restoring as another `dtype` than stored casts on the way in (a quantized expert's values keep
+    their type). Experts stored quantized load as they are; a float checkpoint asked for quantized experts
+    (`quantization`, see `loading.quantization_request`) restores each expert to the host, quantizes it
+    and places it (`experts_quantization` says which). Returns (config, dtype, {path: array}).
     """
     directory = Path(directory)
     manifest, cfg, expected = open_converted(directory)
+    stored = manifest.quantization
+    wanted = experts_quantization(directory, quantization, manifest, cfg)
     verify_files(directory, manifest.files, hashes=verify)
     dtype = _dtype_arg(dtype, jnp.dtype(manifest.dtype))
     ckptr = _reader()
@@ -280,18 +323,53 @@ def restore_params(
     try:
         for name, entries in expected.items():
             check_item(ckptr, directory / name, entries)
-            for group in _by_expert(entries) if name.startswith("experts_") else [entries]:
+            experts = name.startswith("experts_")
+            for group in _by_expert(entries) if experts else [entries]:
+                if experts and wanted is not None and stored is None:
+                    flat.update(_restore_quantizing(ckptr, directory / name, group, dtype, wanted, offload))
+                    continue
                 targets, args = {}, {}
                 for key, (path, shape) in group.items():
                     sharding = param_sharding(path, offload)
-                    targets[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-                    args[key] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
+                    kind = stored_dtype(path, dtype, stored)
+                    targets[key] = jax.ShapeDtypeStruct(shape, kind, sharding=sharding)
+                    args[key] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=kind)
                 restored = _restore(ckptr, directory / name, targets, args)
                 for key, (path, _) in group.items():
                     flat[path] = restored[key]
     finally:
         ckptr.close()
     return cfg, dtype, flat
+
+
+def experts_quantization(
+    directory: Path, request: QuantizationRequest, manifest: Manifest, cfg: MoEConfig
+) -> ExpertQuantization | None:
+    """How the checkpoint's experts load: as stored when quantized (a conflicting request is an error),
+    else as requested; checked against the model's dimensions."""
+    wanted = expert_quantization_of(request, manifest.quantization, str(directory))
+    if wanted is not None:
+        wanted.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
+    return wanted
+
+
+def _restore_quantizing(
+    ckptr: ocp.Checkpointer,
+    path: Path,
+    group: dict[ItemKey, tuple[ParamPath, tuple[int, ...]]],
+    dtype: jnp.dtype,
+    quantization: ExpertQuantization,
+    offload: Any,
+) -> dict[ParamPath, jax.Array]:
+    """One float expert restored to the host in `dtype`, quantized, and placed (values and scales)."""
+    args = {key: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.dtype(dtype)) for key in group}
+    targets = {key: np.zeros(shape, np.dtype(dtype)) for key, (_, shape) in group.items()}
+    restored = _restore(ckptr, path, targets, args)
+    out = {}
+    for key, (param, _) in group.items():
+        for part_path, part in quantized_params(param, restored.pop(key), quantization).items():
+            out[part_path] = jax.device_put(part, param_sharding(part_path, offload))
+    return out
 
 
 def read_items(directory: Path, expected: Expected) -> Iterator[tuple[str, dict[ParamPath, np.ndarray]]]:
@@ -308,11 +386,21 @@ def read_items(directory: Path, expected: Expected) -> Iterator[tuple[str, dict[
 
 
 def load_converted(
-    directory: str | Path, *, offload: Any, dtype: Any, kernel: Kernel, verify: bool = False
+    directory: str | Path,
+    *,
+    offload: Any,
+    dtype: Any,
+    kernel: Kernel,
+    verify: bool = False,
+    quantization: QuantizationRequest = (None, None),
 ) -> Model:
     """`load_model` for a directory written by `fmoe-convert` (see `restore_params` for checks, placement)."""
     directory = Path(directory)
-    cfg, dtype, flat = restore_params(directory, offload=offload, dtype=dtype, verify=verify)
+    cfg, dtype, flat = restore_params(
+        directory, offload=offload, dtype=dtype, verify=verify, quantization=quantization
+    )
+    manifest = Manifest.read(directory)
+    quantized = experts_quantization(directory, quantization, manifest, cfg)
     return build(
         cfg,
         dtype,
@@ -322,4 +410,5 @@ def load_converted(
         source=str(directory),
         eos=generation_eos(directory, cfg),
         kernel=kernel,
+        quantization=quantized,
     )

@@ -24,6 +24,7 @@ from flax import nnx
 from fmoe_jax.convert.hf import CheckpointError, HFCheckpoint
 from fmoe_jax.models import MoECausalLM, MoEConfig, abstract_model
 from fmoe_jax.models.moe import Kernel
+from fmoe_jax.models.quant import ExpertQuantization, expert_quantization, quantized_params
 
 from .engines import Engine
 from .engines.resident import ResidentEngine
@@ -112,14 +113,18 @@ def nest(flat: dict[tuple, Any]) -> dict:
 
 
 @functools.cache
-def _abstract_split(cfg: MoEConfig, dtype: jnp.dtype) -> tuple[Any, Any]:
+def _abstract_split(
+    cfg: MoEConfig, dtype: jnp.dtype, quantization: ExpertQuantization | None = None
+) -> tuple[Any, Any]:
     """Graph and abstract state of a model (tracing the random init takes seconds for large models)."""
-    return nnx.split(abstract_model(cfg, dtype=dtype))
+    return nnx.split(abstract_model(cfg, dtype=dtype, expert_quantization=quantization))
 
 
-def assemble(cfg: MoEConfig, dtype: jnp.dtype, flat: dict[tuple, Any]) -> MoECausalLM:
+def assemble(
+    cfg: MoEConfig, dtype: jnp.dtype, flat: dict[tuple, Any], quantization: ExpertQuantization | None = None
+) -> MoECausalLM:
     """Builds the module from parameters by path (arrays already placed where they should live)."""
-    graphdef, cached = _abstract_split(cfg, jnp.dtype(dtype))
+    graphdef, cached = _abstract_split(cfg, jnp.dtype(dtype), quantization)
     state = jax.tree.map(lambda leaf: leaf, cached)  # a fresh container: the cached one stays abstract
     expected = {tuple(p) for p, _ in nnx.to_flat_state(state)}
     if expected != set(flat):
@@ -165,12 +170,63 @@ def _dtype_arg(dtype: Any, default: np.dtype) -> jnp.dtype:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}") from None
 
 
-def load_hf_params(ckpt: HFCheckpoint, dtype: jnp.dtype, place) -> dict[tuple, Any]:
-    """Streams a HF checkpoint into {path: placed array}; `place(path, np_array)` puts one tensor."""
+def load_hf_params(
+    ckpt: HFCheckpoint, dtype: jnp.dtype, place, quantization: ExpertQuantization | None = None
+) -> dict[tuple, Any]:
+    """Streams a HF checkpoint into {path: placed array}; `place(path, np_array)` puts one tensor. With
+    `quantization`, each routed expert matrix is quantized (from its `dtype` cast) as it streams past."""
     flat = {}
     for _, target, value in ckpt.params(np.dtype(dtype)):
-        flat[target.path] = place(target.path, value)
+        if quantization is not None and target.path[0] == "experts":
+            for path, part in quantized_params(target.path, value, quantization).items():
+                flat[path] = place(path, part)
+        else:
+            flat[target.path] = place(target.path, value)
     return flat
+
+
+QuantizationRequest = tuple[Any, Any]  # (expert_quantization, quantization_group_size) as the user gave them
+
+
+def quantization_request(
+    offload: Any, expert_quantization: str | None, quantization_group_size: int | None
+) -> QuantizationRequest:
+    """The quantization asked for, through `load_model`'s arguments or the `OffloadConfig` (not both
+    differently). Checked here, before anything is read; the checkpoint's own setting is settled later."""
+    asked = (expert_quantization, quantization_group_size)
+    if offload is not None:
+        config = (
+            getattr(offload, "expert_quantization", None),
+            getattr(offload, "quantization_group_size", None),
+        )
+        if asked != (None, None) and config != (None, None) and asked != config:
+            raise ValueError(
+                f"load_model(expert_quantization={asked[0]!r}, quantization_group_size={asked[1]!r}) "
+                f"conflicts with the OffloadConfig's expert_quantization={config[0]!r}, "
+                f"quantization_group_size={config[1]!r}; give the setting in one place"
+            )
+        asked = config if asked == (None, None) else asked
+    expert_quantization_of(asked, None)  # an unknown kind or a bad group size fails now
+    return asked
+
+
+def expert_quantization_of(
+    asked: QuantizationRequest, stored: ExpertQuantization | None, source: str = ""
+) -> ExpertQuantization | None:
+    """The experts' storage: as the checkpoint holds them, or as asked (a float checkpoint quantizes while
+    loading). A quantized checkpoint loads only as itself: another kind or group size is an error."""
+    kind, group_size = asked
+    if stored is None:
+        return expert_quantization(kind, group_size)
+    if kind is None and group_size is None:
+        return stored
+    if kind != stored.kind or (group_size is not None and group_size != stored.group_size):
+        raise ValueError(
+            f"{source}: the checkpoint stores its experts as {stored.kind} with quantization_group_size="
+            f"{stored.group_size}, but expert_quantization={kind!r}, quantization_group_size={group_size!r} "
+            f"was asked; load it with expert_quantization={stored.kind!r} (or None), or convert it again"
+        )
+    return stored
 
 
 def load_model(
@@ -180,6 +236,8 @@ def load_model(
     dtype: Any = None,
     kernel: Kernel = "auto",
     verify: bool = False,
+    expert_quantization: str | None = None,
+    quantization_group_size: int | None = None,
 ) -> Model:
     """Loads a model for `generate` / `forward`.
 
@@ -189,23 +247,36 @@ def load_model(
       offload: None for resident serving, or an `OffloadConfig` to keep routed experts in host memory.
       dtype: parameter dtype; defaults to the checkpoint's.
       kernel: expert-mixture kernel ("auto" picks per shape and backend).
+      expert_quantization: None, "int8" or "int4": routed experts stored quantized (`models/quant.py`),
+        quantized one at a time while loading unless the checkpoint already holds them so (then it must
+        agree, or be left None). For offloading, `OffloadConfig(expert_quantization=...)` says the same.
+      quantization_group_size: inputs sharing one scale (default 64; must divide the hidden size and the
+        expert intermediate size).
       verify: for a converted checkpoint, compare every file's sha256 with its manifest before loading
         (reads the checkpoint once more); otherwise only their sizes are compared, which catches files
         truncated or replaced since the conversion. A Hugging Face directory has no manifest; its
         safetensors headers are always checked against the files' sizes.
     Raises:
       CheckpointError: a file is missing, corrupt or differs from the manifest (the message names it).
+      ValueError: an unknown quantization, a group size that does not divide an expert's input dimension,
+        or a setting that conflicts with a quantized checkpoint's (the message names the values).
     """
+    asked = quantization_request(offload, expert_quantization, quantization_group_size)
     directory = resolve(path_or_name)
     from fmoe_jax.convert import orbax_io  # local import: orbax is heavy and only needed here
 
     if orbax_io.is_converted(directory):
-        return orbax_io.load_converted(directory, offload=offload, dtype=dtype, kernel=kernel, verify=verify)
+        return orbax_io.load_converted(
+            directory, offload=offload, dtype=dtype, kernel=kernel, verify=verify, quantization=asked
+        )
     ckpt = HFCheckpoint(directory)
     cfg = ckpt.config
+    quantization = expert_quantization_of(asked, None)
+    if quantization is not None:
+        quantization.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
     dtype = _dtype_arg(dtype, ckpt.stored_dtype())
     flat = load_hf_params(
-        ckpt, dtype, lambda path, value: jax.device_put(value, param_sharding(path, offload))
+        ckpt, dtype, lambda path, value: jax.device_put(value, param_sharding(path, offload)), quantization
     )
     return build(
         cfg,
@@ -216,6 +287,7 @@ def load_model(
         source=str(directory),
         eos=generation_eos(directory, cfg),
         kernel=kernel,
+        quantization=quantization,
     )
 
 
@@ -235,9 +307,10 @@ def build(
     source: str,
     eos: tuple[int, ...],
     kernel: Kernel,
+    quantization: ExpertQuantization | None = None,
 ) -> Model:
     """The `Model` for placed parameters (see `param_sharding`): resident, or served by the offload engine."""
-    module = assemble(cfg, dtype, flat)
+    module = assemble(cfg, dtype, flat, quantization)
     if offload is None:
         engine = ResidentEngine(module, kernel=kernel)
     else:

@@ -18,6 +18,7 @@ from .base import DecoderLayer, MoECausalLM, RouteFn
 from .config import MoEConfig, RopeConfig, UnsupportedConfigError, model_identity
 from .layers import LayerKV, Layout, init_kv_cache
 from .moe import Expert, ExpertWeights, Routing, expert_mixture, expert_parts, reference_mixture, sum_parts
+from .quant import ExpertQuantization, QuantizedMatrix, expert_quantization
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,26 +48,42 @@ def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
     return FAMILIES[model_type].config_from_hf(hf)
 
 
-def build_model(cfg: MoEConfig, *, dtype: jnp.dtype = jnp.float32, seed: int = 0) -> MoECausalLM:
-    """A randomly initialised model (training, tests)."""
-    return MoECausalLM(cfg, FAMILIES[cfg.family].route, dtype=dtype, rngs=nnx.Rngs(seed))
+def build_model(
+    cfg: MoEConfig,
+    *,
+    dtype: jnp.dtype = jnp.float32,
+    seed: int = 0,
+    expert_quantization: ExpertQuantization | None = None,
+) -> MoECausalLM:
+    """A randomly initialised model (training, tests); quantized experts are zeros until loaded."""
+    return MoECausalLM(
+        cfg,
+        FAMILIES[cfg.family].route,
+        dtype=dtype,
+        rngs=nnx.Rngs(seed),
+        expert_quantization=expert_quantization,
+    )
 
 
-def abstract_model(cfg: MoEConfig, *, dtype: jnp.dtype = jnp.float32) -> MoECausalLM:
+def abstract_model(
+    cfg: MoEConfig, *, dtype: jnp.dtype = jnp.float32, expert_quantization: ExpertQuantization | None = None
+) -> MoECausalLM:
     """The model with `jax.ShapeDtypeStruct` leaves: the target structure checkpoint loaders fill in."""
-    return nnx.eval_shape(lambda: build_model(cfg, dtype=dtype))
+    return nnx.eval_shape(lambda: build_model(cfg, dtype=dtype, expert_quantization=expert_quantization))
 
 
 __all__ = [
     "FAMILIES",
     "DecoderLayer",
     "Expert",
+    "ExpertQuantization",
     "ExpertWeights",
     "Family",
     "LayerKV",
     "Layout",
     "MoECausalLM",
     "MoEConfig",
+    "QuantizedMatrix",
     "RopeConfig",
     "Routing",
     "UnsupportedConfigError",
@@ -74,6 +91,7 @@ __all__ = [
     "build_model",
     "config_from_hf",
     "expert_mixture",
+    "expert_quantization",
     "expert_parts",
     "model_identity",
     "sum_parts",

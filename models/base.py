@@ -19,6 +19,7 @@ from .config import MoEConfig
 from .layers import Attention, LayerKV, Layout, Linear, linear, make_norm, rope_tables
 from .mla import LatentAttention
 from .moe import Expert, ExpertWeights, Kernel, Routing, expert_parts, sum_parts
+from .quant import ExpertQuantization
 
 RouteFn = Callable[[jax.Array, MoEConfig], Routing]  # router logits [N, J] (any dtype) -> Routing
 
@@ -102,11 +103,26 @@ def output_logits(final_norm: nnx.Module, projection: Linear | nnx.Embed, x: jax
 
 
 class MoECausalLM(nnx.Module):
-    """Embedding, decoder layers, routed experts `experts[layer][expert]`, final norm and LM head."""
+    """Embedding, decoder layers, routed experts `experts[layer][expert]`, final norm and LM head.
 
-    def __init__(self, cfg: MoEConfig, route_fn: RouteFn, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+    With `expert_quantization` the routed experts are stored quantized (`models/quant.py`, zeros until a
+    checkpoint fills them); every other weight, the shared expert included, keeps `dtype`.
+    """
+
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        route_fn: RouteFn,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+        expert_quantization: ExpertQuantization | None = None,
+    ):
+        if expert_quantization is not None:
+            expert_quantization.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
+        self.expert_quantization = expert_quantization
         self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List(
             [DecoderLayer(cfg, i, route_fn, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
@@ -115,7 +131,13 @@ class MoECausalLM(nnx.Module):
             [
                 nnx.List(
                     [
-                        Expert(cfg.hidden_size, cfg.expert_intermediate_size, dtype=dtype, key=key)
+                        Expert(
+                            cfg.hidden_size,
+                            cfg.expert_intermediate_size,
+                            dtype=dtype,
+                            key=key,
+                            quantization=expert_quantization,
+                        )
                         for key in _expert_keys(rngs, cfg.num_experts)
                     ]
                 )

@@ -27,15 +27,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .layers import linear
+from .quant import ExpertQuantization, QuantizedMatrix, QuantizedWeight, dense, reference_dequantize, stack
 
 
 class ExpertWeights(NamedTuple):
     """One SwiGLU expert: `down(silu(x @ gate.T) * (x @ up.T))`, weights `[out, in]` as HF stores them
-    (the layout XLA:CPU multiplies fastest by, see `models/layers.py`)."""
+    (the layout XLA:CPU multiplies fastest by, see `models/layers.py`). A routed expert's matrices may be
+    `QuantizedMatrix`es (`models/quant.py`): every kernel dequantizes them inside the expert's own branch."""
 
-    gate: jax.Array  # [F, D]
-    up: jax.Array  # [F, D]
-    down: jax.Array  # [D, F]
+    gate: jax.Array | QuantizedMatrix  # [F, D]
+    up: jax.Array | QuantizedMatrix  # [F, D]
+    down: jax.Array | QuantizedMatrix  # [D, F]
 
 
 class Expert(nnx.Module):
@@ -49,23 +51,40 @@ class Expert(nnx.Module):
         dtype: jnp.dtype,
         rngs: nnx.Rngs | None = None,
         key: jax.Array | None = None,
+        quantization: ExpertQuantization | None = None,
     ):
-        """Initialised from `key` when given (one per routed expert), else from three draws of `rngs`."""
+        """Initialised from `key` when given (one per routed expert), else from three draws of `rngs`. With
+        `quantization` (routed experts only) each matrix is a `QuantizedWeight`, zero until loaded."""
+        shapes = {
+            "gate": (intermediate, hidden),
+            "up": (intermediate, hidden),
+            "down": (hidden, intermediate),
+        }
+        if quantization is not None:
+            for name, shape in shapes.items():
+                setattr(self, name, QuantizedWeight(*shape, quantization, dtype=dtype))
+            return
         init = nnx.initializers.normal(0.02)
         keys = jax.random.split(key, 3) if key is not None else [rngs.params() for _ in range(3)]
-        self.gate = nnx.Param(init(keys[0], (intermediate, hidden), dtype))
-        self.up = nnx.Param(init(keys[1], (intermediate, hidden), dtype))
-        self.down = nnx.Param(init(keys[2], (hidden, intermediate), dtype))
+        for k, (name, shape) in zip(keys, shapes.items(), strict=True):
+            setattr(self, name, nnx.Param(init(k, shape, dtype)))
 
     def weights(self) -> ExpertWeights:
-        return ExpertWeights(self.gate[...], self.up[...], self.down[...])
+        return ExpertWeights(
+            *(
+                m.matrix() if isinstance(m, QuantizedWeight) else m[...]
+                for m in (self.gate, self.up, self.down)
+            )
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return swiglu(x, self.weights())
 
 
 def swiglu(x: jax.Array, w: ExpertWeights) -> jax.Array:
-    """x `[..., D]` -> `[..., D]` in the weights' dtype."""
+    """x `[..., D]` -> `[..., D]` in the weights' dtype (quantized weights are dequantized here, inside the
+    caller's branch for this expert, so that only experts some token uses are expanded)."""
+    w = ExpertWeights(*(dense(m) for m in w))
     x = x.astype(w.gate.dtype)
     lead, d = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
@@ -367,9 +386,8 @@ def _mixture_ragged(x, local, weights, experts, num_layer_experts):
     """Grouped GEMM with `jax.lax.ragged_dot` over the stacked experts (fast where it is a native kernel)."""
     n_exp = len(experts)
     dtype = experts[0].gate.dtype
-    gate = jnp.stack([w.gate.T for w in experts])  # [n, D, F]
-    up = jnp.stack([w.up.T for w in experts])
-    down = jnp.stack([w.down.T for w in experts])  # [n, F, D]
+    gate, up, down = (stack([getattr(w, name) for w in experts]).mT for name in ("gate", "up", "down"))
+    # gate, up [n, D, F]; down [n, F, D]
     flat_e, se, st, sw, order = _sort_by_expert(local, weights, n_exp)
     sizes = jnp.bincount(flat_e, length=n_exp + 1)[:n_exp].astype(jnp.int32)
     rows = x[st].astype(dtype)
@@ -393,7 +411,7 @@ def _mixture_blocked(x, local, weights, experts, num_layer_experts):
     g, p = tiles.rows, tiles.count
     rows = jnp.zeros((p * g, d), dtype).at[tiles.dest].set(x[tiles.tokens].astype(dtype), mode="drop")
     expert = jnp.minimum(tiles.expert, len(experts) - 1)  # [P]; unused tiles hold zero rows, not read
-    gate, up, down = (jnp.stack([getattr(w, name) for w in experts]) for name in ("gate", "up", "down"))
+    gate, up, down = (stack([getattr(w, name) for w in experts]) for name in ("gate", "up", "down"))
     rows = rows.reshape(p, g, d)
     h = jax.nn.silu(jnp.einsum("pgd,pfd->pgf", rows, gate[expert]))
     h = h * jnp.einsum("pgd,pfd->pgf", rows, up[expert])
@@ -402,7 +420,14 @@ def _mixture_blocked(x, local, weights, experts, num_layer_experts):
 
 
 def reference_mixture(x: jax.Array, routing: Routing, experts: Sequence[ExpertWeights]) -> jax.Array:
-    """The slow, obviously correct per-expert loop that every fast kernel is tested against."""
+    """The slow, obviously correct per-expert loop that every fast kernel is tested against. Quantized
+    experts are dequantized first by `reference_dequantize` (NumPy, so not under a trace), then multiplied."""
+    experts = [
+        ExpertWeights(
+            *(jnp.asarray(reference_dequantize(m)) if isinstance(m, QuantizedMatrix) else m for m in w)
+        )
+        for w in experts
+    ]
     out = jnp.zeros(x.shape, jnp.float32)
     for e, w in enumerate(experts):
         weight = jnp.sum(jnp.where(routing.ids == e, routing.weights, 0.0), axis=-1)  # [N]

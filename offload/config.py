@@ -10,6 +10,8 @@ import dataclasses
 import warnings
 from typing import Any
 
+from fmoe_jax.models.quant import expert_quantization
+
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
@@ -40,6 +42,11 @@ class OffloadConfig:
       host_threads: hybrid execution: threads of the host's expert programs. None: XLA:CPU's own pool (every
         core the process may use); 1: single-threaded programs; n > 1: the host's experts of a layer split
         over n single-threaded programs that run concurrently.
+      expert_quantization: None, "int8" or "int4": routed experts held quantized in host memory, copied
+        quantized and dequantized inside the expert kernel (`fmoe_jax.models.quant`); a budget in bytes
+        then holds about 2x (int8) or 4x (int4) the experts. A checkpoint converted with
+        `--expert-quantization` already holds them so; a float one is quantized while loading.
+      quantization_group_size: inputs sharing one scale (default 64, or the quantized checkpoint's).
     """
 
     policy: Any = "on_demand_lru"
@@ -56,6 +63,8 @@ class OffloadConfig:
     policy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     execution: str = "copy"
     host_threads: int | None = None
+    expert_quantization: str | None = None
+    quantization_group_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.execution not in ("copy", "hybrid"):
@@ -66,6 +75,13 @@ class OffloadConfig:
             or self.host_threads < 1
         ):
             raise ValueError(f"host_threads must be None or a positive int, got {self.host_threads!r}")
+        # raises, naming the values
+        expert_quantization(self.expert_quantization, self.quantization_group_size)
+        if self.execution == "hybrid" and self.expert_quantization is not None:
+            raise ValueError(
+                f"execution='hybrid' with expert_quantization={self.expert_quantization!r} is not supported "
+                "yet: the host's expert programs compute from float experts; use execution='copy'"
+            )
         if self.cache_experts is not None and self.cache_bytes is not None:
             raise ValueError("give cache_experts or cache_bytes, not both")
         if self.cache_experts is not None and self.cache_experts < 1:

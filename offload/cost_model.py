@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+from fmoe_jax.models.quant import ExpertQuantization, expert_quantization
 
 GiB = 2**30
 
@@ -221,6 +222,11 @@ class ModelPreset:
     when `kv_lora_rank > 0`; then `head_dim` is the query/key head (nope + rope part). Dense layers
     (DeepSeek's first) count in the parameters and the resident bytes; their time is not modelled (the
     simulator steps through the MoE layers of a trace): 1 of 27 layers in DeepSeek-V2-Lite.
+
+    `expert_quantization` ("int8" / "int4", `quantization_group_size` inputs per scale of
+    `bytes_per_param`, as `fmoe_jax.models.quant` stores them) is the routed experts' stored precision:
+    `expert_bytes`, what a copy moves and an expert kernel reads, counts their values and scales, e.g.
+    `dataclasses.replace(MIXTRAL_8X7B, expert_quantization="int4")`. Everything else keeps `bytes_per_param`.
     """
 
     name: str
@@ -243,6 +249,8 @@ class ModelPreset:
     dense_layers: int = 0  # layers with a dense MLP instead of experts
     dense_intermediate_size: int = 0
     bytes_per_param: int = 2  # bf16
+    expert_quantization: str | None = None  # None: experts in bytes_per_param too
+    quantization_group_size: int | None = None  # default 64 when quantized
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -254,10 +262,23 @@ class ModelPreset:
                 f"model {self.name!r}: hidden_size ({self.hidden_size}) and expert_intermediate_size "
                 f"({self.expert_intermediate_size}) must be positive"
             )
+        try:
+            q = self.quantization
+            if q is not None:
+                q.check_model(self.hidden_size, self.expert_intermediate_size)
+        except ValueError as err:
+            raise ValueError(f"model {self.name!r}: {err}") from None
+
+    @property
+    def quantization(self) -> ExpertQuantization | None:
+        return expert_quantization(self.expert_quantization, self.quantization_group_size)
 
     @classmethod
-    def from_config(cls, cfg: Any, name: str | None = None) -> ModelPreset:
-        """The sizes of a `fmoe_jax.models.MoEConfig` (e.g. `model.config`), in bf16."""
+    def from_config(
+        cls, cfg: Any, name: str | None = None, *, quantization: ExpertQuantization | None = None
+    ) -> ModelPreset:
+        """The sizes of a `fmoe_jax.models.MoEConfig` (e.g. `model.config`), in bf16, with the experts
+        stored as `quantization` says (e.g. `model.module.expert_quantization`)."""
         return cls(
             name=name or cfg.family,
             num_layers=cfg.num_moe_layers,
@@ -278,6 +299,8 @@ class ModelPreset:
             v_head_dim=cfg.v_head_dim,
             dense_layers=cfg.num_layers - cfg.num_moe_layers,
             dense_intermediate_size=cfg.dense_intermediate_size,
+            expert_quantization=None if quantization is None else quantization.kind,
+            quantization_group_size=None if quantization is None else quantization.group_size,
         )
 
     # -- parameter counts (biases and norms are below 0.1 % and left out) -------------------------------
@@ -336,8 +359,13 @@ class ModelPreset:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one routed expert: what one host-to-device copy moves."""
-        return self.expert_params * self.bytes_per_param
+        """Bytes of one routed expert as stored: what one host-to-device copy moves (quantized: values and
+        scales of gate `[F, D]`, up `[F, D]` and down `[D, F]`)."""
+        q = self.quantization
+        if q is None:
+            return self.expert_params * self.bytes_per_param
+        d, f, size = self.hidden_size, self.expert_intermediate_size, self.bytes_per_param
+        return 2 * q.matrix_bytes(f, d, size) + q.matrix_bytes(d, f, size)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -55,7 +55,7 @@ class JaxMover:
         return jax.device_put(self.host(key), self.device)
 
     def is_ready(self, handle: ExpertWeights) -> bool:
-        return all(a.is_ready() for a in handle)
+        return all(a.is_ready() for a in jax.tree.leaves(handle))  # quantized matrices hold two arrays
 
     def wait(self, handles: Sequence[ExpertWeights]) -> None:
         jax.block_until_ready(list(handles))

@@ -64,9 +64,10 @@ class Subject:
         return self._predictors[kind]
 
 
-def _load(source, dtype=None) -> Subject:
-    resident = fj.load_model(source, dtype=dtype)
-    offloaded = fj.load_model(source, dtype=dtype, offload=OffloadConfig(cache_experts=1))
+def _load(source, dtype=None, **quantization) -> Subject:
+    """`quantization`: load_model's expert_quantization / quantization_group_size (test_quant_lossless.py)."""
+    resident = fj.load_model(source, dtype=dtype, **quantization)
+    offloaded = fj.load_model(source, dtype=dtype, offload=OffloadConfig(cache_experts=1), **quantization)
     offloaded.close()
     return Subject(resident, offloaded)
 

@@ -103,7 +103,8 @@ class OffloadEngine:
             (embed_params, head_params, layer_params)
         )
 
-        self.expert_bytes = sum(a.nbytes for a in module.experts[cfg.moe_layer_ids[0]][0].weights())
+        # As stored: a quantized expert's values and scales (what a copy moves and a cache slot holds).
+        self.expert_bytes = sum(a.nbytes for a in jax.tree.leaves(_host_expert(module, (0, 0))))
         self.all_keys = [(m, e) for m in range(cfg.num_moe_layers) for e in range(cfg.num_experts)]
         self.policy = offload.make_policy()
         total = len(self.all_keys)
@@ -125,6 +126,11 @@ class OffloadEngine:
         self.host: HostCompute | None = None
         planner = None
         if offload.execution == "hybrid":
+            if getattr(module, "expert_quantization", None) is not None:
+                raise ValueError(
+                    f"execution='hybrid' with experts quantized ({module.expert_quantization}) is not "
+                    "supported yet: the host's expert programs compute from float experts; use 'copy'"
+                )
             cost = host_cost if host_cost is not None else MeasuredHostCost()
             self.host = HostCompute(module, self.programs, kernel, offload.host_threads, cost)
             planner = HybridPlanner(cost)
@@ -402,8 +408,8 @@ class OffloadEngine:
         try:
             step, params, leaves = self._whole_program()
             params = list(params)
-            for index, key_, field in leaves:
-                params[index] = getattr(arrays[key_], field)
+            for index, key_, fields in leaves:
+                params[index] = functools.reduce(getattr, fields, arrays[key_])
             want_hidden = policy.needs_hidden or record_hidden
             next_tokens, logits, kv, out = step(params, tokens, kv, layout, key, sampling, True, want_hidden)
             out.ids.block_until_ready()  # the step's compute is not overhead; what follows is
@@ -465,15 +471,17 @@ def _token_valid(layout: Layout) -> np.ndarray:
     return (index[None, :] >= np.asarray(layout.key_start)[:, None]) & np.asarray(layout.row_active)[:, None]
 
 
-def _expert_leaves(graph: Graph, moe_index: dict[int, int]) -> list[tuple[int, Key, str]]:
-    """(position in the flat parameter list, (MoE layer index, expert), field) of every routed expert's
-    matrix in the whole-model graph; the fast path puts the cached arrays there."""
+def _expert_leaves(graph: Graph, moe_index: dict[int, int]) -> list[tuple[int, Key, tuple[str, ...]]]:
+    """(position in the flat parameter list, (MoE layer index, expert), fields) of every routed expert's
+    array in the whole-model graph; the fast path puts the cached arrays there. Fields name the array in
+    the cached `ExpertWeights`: `("gate",)`, or `("gate", "values")` for a quantized matrix."""
     abstract = jax.tree.unflatten(graph.treedef, list(range(graph.treedef.num_leaves)))
     out = []
     for path, index in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
         if keys[0] == "experts":
-            out.append((index, (moe_index[keys[1]], keys[2]), keys[3]))
+            fields = tuple(k.key for k in path[3:] if isinstance(k, jax.tree_util.DictKey))  # not ".value"
+            out.append((index, (moe_index[keys[1]], keys[2]), fields))
     return out
 
 
