@@ -22,7 +22,7 @@ import pytest
 from fmoe_jax.convert import cli, orbax_io
 from fmoe_jax.convert.cli import main
 from fmoe_jax.convert.hf import CheckpointError
-from fmoe_jax.convert.manifest import MANIFEST_NAME, Manifest
+from fmoe_jax.convert.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 
 import fmoe_jax as fj
 from fmoe_jax.testing import PRESETS, write_random_checkpoint
@@ -113,7 +113,7 @@ def unlisted_link(out: Path, converted: Path) -> None:
     [
         (not_a_checkpoint, "not an fmoe-jax manifest (format None"),
         (manifest_not_json, "corrupt manifest"),
-        (future_format, "format version 99, this fmoe-convert writes versions 1 to 2"),
+        (future_format, f"format version 99, this fmoe-convert writes versions 1 to {FORMAT_VERSION}"),
         (unlisted_file, "holds files its fmoe_manifest.json does not list: dense/my_notes.txt"),
         (unlisted_link, "holds files its fmoe_manifest.json does not list: shortcut"),
     ],
@@ -319,5 +319,5 @@ def test_load_model_verify_compares_hashes(converted, tmp_path):
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == (
-        f"fmoe-convert {fj.__version__} (writes checkpoint format fmoe-jax-orbax 2)"
+        f"fmoe-convert {fj.__version__} (writes checkpoint format fmoe-jax-orbax {FORMAT_VERSION})"
     )
