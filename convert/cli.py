@@ -10,6 +10,7 @@ import argparse
 import concurrent.futures as cf
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import shutil
@@ -499,11 +500,13 @@ def _quiet_background_failures() -> Iterator[None]:
     """Keeps what orbax's and tensorstore's threads print when a write fails or is interrupted off the
     terminal: absl ERROR logs with tracebacks, "Event loop is closed" from callbacks that outlive their
     asyncio loop (reported through `sys.unraisablehook`), and warnings about the coroutines of an abandoned
-    save. The failure itself reaches `main` as an exception and is reported there in one line. Only the
-    command does this, for its own process; `convert` does not."""
-    absl = logging.getLogger("absl")
-    level, unraisablehook = absl.level, sys.unraisablehook
+    save, and asyncio's "Task was destroyed but it is pending!" for the tasks of that save. The failure
+    itself reaches `main` as an exception and is reported there in one line. Only the command does this,
+    for its own process; `convert` does not."""
+    absl, aio = logging.getLogger("absl"), logging.getLogger("asyncio")
+    level, aio_level, unraisablehook = absl.level, aio.level, sys.unraisablehook
     absl.setLevel(logging.CRITICAL)
+    aio.setLevel(logging.CRITICAL)
     sys.unraisablehook = lambda unraisable: None
     try:
         with warnings.catch_warnings():
@@ -512,7 +515,9 @@ def _quiet_background_failures() -> Iterator[None]:
             )
             yield
     finally:
+        gc.collect()  # the abandoned save's tasks, if nothing holds them any more, go while we are quiet
         absl.setLevel(level)
+        aio.setLevel(aio_level)
         sys.unraisablehook = unraisablehook
 
 
@@ -566,4 +571,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{PROG}: {summary}", file=sys.stderr)
         elif not args.quiet:
             print(summary)
+    if status:
+        # The process ends now. Tasks of an abandoned save that a background thread still held are
+        # destroyed at exit, and asyncio would log each after the one line above.
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     return status
