@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
 from collections.abc import Generator, Sequence
 from typing import Any
@@ -149,25 +150,9 @@ def generate(
         probabilities of every MoE layer and chosen experts, per request and iteration).
       record_hidden: the trace also keeps every MoE layer's router input (for learned predictors).
     """
-    request = make_request(
-        model,
-        prompts,
-        max_new_tokens,
-        sampling,
-        seed,
-        do_sample=do_sample,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        repetition_penalty=repetition_penalty,
-        eos_token_id=eos_token_id,
-        stop=stop,
-        return_logprobs=return_logprobs,
-        top_logprobs=top_logprobs,
-        stop_at_eos=stop_at_eos,
-        record_trace=record_trace,
-        record_hidden=record_hidden,
-    )
+    arguments = dict(locals())  # the first statement: generate's arguments by name, and nothing else
+    streamer = arguments.pop("streamer")
+    request = make_request(**arguments)
     stream = make_streamer(streamer, model.pad_token_id)
     steps = _generation(model, request, text_pieces=stream is not None)
     if stream is not None:
@@ -183,14 +168,7 @@ def generate(
             stream.step(pieces, len(request.prompt_ids))
 
 
-def generate_stream(
-    model: Model,
-    prompts: Any,
-    max_new_tokens: int = 32,
-    sampling: Sampling | None = None,
-    seed: int = 0,
-    **options: Any,
-) -> GenerationStream:
+def generate_stream(model: Model, prompts: Any, *args: Any, **options: Any) -> GenerationStream:
     """`generate` as an iterator: yields a `StreamPiece` (row, token id, text piece, log-probability, finish
     reason) for each token as soon as it is sampled, a step's rows in order; afterwards `stream.output` is
     the `GenerateOutput` (the same tokens as `generate` with the same arguments).
@@ -206,7 +184,10 @@ def generate_stream(
     """
     if "streamer" in options:
         raise ValueError("generate_stream yields the pieces itself; pass streamer= to generate instead")
-    request = make_request(model, prompts, max_new_tokens, sampling, seed, **options)
+    # Bound to generate's signature: its defaults, and its TypeError for a name it does not take.
+    arguments = inspect.signature(generate).bind(model, prompts, *args, **options)
+    arguments.apply_defaults()
+    request = make_request(**{name: v for name, v in arguments.arguments.items() if name != "streamer"})
     return GenerationStream(_holding(model, _generation(model, request, text_pieces=True)))
 
 

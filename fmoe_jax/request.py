@@ -73,31 +73,21 @@ def make_request(
     sampling: Sampling | None,
     seed: Any,
     *,
-    do_sample: bool | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float | None = None,
-    eos_token_id: int | Sequence[int] | None = None,
-    stop: str | Sequence[str] | None = None,
-    return_logprobs: bool = False,
-    top_logprobs: int = 0,
-    stop_at_eos: bool = True,
-    record_trace: bool = False,
-    record_hidden: bool = False,
+    eos_token_id: int | Sequence[int] | None,
+    stop: str | Sequence[str] | None,
+    return_logprobs: bool,
+    top_logprobs: int,
+    stop_at_eos: bool,
+    record_trace: bool,
+    record_hidden: bool,
+    **hf_sampling: Any,
 ) -> Request:
-    """Checks and resolves `generate`'s arguments (documented there)."""
+    """Checks and resolves `generate`'s arguments, every one passed (their defaults and documentation are
+    `generate`'s); `hf_sampling` are the Hugging Face sampling names, for `from_hf_arguments`."""
     max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    sampling = from_hf_arguments(
-        sampling,
-        do_sample=do_sample,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        repetition_penalty=repetition_penalty,
-    )
+    sampling = from_hf_arguments(sampling, **hf_sampling)
     if not isinstance(return_logprobs, bool):
         raise ValueError(f"return_logprobs must be True or False, got {return_logprobs!r}")
     vocab = model.config.vocab_size
