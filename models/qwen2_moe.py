@@ -15,7 +15,6 @@ def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
     refuse_unsupported(hf, {"hidden_act": "silu"}, "qwen2_moe")
     layers = hf["num_hidden_layers"]
     num_experts = hf["num_experts"]
-    moe_layers = sparse_layers(hf, num_experts)
     windows: tuple[int | None, ...] = (None,) * layers
     if hf.get("use_sliding_window"):
         types = hf.get("layer_types") or [
@@ -24,7 +23,20 @@ def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
         ]
         windows = tuple(hf["sliding_window"] if t == "sliding_attention" else None for t in types)
     return MoEConfig(
-        **common_fields(hf, "qwen2_moe", default_max_positions=32768),
+        **qwen_moe_fields(hf, "qwen2_moe", num_experts),
+        qkv_bias=bool(hf.get("qkv_bias", True)),
+        sliding_windows=windows,
+        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
+        shared_expert_gate=bool(hf.get("shared_expert_intermediate_size")),
+    )
+
+
+def qwen_moe_fields(hf: dict[str, Any], family: str, num_experts: int) -> dict[str, Any]:
+    """The `MoEConfig` fields Qwen1.5-MoE and Qwen3-MoE read from config.json alike: `common_fields`, softmax
+    top-k routing over `num_experts` experts, RMS norms, and dense MLP layers where `sparse_layers`
+    says."""
+    return dict(
+        **common_fields(hf, family, default_max_positions=32768),
         num_experts=num_experts,
         top_k=hf["num_experts_per_tok"],
         expert_intermediate_size=hf["moe_intermediate_size"],
@@ -32,12 +44,8 @@ def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         router="softmax_topk",
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        qkv_bias=bool(hf.get("qkv_bias", True)),
-        sliding_windows=windows,
-        moe_layers=moe_layers,
+        moe_layers=sparse_layers(hf, num_experts),
         dense_intermediate_size=hf.get("intermediate_size", 0),
-        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
-        shared_expert_gate=bool(hf.get("shared_expert_intermediate_size")),
     )
 
 

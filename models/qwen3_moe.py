@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import MoEConfig, common_fields, refuse_unsupported
+from .config import MoEConfig, refuse_unsupported
 from .mixtral import softmax_topk
-from .qwen2_moe import sparse_layers
+from .qwen2_moe import qwen_moe_fields
 
 
 def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
@@ -21,18 +21,9 @@ def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
     layers = hf["num_hidden_layers"]
     num_experts = hf.get("num_experts", hf.get("num_local_experts"))
     return MoEConfig(
-        **common_fields(hf, "qwen3_moe", default_max_positions=32768),
-        num_experts=num_experts,
-        top_k=hf["num_experts_per_tok"],
-        expert_intermediate_size=hf["moe_intermediate_size"],
-        norm="rms",
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        router="softmax_topk",
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        **qwen_moe_fields(hf, "qwen3_moe", num_experts),
         qk_norm="head",
         sliding_windows=(None,) * layers,
-        moe_layers=sparse_layers(hf, num_experts),
-        dense_intermediate_size=hf.get("intermediate_size", 0),
     )
 
 
