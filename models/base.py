@@ -9,7 +9,7 @@ the device while the experts come from its cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -60,19 +60,6 @@ class DecoderLayer(nnx.Module):
         else:
             logits = self.router(z)
         return self.route_fn(logits, self.config)
-
-    def moe_output(
-        self,
-        z: jax.Array,
-        routing: Routing,
-        experts: Sequence[ExpertWeights],
-        slot_of_expert: jax.Array,
-        valid: jax.Array,
-        *,
-        kernel: Kernel = "auto",
-    ) -> jax.Array:
-        """Routed experts (those passed in) plus the always-resident shared expert. z `[N, D]` -> `[N, D]`."""
-        return self.mix(z, expert_parts(z, routing, experts, slot_of_expert, valid, kernel=kernel))
 
     def mix(self, z: jax.Array, parts: jax.Array) -> jax.Array:
         """The layer's MLP output from every routed assignment's output `parts` `[N, k, D]` float32 (see
@@ -213,7 +200,8 @@ class MoECausalLM(nnx.Module):
                 routings.append(routing)
                 if moe_inputs is not None:
                     moe_inputs.append(z)
-                y = layer.moe_output(z, routing, self.layer_experts(i), slots, valid, kernel=kernel)
+                parts = expert_parts(z, routing, self.layer_experts(i), slots, valid, kernel=kernel)
+                y = layer.mix(z, parts)
             else:
                 y = layer.dense_output(z)
             x = h + y.reshape(b, t, -1).astype(h.dtype)

@@ -1,8 +1,9 @@
 """Routed experts: the SwiGLU expert, routing results, and the expert-mixture kernels behind one function.
 
-`expert_mixture` is what the resident forward calls; the offload engine calls its two halves,
-`expert_parts` once per chunk of experts and `sum_parts` once per layer. They take the weights of the
-experts to use as plain arrays, so the caller decides where they live.
+`expert_mixture` is the whole mixture in one call (kernel tests, training); the models call its two halves,
+`expert_parts` once per chunk of experts (the resident forward: one chunk of all) and `sum_parts` once per
+layer (in `DecoderLayer.mix`). They take the weights of the experts to use as plain arrays, so the caller
+decides where they live.
 
 Why two halves: a layer whose experts run in chunks (a cache smaller than the layer's experts) must round
 exactly as one call over all experts does, or offloading is not lossless in bfloat16. So every kernel
