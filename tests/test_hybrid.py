@@ -17,7 +17,6 @@ from fmoe_jax.offload.cost_model import (
     HARDWARE,
     HOSTS,
     MIXTRAL_8X7B,
-    HardwarePreset,
     HostPreset,
     ModelPreset,
 )
@@ -26,6 +25,7 @@ from fmoe_jax.offload.policies import POLICIES, Fiddler, PolicyContext, StaticSp
 from fmoe_jax.offload.policies.fiddler import expert_usage
 from fmoe_jax.offload.simulator import SimulatedLink, simulate
 from test_lossless import Subject, check_lossless, subject_loader
+from toy_costs import TOY_HARDWARE, TOY_MODEL, toy_trace
 
 import fmoe_jax as fj
 from fmoe_jax.engines.offload import OffloadEngine, router_weights
@@ -199,41 +199,12 @@ def test_a_failing_host_call_leaves_the_cache_usable():
 
 
 # -- the simulator's host ------------------------------------------------------------------------------------
-# Round numbers as in tests/test_simulator.py: memory-bound, link and device memory at 1 GB/s.
-TOY_HARDWARE = HardwarePreset(
-    "toy",
-    hbm_bytes_per_s=1e9,
-    flops_per_s=1e18,
-    link_bytes_per_s=1e9,
-    memory_bytes=10**9,
-    link_efficiency=1.0,
-    hbm_efficiency=1.0,
-    flops_efficiency=1.0,
-)
-# expert: 300,000 bytes (300 us on the link, 300 us to read on the device); D = 100.
-TOY_MODEL = ModelPreset(
-    "toy",
-    num_layers=2,
-    num_experts=2,
-    top_k=1,
-    hidden_size=100,
-    expert_intermediate_size=500,
-    num_heads=1,
-    num_kv_heads=1,
-    head_dim=50,
-    vocab_size=1000,
-)
+# On the round-number TOY_HARDWARE and TOY_MODEL of tests/toy_costs.py (an expert: 300,000 bytes, D = 100).
 # Per host call 10 us + 5 us each way; per expert its 300,000 bytes at `mem` bytes/s, FLOPs free.
 INSTANT_HOST = HostPreset(
     "instant", mem_bytes_per_s=1e30, flops_per_s=1e30, mem_efficiency=1.0, flops_efficiency=1.0,
     call_latency_s=10e-6, transfer_latency_s=5e-6,
 )  # fmt: skip
-
-
-def toy_trace() -> RoutingTrace:
-    """One request, a one-token prompt and one decode step; layer 0 routes to expert 0, layer 1 to 1."""
-    ids = np.asarray([[[0], [1]]], np.int32)  # [t=1, L=2, k=1]
-    return RoutingTrace.from_external([[{"ids": ids}, {"ids": ids}]], num_experts=2)
 
 
 def test_host_timeline_by_hand():
