@@ -101,8 +101,23 @@ class Driver:
         self.timers["policy_events"] += time.perf_counter() - start
 
     def begin(self, batch: int) -> None:
-        """A batch of requests begins: the policy hears `RequestStart`."""
+        """A batch of requests begins: the policy hears `RequestStart`; a cache that has room for every expert
+        starts copying those it lacks (`fill_free_slots`)."""
         self._tell(self.policy.on_request_start, RequestStart(batch))
+        self.fill_free_slots()
+
+    def fill_free_slots(self) -> None:
+        """A cache with room for every expert never evicts, so the experts it lacks (none of the requests so
+        far needed them) cost only their copy: it is queued behind every prefetch. Once they land every
+        step can run the engine's full-cache fast path, instead of the per-layer loop until some routing
+        happens to need the last of them. A smaller cache is left to the policy."""
+        ctx = self.policy.ctx
+        keys = [(layer, e) for layer in range(ctx.num_layers) for e in range(ctx.num_experts)]
+        if self.cache.capacity < len(keys):
+            return
+        lacking = [(key, FILL_PRIORITY) for key in keys if self.cache.entry(key) is None]
+        if lacking:
+            self.cache.request_prefetch(lacking, replace=False)
 
     def iteration(
         self,
