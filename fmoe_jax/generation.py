@@ -242,13 +242,14 @@ def _generation(
 
     stats = GenerationStats(prompt_tokens=sum(len(p) for p in ids))
     cache = engine.init_cache(batch, cache_len)
+    first_key = sampler_key(step_keys[0], seen)  # before the clock: its program compiles on the first call
     start = time.perf_counter()
     layout = Layout(np.int32(0), key_start, active.copy(), t_pad)
     out, cache = engine.step(
         tokens,
         cache,
         layout,
-        sampler_key(step_keys[0], seen),
+        first_key,
         sampling,
         record_trace,
         record_hidden,
