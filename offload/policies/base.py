@@ -58,6 +58,10 @@ class Policy:
     # of a policy that predicts (fmoe with admission="all", simulated Mixtral-8x7B on an RTX 3090 + DDR5
     # desktop at 25 %: TPOT 41.4 ms with it, 40.4 without).
     host_fill = False
+    # A cache with room for every expert copies in those no request has needed yet (`Driver.fill_free_slots`),
+    # so that the engine's full-cache fast path takes over. Off for a policy that places experts itself and
+    # computes the rest on the host (Fiddler, the static split).
+    fill_free_slots = True
 
     @classmethod
     def from_traces(

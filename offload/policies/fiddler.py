@@ -60,6 +60,7 @@ class Fiddler(Policy):
 
     name = "fiddler"
     host_fill = False
+    fill_free_slots = False
 
     def __init__(self, popularity: Any = None):
         self.popularity = None if popularity is None else np.asarray(popularity, np.float64)

@@ -33,6 +33,7 @@ class StaticSplit(Policy):
 
     name = "static_split"
     host_fill = False
+    fill_free_slots = False
 
     def __init__(self, device_layers: Literal["first", "last"] = "first"):
         if device_layers not in ("first", "last"):
