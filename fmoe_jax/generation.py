@@ -191,6 +191,13 @@ def generate_stream(model: Model, prompts: Any, *args: Any, **options: Any) -> G
     return GenerationStream(_holding(model, _generation(model, request, text_pieces=True)))
 
 
+# help() and editors show the options `generate_stream` binds: generate's, less `streamer`.
+generate_stream.__signature__ = inspect.signature(generate).replace(  # type: ignore[attr-defined]
+    parameters=[p for p in inspect.signature(generate).parameters.values() if p.name != "streamer"],
+    return_annotation="GenerationStream",
+)
+
+
 def _holding(model: Model, steps: Generator) -> Generator:
     """`steps` run while holding the model (`Model.serving`), from the first piece to the last: a stream
     is one call, and other calls on the model wait until it is exhausted or closed."""

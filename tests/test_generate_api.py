@@ -262,6 +262,15 @@ def test_generate_stream_yields_what_generate_returns(mixtral, kwargs):
     assert stream.output.stats.new_tokens == sum(map(len, expected.tokens))
 
 
+def test_generate_stream_shows_generates_options():
+    """help() and editors see the stream's options: generate's own, less `streamer`."""
+    import inspect
+
+    stream = inspect.signature(fj.generate_stream).parameters
+    assert list(stream) == [name for name in inspect.signature(fj.generate).parameters if name != "streamer"]
+    assert stream["max_new_tokens"].default == inspect.signature(fj.generate).parameters["max_new_tokens"].default
+
+
 def test_stream_validates_before_the_first_token_and_output_waits(mixtral):
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
         fj.generate_stream(mixtral, PROMPTS, 0)
