@@ -267,8 +267,9 @@ def test_generate_stream_shows_generates_options():
     import inspect
 
     stream = inspect.signature(fj.generate_stream).parameters
-    assert list(stream) == [name for name in inspect.signature(fj.generate).parameters if name != "streamer"]
-    assert stream["max_new_tokens"].default == inspect.signature(fj.generate).parameters["max_new_tokens"].default
+    generate = inspect.signature(fj.generate).parameters
+    assert list(stream) == [name for name in generate if name != "streamer"]
+    assert stream["max_new_tokens"].default == generate["max_new_tokens"].default
 
 
 def test_stream_validates_before_the_first_token_and_output_waits(mixtral):
