@@ -146,6 +146,7 @@ class OffloadEngine:
         elif self.policy.initial_experts():
             self.cache.preload(self.policy.initial_experts())
         self._whole: tuple[Any, list[Any], list[tuple[int, Key, str]]] | None = None
+        self._no_parts: dict[tuple, jax.Array] = {}
 
     def _make_cache(self, slots: int) -> DeviceExpertCache | CacheGroup:
         self._movers: list[TimedMover] = []
@@ -327,7 +328,7 @@ class OffloadEngine:
             d = self.cache.device_of(chunk[0]) if chunk else 0
             z_d, routing_d, valid_d = devices.on((z, routing, valid), d)
             if acc[d] is None:
-                acc[d] = devices.put(no_parts(z_d, routing_d), d)
+                acc[d] = self._empty_parts(z, routing, d)
             experts, slots = self._chunk_arguments(chunk, arrays, int(h.shape[1]), d)
             if (
                 is_last and devices.single and pending is None
@@ -345,13 +346,13 @@ class OffloadEngine:
                 host_parts = self.host.finish(pending, devices.devices[first], self._add_parts)
                 timers["host_wait"] += time.perf_counter() - start
                 if acc[first] is None:
-                    acc[first] = devices.put(no_parts(*devices.on((z, routing), first)), first)
+                    acc[first] = self._empty_parts(z, routing, first)
                 acc[first] = self._add_parts(acc[first], host_parts)
             if devices.single:  # every expert already in `acc`: the shared expert and the residual
                 state["x"] = fns.experts_finish(params, h, z, routing, (), slots, valid, acc[0])
                 return
             partials = [
-                a if a is not None else devices.put(no_parts(*devices.on((z, routing), i)), i)
+                a if a is not None else self._empty_parts(z, routing, i)
                 for i, a in enumerate(acc)
                 if devices.local[i]
             ]
@@ -382,6 +383,15 @@ class OffloadEngine:
                 else None,
             )
         return state["x"], kv, recorded
+
+    def _empty_parts(self, z: jax.Array, routing: Routing, device: int) -> jax.Array:
+        """The zero buffer a layer's chunks add their assignment outputs to, on `device`: made once per shape
+        and device and shared by every layer and step (the jitted steps return new buffers, never write to
+        it). Made per layer, its eager zeros cost ~0.1 ms of dispatch each on CPU."""
+        key = (tuple(routing.ids.shape), int(z.shape[-1]), device)
+        if key not in self._no_parts:
+            self._no_parts[key] = self.devices.put(no_parts(*self.devices.on((z, routing), device)), device)
+        return self._no_parts[key]
 
     def _chunk_arguments(self, chunk: list[Key], arrays: dict, tokens: int, device: int):
         """A chunk's experts as the jitted step takes them: the weights (padded to a few widths, see
