@@ -10,7 +10,9 @@ host's share of the layer: the engine dispatches it to the CPU, the simulator bo
 `HybridPlanner` (`offload/hybrid.py`) at construction. The driver does the rest, in this order (DESIGN.md,
 "One decode iteration"):
 
-    RequestStart                                    once per generate call / replayed batch (`begin`)
+    RequestStart                                    once per generate call / replayed batch (`begin`);
+                                                    a cache with room for every expert queues those it
+                                                    lacks behind every prefetch (`fill_free_slots`)
     IterationStart(valid, semantic context)
     for each MoE layer l:
         route(l)                                    attention and router; the caller's one host read
