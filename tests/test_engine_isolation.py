@@ -75,3 +75,35 @@ def test_compiled_programs_and_counts_belong_to_the_model(hf_dirs):
     fj.generate(second, [[5, 6, 7]], max_new_tokens=3, stop_at_eos=False)
     assert dict(second.engine.programs.compilations) == counts  # its own programs, compiled for itself
     assert dict(first.engine.programs.compilations) == counts  # and the first model's are untouched
+
+
+def test_a_new_program_runs_once_on_copies_before_the_real_call():
+    """XLA's first run of an executable is slow (part of its work happens then); `Programs.jit` runs each new
+    program once on copies of the donated arguments and charges that to `compile_s`, so timed calls see only
+    warm runs. The copies leave the caller's arrays to the real call, which donates them as asked."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fmoe_jax.engines.programs import Programs
+
+    programs, runs = Programs(), []
+
+    def step(x, cache):
+        jax.debug.callback(lambda: runs.append(1))
+        return x * 2, cache + x
+
+    jitted = programs.jit(step, lambda x, cache: f"step_T{x.shape[0]}", donate_argnums=1)
+    x, cache = jnp.arange(4.0), jnp.ones(4)
+    y, cache = jitted(x, cache)
+    jax.block_until_ready(cache)
+    assert len(runs) == 2 and programs.compile_s > 0  # the throwaway run, then the real one
+    assert np.array_equal(y, [0, 2, 4, 6]) and np.array_equal(cache, [1, 2, 3, 4])  # added once
+    compiled = programs.compile_s
+    y, cache = jitted(x, cache)
+    jax.block_until_ready(cache)
+    assert len(runs) == 3 and programs.compile_s == compiled  # a known program runs once, untimed
+    assert np.array_equal(cache, [1, 3, 5, 7])
+    jitted(jnp.arange(8.0), jnp.ones(8))  # a new shape: a new label, compiled and run twice
+    jax.effects_barrier()
+    assert len(runs) == 5 and dict(programs.compilations) == {"step_T4": 1, "step_T8": 1}

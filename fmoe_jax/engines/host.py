@@ -132,7 +132,11 @@ class HostCompute:
         options = SINGLE_THREADED if threads is not None else {}
         self.program = programs.memo(
             ("host_parts", kernel, threads is not None),
-            lambda: programs.jit(_host_parts(programs, kernel), compiler_options=options),
+            lambda: programs.jit(
+                _host_parts(kernel),
+                lambda z, r, experts, *_: f"host_parts_N{z.shape[0]}_n{len(experts)}",
+                compiler_options=options,
+            ),
         )
         self.views: dict[Key, ExpertWeights] = {}
         self.aliased = True  # every view made so far shares its pinned buffer
@@ -183,9 +187,8 @@ class HostCompute:
         return jax.device_put(total, device)
 
 
-def _host_parts(programs: Programs, kernel: Kernel):
+def _host_parts(kernel: Kernel):
     def host_parts(z, routing, experts, slots, valid):
-        programs.count(f"host_parts_N{z.shape[0]}_n{len(experts)}")
         return expert_parts(z, routing, experts, slots, valid, kernel=kernel)
 
     return host_parts

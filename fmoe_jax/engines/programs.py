@@ -3,7 +3,10 @@ engine, and the offload engine's full-cache fast path) and the offload engine's 
 
 `Programs` makes every `jax.jit` of one model (so its executables are freed with the model), compiles each
 with exact bfloat16 rounding, and counts and times its compilations; `generate` reports that time as
-`compile_s`, apart from decoding. Engines of the same weights may share one `Programs`
+`compile_s`, apart from decoding. A new program also runs once, on copies of its arguments, before the call
+that needs it: XLA does part of its work on an executable's first run (7-20 ms a program on this CPU, against
+2-5 ms for later runs), and that first run is charged to `compile_s` too, so that a first `generate` call
+decodes as fast as a later one. Engines of the same weights may share one `Programs`
 (`OffloadEngine(..., programs=model.engine.programs)`) so that a benchmark comparing policies compiles once.
 """
 
@@ -60,7 +63,8 @@ class Programs:
     """One model's jitted programs: made, memoized, counted and timed here.
 
     `compilations` counts traces by label (a label names a program and the shapes it was traced for), so a
-    test or benchmark sees any recompilation; `compile_s` is the wall time of the calls that compiled.
+    test or benchmark sees any recompilation; `compile_s` is the wall time of compiling, and of each new
+    program's first run.
     """
 
     def __init__(self) -> None:
@@ -75,13 +79,48 @@ class Programs:
         self._traced += 1
 
     def jit(
-        self, fn: Callable, *, compiler_options: dict[str, Any] | None = None, **jit_kwargs: Any
+        self,
+        fn: Callable,
+        label: Callable[..., str],
+        *,
+        compiler_options: dict[str, Any] | None = None,
+        donate_argnums: int | tuple[int, ...] = (),
+        static_argnums: int | tuple[int, ...] = (),
+        **jit_kwargs: Any,
     ) -> Callable:
-        """`jax.jit(fn)` with exact rounding (and any other `compiler_options`); a call that traced (and so
-        compiled) adds to `compile_s`."""
-        jitted = jax.jit(fn, compiler_options={**EXACT_ROUNDING, **(compiler_options or {})}, **jit_kwargs)
+        """`jax.jit(fn)` with exact rounding (and any other `compiler_options`), counted by `label(*args)`.
+
+        `label` names the program a call needs from its arguments' shapes, cheaply (it runs on every call).
+        The first call with a new label (or new static arguments) compiles the program and runs it once on
+        copies of the donated arguments, both charged to `compile_s`, before the real run. A compilation
+        the label did not foresee (say, a new dtype) happens inside the real call, which is then charged to
+        `compile_s` whole, its first run included.
+        """
+        donated = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            self.count(label(*args, **kwargs))
+            return fn(*args, **kwargs)
+
+        jitted = jax.jit(
+            traced,
+            compiler_options={**EXACT_ROUNDING, **(compiler_options or {})},
+            donate_argnums=donated,
+            static_argnums=static,
+            **jit_kwargs,
+        )
+        warmed: set[tuple] = set()
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            key = (label(*args, **kwargs), *(args[i] for i in static), *sorted(kwargs.items()))
+            if key not in warmed:
+                start = time.perf_counter()
+                copies = [_copy(a) if i in donated else a for i, a in enumerate(args)]
+                jax.block_until_ready(jitted(*copies, **kwargs))
+                del copies
+                warmed.add(key)
+                self.compile_s += time.perf_counter() - start
             start, before = time.perf_counter(), self._traced
             out = jitted(*args, **kwargs)
             if self._traced != before:
@@ -97,6 +136,12 @@ class Programs:
         return self._made[key]
 
 
+def _copy(tree: Any) -> Any:
+    """A copy of every array in `tree`, placed as its original (committed or not: JAX compiles a call on
+    committed arguments apart from one on uncommitted ones)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
 class Recorded(NamedTuple):
     """What a step records for a routing trace (host or device arrays)."""
 
@@ -106,12 +151,15 @@ class Recorded(NamedTuple):
     hidden: Any  # [B, T, L_moe, D] router inputs, or None
 
 
+def _whole_label(params, tokens, cache, *_: Any) -> str:
+    return f"whole_step_T{tokens.shape[1]}_S{cache[0].k.shape[1]}_B{tokens.shape[0]}"
+
+
 # -- the whole model ---------------------------------------------------------------------------------------
 def whole_step(programs: Programs, graph: Graph, kernel: Kernel) -> Callable:
     """The jitted whole-model step: prefill (T > 1) or one decode step (T = 1), sampling included."""
 
     def step(params, tokens, cache, layout, key, sampling: Sampling, record: bool, record_hidden: bool):
-        programs.count(f"whole_step_T{tokens.shape[1]}_S{cache[0].k.shape[1]}_B{tokens.shape[0]}")
         model = graph.merge(params)
         hidden = [] if record_hidden else None
         logits, cache, routings = model(
@@ -128,7 +176,8 @@ def whole_step(programs: Programs, graph: Graph, kernel: Kernel) -> Callable:
         return next_tokens, logits, cache, Recorded(model.embed_tokens(tokens), probs, ids, hidden)
 
     return programs.memo(
-        ("whole", graph, kernel), lambda: programs.jit(step, static_argnums=(5, 6, 7), donate_argnums=2)
+        ("whole", graph, kernel),
+        lambda: programs.jit(step, _whole_label, static_argnums=(5, 6, 7), donate_argnums=2),
     )
 
 
@@ -136,11 +185,15 @@ def full_forward(programs: Programs, graph: Graph, kernel: Kernel) -> Callable:
     """Full-sequence logits `[B, T, V]` and routings of unpadded tokens `[B, T]` (no sampling)."""
 
     def forward(params, tokens, cache, layout):
-        programs.count(f"full_forward_T{tokens.shape[1]}")
         logits, cache, routings = graph.merge(params)(tokens, cache, layout, kernel=kernel)
         return logits, routings, cache
 
-    return programs.memo(("forward", graph, kernel), lambda: programs.jit(forward, donate_argnums=2))
+    return programs.memo(
+        ("forward", graph, kernel),
+        lambda: programs.jit(
+            forward, lambda params, tokens, *_: f"full_forward_T{tokens.shape[1]}", donate_argnums=2
+        ),
+    )
 
 
 def forward_inputs(config: Any, tokens: Any, dtype: Any) -> tuple[list, Layout]:
@@ -164,43 +217,45 @@ class LayerSteps(NamedTuple):
 
 def layer_steps(programs: Programs, graph: Graph, kernel: Kernel) -> LayerSteps:
     def attention_and_router(state, x, kv, layout, rope):
-        programs.count(f"attention_and_router_T{x.shape[1]}")
         layer = graph.merge(state)
         h, z, kv = layer.attention_block(x, rope, kv, layout)
         z = z.reshape(-1, z.shape[-1])
         return h, z, layer.route(z), kv
 
     def dense_layer(state, x, kv, layout, rope):
-        programs.count(f"dense_layer_T{x.shape[1]}")
         layer = graph.merge(state)
         h, z, kv = layer.attention_block(x, rope, kv, layout)
         return h + layer.dense_output(z).astype(h.dtype), kv
 
     def experts_finish(state, h, z, routing, experts, slots, valid, acc):
-        programs.count(f"experts_finish_T{h.shape[1]}_n{len(experts)}")
         layer = graph.merge(state)
         parts = acc + expert_parts(z, routing, experts, slots, valid, kernel=kernel) if experts else acc
         return h + layer.mix(z, parts).reshape(h.shape).astype(h.dtype)
 
     def combine(state, h, z, partials):
         """partials `[n, N, k, D]`: each assignment nonzero on one device only, so their sum is exact."""
-        programs.count(f"combine_T{h.shape[1]}")
         layer = graph.merge(state)
         return h + layer.mix(z, jnp.sum(partials, axis=0)).reshape(h.shape).astype(h.dtype)
 
     def experts_partial(z, routing, experts, slots, valid, acc):
         """Adds one chunk's assignment outputs to `acc` `[N, k, D]` float32 (other chunks' places are zero
         here)."""
-        programs.count(f"experts_partial_N{z.shape[0]}_n{len(experts)}")
         return acc + expert_parts(z, routing, experts, slots, valid, kernel=kernel)
 
     def make() -> LayerSteps:
         return LayerSteps(
-            programs.jit(attention_and_router, donate_argnums=2),
-            programs.jit(dense_layer, donate_argnums=2),
-            programs.jit(experts_finish),
-            programs.jit(combine),
-            programs.jit(experts_partial),
+            programs.jit(
+                attention_and_router, lambda s, x, *_: f"attention_and_router_T{x.shape[1]}", donate_argnums=2
+            ),
+            programs.jit(dense_layer, lambda s, x, *_: f"dense_layer_T{x.shape[1]}", donate_argnums=2),
+            programs.jit(
+                experts_finish,
+                lambda s, h, z, r, experts, *_: f"experts_finish_T{h.shape[1]}_n{len(experts)}",
+            ),
+            programs.jit(combine, lambda s, h, *_: f"combine_T{h.shape[1]}"),
+            programs.jit(
+                experts_partial, lambda z, r, experts, *_: f"experts_partial_N{z.shape[0]}_n{len(experts)}"
+            ),
         )
 
     return programs.memo(("layer", graph, kernel), make)
@@ -211,24 +266,23 @@ def add_parts(programs: Programs) -> Callable:
     device's are disjoint, so the sum is exact)."""
 
     def add(a, b):
-        programs.count(f"add_parts_N{a.shape[0]}")
         return a + b
 
-    return programs.memo("add_parts", lambda: programs.jit(add))
+    return programs.memo("add_parts", lambda: programs.jit(add, lambda a, b: f"add_parts_N{a.shape[0]}"))
 
 
 def embed_step(programs: Programs, graph: Graph, cfg: Any) -> Callable:
     def embed(state, tokens, layout):
-        programs.count(f"embed_T{tokens.shape[1]}")
         x = graph.merge(state)(tokens)
         return x, MoECausalLM.rope_for(cfg, layout, x.dtype)
 
-    return programs.memo(("embed", graph), lambda: programs.jit(embed))
+    return programs.memo(
+        ("embed", graph), lambda: programs.jit(embed, lambda s, tokens, *_: f"embed_T{tokens.shape[1]}")
+    )
 
 
 def head_step(programs: Programs, graph: Graph) -> Callable:
     def head(state, x, key, sampling, all_positions=False):
-        programs.count(f"head_all{all_positions}")
         norm, projection = graph.merge(state)
         if all_positions:
             return output_logits(norm, projection, x)
@@ -236,7 +290,13 @@ def head_step(programs: Programs, graph: Graph) -> Callable:
         return sampling(logits, key), logits
 
     return programs.memo(
-        ("head", graph), lambda: programs.jit(head, static_argnums=3, static_argnames="all_positions")
+        ("head", graph),
+        lambda: programs.jit(
+            head,
+            lambda s, x, *_, all_positions=False: f"head_all{all_positions}_T{x.shape[1]}_B{x.shape[0]}",
+            static_argnums=3,
+            static_argnames="all_positions",
+        ),
     )
 
 
