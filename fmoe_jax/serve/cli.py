@@ -1,0 +1,149 @@
+"""`fmoe-serve MODEL` (also `python -m fmoe_jax.serve`): an OpenAI-compatible HTTP server for one model.
+
+    fmoe-serve fmoe-tiny-mixtral --policy fmoe --cache-experts 16 --port 8000 --warmup
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "fmoe-tiny-mixtral", "prompt": "Once upon a time", "max_tokens": 32}'
+
+Loads MODEL (a shipped model's name, or a converted / Hugging Face directory) resident, or with its routed
+experts offloaded under `--policy`, and serves it with uvicorn until SIGTERM or Ctrl+C: then it stops taking
+requests, lets those in flight finish (up to --shutdown-timeout, then cancels them), and closes the model,
+which saves fMoE's expert-map store when --store-path is given. Needs the `serve` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import logging
+import logging.config
+import signal
+import sys
+import time
+from pathlib import Path
+
+EXTRA_HINT = 'fmoe-serve needs the serve extra: pip install "fmoe-jax[serve]" (missing: {name})'
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`--help` keeps the module docstring's layout and shows every option's default."""
+
+
+def parser() -> argparse.ArgumentParser:
+    from fmoe_jax.offload.policies import POLICIES
+
+    ap = argparse.ArgumentParser(prog="fmoe-serve", description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument(
+        "model", help="a shipped model's name (fmoe_jax.shipped_models()) or a checkpoint directory"
+    )
+    ap.add_argument(
+        "--policy",
+        choices=sorted(POLICIES),
+        default=None,
+        help="offload the routed experts to host memory under this policy (default: none, all resident)",
+    )
+    ap.add_argument(
+        "--cache-experts", type=int, default=None, help="device expert-cache slots (default: 25%% of experts)"
+    )
+    ap.add_argument("--prefetch-distance", type=int, default=3, help="layers ahead a policy prefetches")
+    ap.add_argument("--execution", choices=("copy", "hybrid"), default="copy", help="see OffloadConfig")
+    ap.add_argument(
+        "--store-path", default=None, help="fmoe: expert-map store file, loaded and saved at exit"
+    )
+    ap.add_argument("--max-batch", type=int, default=4, help="most requests in one generate call")
+    ap.add_argument("--max-queue", type=int, default=64, help="most waiting requests; beyond: 503")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    ap.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    ap.add_argument(
+        "--served-model-name", default=None, help="the model's id in the API (default: MODEL's name)"
+    )
+    ap.add_argument(
+        "--warmup",
+        action="store_true",
+        help="compile before taking requests: short prompts (up to 16 tokens) with 16 new tokens, at each "
+        "batch size (1, 2, 4, ... --max-batch)",
+    )
+    ap.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM"
+    )
+    ap.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    return ap
+
+
+def require_serve_dependencies() -> None:
+    """SystemExit naming the `serve` extra when a server dependency is missing."""
+    for module in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise SystemExit(EXTRA_HINT.format(name=module)) from None
+
+
+def warmup(model, max_batch: int) -> None:
+    """Compiles what short requests use: a prompt bucket of 16 and 16 new tokens, at each power-of-two batch
+    size the scheduler forms (see `fmoe_jax.serve.scheduler`)."""
+    import fmoe_jax as fj
+
+    size = 1
+    while size <= max_batch:
+        fj.generate(model, [[model.pad_token_id + 1] * 4] * size, max_new_tokens=16, stop_at_eos=False)
+        size *= 2
+
+
+def _exit(signum: int, frame) -> None:
+    raise SystemExit(0 if signum == signal.SIGTERM else 128 + signum)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    require_serve_dependencies()
+    import uvicorn
+
+    import fmoe_jax as fj
+
+    from .app import create_app
+
+    # uvicorn's logging, and fmoe_jax's messages through its handler (uvicorn.Config applies it again)
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["loggers"]["fmoe_jax"] = {"handlers": ["default"], "level": args.log_level.upper()}
+    logging.config.dictConfig(log_config)
+    log = logging.getLogger("fmoe_jax.serve")
+    offload = None
+    if args.policy is not None:
+        options = {"store_path": args.store_path} if args.store_path else {}
+        offload = fj.OffloadConfig(
+            policy=args.policy,
+            cache_experts=args.cache_experts,
+            prefetch_distance=args.prefetch_distance,
+            execution=args.execution,
+            policy_options=options,
+        )
+    elif args.cache_experts is not None or args.store_path is not None:
+        raise SystemExit("--cache-experts and --store-path need --policy (without it the model is resident)")
+    start = time.perf_counter()
+    model = fj.load_model(args.model, offload=offload)
+    log.info("loaded %s in %.1f s (%s)", args.model, time.perf_counter() - start, args.policy or "resident")
+    try:
+        if args.warmup:
+            start = time.perf_counter()
+            warmup(model, args.max_batch)
+            log.info("warm-up compiled in %.1f s", time.perf_counter() - start)
+        name = args.served_model_name or Path(args.model).name
+        app = create_app(model, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            log_config=log_config,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+        # uvicorn handles SIGTERM and SIGINT while it runs (graceful shutdown), then restores these handlers
+        # and raises the signal again: it then ends the process here, through `finally`.
+        signal.signal(signal.SIGTERM, _exit)
+        signal.signal(signal.SIGINT, _exit)
+        uvicorn.Server(config).run()
+    finally:
+        model.close()  # saves fmoe's store (--store-path)
+        log.info("model closed")
+    sys.exit(0)
