@@ -81,12 +81,17 @@ def require_serve_dependencies() -> None:
 
 def warmup(model, max_batch: int) -> None:
     """Compiles what short requests use: a prompt bucket of 16 and 16 new tokens, at each power-of-two batch
-    size the scheduler forms (see `fmoe_jax.serve.scheduler`)."""
+    size the scheduler forms (see `fmoe_jax.serve.scheduler`). The prompts are random tokens, so that an
+    offloaded layer meets as many experts as real requests make it (its programs depend on how many)."""
+    import numpy as np
+
     import fmoe_jax as fj
 
+    rng = np.random.default_rng(0)
     size = 1
     while size <= max_batch:
-        fj.generate(model, [[model.pad_token_id + 1] * 4] * size, max_new_tokens=16, stop_at_eos=False)
+        prompts = rng.integers(0, model.config.vocab_size, (size, 12)).tolist()
+        fj.generate(model, prompts, max_new_tokens=16, stop_at_eos=False)
         size *= 2
 
 
