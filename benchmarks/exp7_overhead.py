@@ -59,9 +59,8 @@ def real_size_rows(hardware: list[str], repeats: int, prefetch_distance: int) ->
     }
     rows = []
     for family, preset in MODELS.items():
-        m = mo.measure(names[family], mo.MODELS[names[family]], 1024, repeats, flush)
-        traj = preset.num_layers - prefetch_distance
-        host = m["sem_sketch"]["p50_ms"] + traj * m["traj"]["p50_ms"] + m["add_full_b1"]["p50_ms"]
+        m = mo.measure(names[family], mo.MODELS[names[family]], 1024, repeats, flush, prefetch_distance)
+        host = m["sem_sketch"]["p50_ms"] + m["traj_iteration"]["p50_ms"] + m["add_full_b1"]["p50_ms"]
         for hw in hardware:
             costs = CostModel(preset, HARDWARE[hw], preset.num_experts)
             layer = costs.attention_s(np.array([1]), np.array([64])) + costs.experts_s([1] * preset.top_k)
@@ -74,7 +73,7 @@ def real_size_rows(hardware: list[str], repeats: int, prefetch_distance: int) ->
                     compute_ms=compute_ms,
                     expert_copy_ms=1e3 * preset.expert_bytes / HARDWARE[hw].link_effective,
                     semantic_search_ms=m["sem_sketch"]["p50_ms"],
-                    trajectory_searches_ms=traj * m["traj"]["p50_ms"],
+                    trajectory_searches_ms=m["traj_iteration"]["p50_ms"],
                     map_update_ms=m["add_full_b1"]["p50_ms"],
                     matcher_share=host / compute_ms,
                 )

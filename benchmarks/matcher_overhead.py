@@ -26,7 +26,7 @@ from pathlib import Path
 
 import matplotlib
 import numpy as np
-from fmoe_jax.offload.expert_map_store import ExpertMapStore
+from fmoe_jax.offload.expert_map_store import ExpertMapStore, PrefixDots
 
 from benchmarks.common import HelpFormatter
 
@@ -92,7 +92,26 @@ def _stats(times_ms: np.ndarray) -> dict:
     return {"p50_ms": float(np.percentile(times_ms, 50)), "p90_ms": float(np.percentile(times_ms, 90))}
 
 
-def measure(name: str, dims: dict, capacity: int, repeats: int, flush: np.ndarray) -> dict:
+def partial_searches(store: ExpertMapStore):
+    """A function running one iteration's trajectory searches of a map `[1, L, J]`: `searches` of them, on
+    prefixes of 1, 2, ... layers, with one running `PrefixDots`."""
+
+    def run(maps: np.ndarray, searches: int) -> None:
+        running = PrefixDots()
+        for observed in range(1, searches + 1):
+            store.match_traj(maps[:, :observed], running)
+
+    return run
+
+
+def measure(
+    name: str,
+    dims: dict,
+    capacity: int,
+    repeats: int,
+    flush: np.ndarray,
+    prefetch_distance: int = PREFETCH_DISTANCE,
+) -> dict:
     contexts = Contexts(seed=0, **dims)
     rng = np.random.default_rng(2)
     queries = [contexts.draw(rng, 1) for _ in range(repeats)]
@@ -111,6 +130,11 @@ def measure(name: str, dims: dict, capacity: int, repeats: int, flush: np.ndarra
             traj_args = [(m[:, :observed],) for _, m in queries]
             row["traj"] = _stats(_time_ms(store.match_traj, traj_args))
             row["traj_cold"] = _stats(_time_ms(store.match_traj, traj_args[: repeats // 2], flush))
+            # One decode iteration's searches as fmoe runs them: after each layer l < L - d, layers 0..l,
+            # summed layer by layer (`PrefixDots`), in milliseconds per iteration.
+            searches = dims["num_layers"] - prefetch_distance
+            iteration_args = [(m, searches) for _, m in queries]
+            row["traj_iteration"] = _stats(_time_ms(partial_searches(store), iteration_args))
             row["add_full_b1"] = _stats(_time_ms(store.add, [contexts.draw(rng, 1) for _ in range(repeats)]))
             batches = [contexts.draw(rng, 64) for _ in range(max(3, repeats // 20))]
             row["add_full_b64"] = _stats(_time_ms(store.add, batches))

@@ -98,6 +98,7 @@ class ExpertMapStore:
         width = num_layers * num_experts
 
         self._size = 0
+        self.version = 0  # counts writes of maps (a `PrefixDots` started before one starts over)
         # Arrays a policy keeps beside the maps (fmoe's calibration tables), saved and loaded with them.
         self.attachments: dict[str, np.ndarray] = {}
         self._embeds = np.zeros((capacity, embed_dim), np.float32)  # [C, H]
@@ -276,6 +277,7 @@ class ExpertMapStore:
     def match_traj(
         self,
         trajs: np.ndarray,  # [B, l, J]
+        running: PrefixDots | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:  # [B] float32, [B, L, J] float32
         """Trajectory search (equation 5): the stored map whose first l layers best match `trajs`.
 
@@ -283,6 +285,9 @@ class ExpertMapStore:
         (1 <= l <= L). Returns the cosine similarity of the flattened prefixes and a copy of the full
         best map, from which the policy reads the layers d and more ahead of layer l-1. Empty store:
         scores 0 and zero maps.
+
+        `running`: a `PrefixDots` kept across the searches of one iteration (layer after layer), so that
+        each search adds only the layers new since the last (n x J multiply-adds a layer, not n x l x J).
         """
         shape = np.shape(trajs)
         if len(shape) != 3 or not 1 <= shape[1] <= self.num_layers or shape[2] != self.num_experts:
@@ -296,8 +301,12 @@ class ExpertMapStore:
         observed = trajs.shape[1]
         query = trajs.reshape(trajs.shape[0], -1)  # [B, l*J]
         inv_query = _inv_norm(query)  # [B]
-        prefix = self._maps[: self._size, : query.shape[1]]  # [n, l*J], strided view
-        sims = _scores(prefix, query) * self._inv_prefix_norm[observed - 1, : self._size] * inv_query[:, None]
+        if running is None:
+            prefix = self._maps[: self._size, : query.shape[1]]  # [n, l*J], strided view
+            dots = _scores(prefix, query)
+        else:
+            dots = running.advance(self, trajs)
+        sims = dots * self._inv_prefix_norm[observed - 1, : self._size] * inv_query[:, None]
         best = np.argmax(sims, axis=1)  # [B]
         return self._answer(sims[np.arange(len(best)), best], best)
 
@@ -472,6 +481,7 @@ class ExpertMapStore:
         inv_prefix: np.ndarray,  # [m, L]
         sketch: np.ndarray | None,  # [m, k]
     ) -> None:
+        self.version += 1
         self._embeds[slots] = embeds
         self._inv_embed_norm[slots] = inv_embed
         self._maps[slots] = flat_maps
@@ -506,6 +516,37 @@ class ExpertMapStore:
             np.zeros((batch,), np.float32),
             np.zeros((batch, self.num_layers, self.num_experts), np.float32),
         )
+
+
+class PrefixDots:
+    """The dot products of a batch's map prefixes with every stored map's prefix, carried from one trajectory
+    search to the next within an iteration: after layer l, the search adds layer l's products alone.
+
+    It starts over by itself whenever the earlier layers it summed are not the query's (another iteration,
+    other rows) or the store has changed since (`ExpertMapStore.version`); sums in another order than one
+    matrix product over the whole prefix, so scores may differ from a fresh search in the last float32 bits.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int] | None = None  # (store id, store version) the sums belong to
+        self._query: np.ndarray | None = None  # [B, layers, J] the prefix summed so far
+        self._dots: np.ndarray | None = None  # [B, n]
+
+    def advance(self, store: ExpertMapStore, trajs: np.ndarray) -> np.ndarray:  # [B, l, J] -> [B, n]
+        key, done = (id(store), store.version), 0
+        if self._key == key and self._query is not None:
+            done = self._query.shape[1]
+            same = self._query.shape[0] == trajs.shape[0] and done <= trajs.shape[1]
+            if not (same and np.array_equal(trajs[:, :done], self._query)):
+                done = 0
+        n, layers, experts = store._size, store.num_layers, store.num_experts
+        if done == 0:
+            self._dots = np.zeros((trajs.shape[0], n), np.float32)
+        stored = store._maps[:n].reshape(n, layers, experts)
+        for layer in range(done, trajs.shape[1]):
+            self._dots += _scores(stored[:, layer], trajs[:, layer])
+        self._key, self._query = key, trajs.copy()
+        return self._dots
 
 
 def _scores(

@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 import pytest
-from fmoe_jax.offload.expert_map_store import ExpertMapStore
+from fmoe_jax.offload.expert_map_store import ExpertMapStore, PrefixDots
 from fmoe_jax.offload.fmoe_select import (
     MASS_TOLERANCE,
     keep_priority,
@@ -80,6 +80,37 @@ def test_match_scores_are_exact_cosines(mode):
         ref = _cos(query_maps[:, :observed].reshape(5, -1), maps[:, :observed].reshape(30, -1))
         np.testing.assert_allclose(scores, ref.max(axis=1), rtol=0, atol=COS_ATOL)
         np.testing.assert_array_equal(found, maps[ref.argmax(axis=1)])
+
+
+def test_running_trajectory_search_equals_a_fresh_one():
+    """`PrefixDots` adds one layer per search; it finds what a fresh search finds, and starts over when the
+    earlier layers differ (a new iteration, other rows) or the store has changed."""
+    embeds, maps = _data(3, 30)
+    store = _store(capacity=40)
+    store.add(embeds, maps)
+    running = PrefixDots()
+
+    def check(query):
+        for observed in range(1, L + 1):
+            scores, found = store.match_traj(query[:, :observed], running)
+            ref_scores, ref_found = store.match_traj(query[:, :observed])
+            np.testing.assert_allclose(scores, ref_scores, rtol=0, atol=COS_ATOL)
+            np.testing.assert_array_equal(found, ref_found)
+
+    first, second = _data(4, 3)[1], _data(5, 3)[1]
+    check(first)
+    check(second)  # other maps, same batch size: layer 0 differs, so the sums start over
+    check(second[:2])  # fewer rows
+    store.add(*_data(6, 5))  # the store changes between two searches of one iteration
+    scores, found = store.match_traj(second[:2], running)
+    ref_scores, ref_found = store.match_traj(second[:2])
+    np.testing.assert_allclose(scores, ref_scores, rtol=0, atol=COS_ATOL)
+    np.testing.assert_array_equal(found, ref_found)
+    # Skipped layers are summed on the next search: after layer 0, straight to all L layers.
+    store.match_traj(first[:, :1], running)
+    np.testing.assert_allclose(
+        store.match_traj(first, running)[0], store.match_traj(first)[0], rtol=0, atol=COS_ATOL
+    )
 
 
 def test_sketch_finds_a_clear_best_among_many():

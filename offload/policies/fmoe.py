@@ -33,7 +33,7 @@ import numpy as np
 
 from ..cache import CacheView, Entry, Key
 from ..events import IterationStart, LayerRouted, RequestStart
-from ..expert_map_store import ExpertMapStore
+from ..expert_map_store import ExpertMapStore, PrefixDots
 from ..fmoe_select import keep_priority, prefetch_priority, select_experts
 from ..forecast import Calibration, ReuseForecast
 from .base import Policy, PolicyContext
@@ -195,6 +195,7 @@ class FMoE(Policy):
         self._hint: np.ndarray | None = None  # [L, J] what the store says follows the last token
         self._recent: dict[int, collections.deque] = {}  # matcher: each row's last slots in the store
         self._recent_request = -1
+        self._prefix_dots = PrefixDots()  # matcher: an iteration's trajectory searches, layer after layer
         if self.asynchronous:
             self._thread = threading.Thread(target=self._run, name="fmoe-matcher", daemon=True)
             self._thread.start()
@@ -389,7 +390,7 @@ class FMoE(Policy):
             scores, maps = self.store.match_embed(context.data)
             targets, current = range(0, min(self.ctx.prefetch_distance, self.ctx.num_layers)), -1
         else:
-            scores, maps = self.store.match_traj(context.data)
+            scores, maps = self.store.match_traj(context.data, self._prefix_dots)
             current = context.layer
             first = current + self.ctx.prefetch_distance
             targets = (
