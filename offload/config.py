@@ -77,11 +77,6 @@ class OffloadConfig:
             raise ValueError(f"host_threads must be None or a positive int, got {self.host_threads!r}")
         # raises, naming the values
         expert_quantization(self.expert_quantization, self.quantization_group_size)
-        if self.execution == "hybrid" and self.expert_quantization is not None:
-            raise ValueError(
-                f"execution='hybrid' with expert_quantization={self.expert_quantization!r} is not supported "
-                "yet: the host's expert programs compute from float experts; use execution='copy'"
-            )
         if self.cache_experts is not None and self.cache_bytes is not None:
             raise ValueError("give cache_experts or cache_bytes, not both")
         if self.cache_experts is not None and self.cache_experts < 1:

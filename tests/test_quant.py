@@ -166,8 +166,6 @@ def test_settings_errors_name_the_values():
         OffloadConfig(quantization_group_size=32)
     with pytest.raises(ValueError, match="positive int, got 0"):
         expert_quantization("int8", 0)
-    with pytest.raises(ValueError, match="execution='hybrid' with expert_quantization='int4'"):
-        OffloadConfig(execution="hybrid", expert_quantization="int4")
     with pytest.raises(ValueError, match="group_size=48 does not divide the input dimension 64"):
         quantize(np.zeros((8, 64), np.float32), ExpertQuantization("int8", 48))
     with pytest.raises(ValueError, match="NaN or infinite"):

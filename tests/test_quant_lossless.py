@@ -67,9 +67,12 @@ def budgets(subject: Subject, policy: str) -> tuple[int, ...]:
     return (1,) if policy == "resident" else (1, max(2, cfg.num_moe_layers * cfg.num_experts // 4))
 
 
-def check_generation(subject: Subject, reference: fj.GenerateOutput, policy: str, slots: int) -> None:
-    label = f"{policy} at {slots} slots"
-    model = serve(subject, policy, slots, reference.trace)  # the oracle serves the reference's routing
+def check_generation(
+    subject: Subject, reference: fj.GenerateOutput, policy: str, slots: int, host_cost=None
+) -> fj.GenerateOutput:
+    label = f"{policy} at {slots} slots, host {host_cost}"
+    # The oracle serves the reference's routing; a `host_cost` serves hybrid, deciding by it.
+    model = serve(subject, policy, slots, reference.trace, host_cost)
     try:
         out = fj.generate(model, PROMPTS, len(reference.tokens[0]), **RECORD)
     finally:
@@ -79,6 +82,7 @@ def check_generation(subject: Subject, reference: fj.GenerateOutput, policy: str
     for a, b in zip(reference.trace.requests, out.trace.requests, strict=True):
         for x, y in zip(a.iterations, b.iterations, strict=True):
             np.testing.assert_array_equal(x.hidden, y.hidden, err_msg=label)
+    return out
 
 
 def check_every_policy(subject: Subject, reference: fj.GenerateOutput) -> None:
@@ -101,3 +105,30 @@ def test_offloaded_int4_mixtral_equals_resident(subjects):
 @given(family=st.sampled_from(DRAWN), kind=st.sampled_from(KINDS))
 def test_offloaded_drawn_family_equals_resident(family, kind, subjects):
     check_every_policy(*subjects(family, kind, new_tokens=1))
+
+
+class _AllOnHost:
+    """Hybrid execution's host cost when the host is free: every missed expert is computed there."""
+
+    def overhead_s(self, tokens: int) -> float:
+        return 0.0
+
+    def expert_s(self, tokens: int) -> float:
+        return 0.0
+
+    def __repr__(self) -> str:
+        return "AllOnHost()"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hybrid_execution_of_quantized_experts_equals_resident(kind, subjects):
+    """Misses computed on the host from the quantized experts in host memory (dequantized inside the host's
+    expert program, as on the device): token-identical to the resident quantized model, at one slot and
+    25 %, with LRU and fmoe."""
+    subject, reference = subjects(ALWAYS, kind)
+    host_computed = 0
+    for policy in ("on_demand_lru", "fmoe"):
+        for slots in budgets(subject, policy):
+            out = check_generation(subject, reference, policy, slots, _AllOnHost())
+            host_computed += out.stats.host_computed
+    assert host_computed > 0, "the host computed nothing; the test compares little"

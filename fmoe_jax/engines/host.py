@@ -148,8 +148,11 @@ class HostCompute:
         if key not in self.views:
             cfg = self.module.config
             pinned = self.module.experts[cfg.moe_layer_ids[key[0]]][key[1]].weights()
-            view = ExpertWeights(*(jax.device_put(np.asarray(a), self.cpu, may_alias=True) for a in pinned))
-            self.aliased &= all(_same_buffer(a, b) for a, b in zip(pinned, view, strict=True))
+            # Float matrices, or quantized ones (`QuantizedMatrix`: values and scales), leaf by leaf: the
+            # host program dequantizes inside the expert kernel, as the device's does.
+            view = jax.tree.map(lambda a: jax.device_put(np.asarray(a), self.cpu, may_alias=True), pinned)
+            leaves = zip(jax.tree.leaves(pinned), jax.tree.leaves(view), strict=True)
+            self.aliased &= all(_same_buffer(a, b) for a, b in leaves)
             self.views[key] = view
         return self.views[key]
 

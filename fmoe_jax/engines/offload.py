@@ -126,11 +126,6 @@ class OffloadEngine:
         self.host: HostCompute | None = None
         planner = None
         if offload.execution == "hybrid":
-            if getattr(module, "expert_quantization", None) is not None:
-                raise ValueError(
-                    f"execution='hybrid' with experts quantized ({module.expert_quantization}) is not "
-                    "supported yet: the host's expert programs compute from float experts; use 'copy'"
-                )
             cost = host_cost if host_cost is not None else MeasuredHostCost()
             self.host = HostCompute(module, self.programs, kernel, offload.host_threads, cost)
             planner = HybridPlanner(cost)
