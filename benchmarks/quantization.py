@@ -20,10 +20,11 @@ this machine, and simulated decoding at Mixtral-8x7B sizes.
 - sim: on-demand LRU and fMoE on the recorded traces of `fmoe-tiny-mixtral` replayed at Mixtral-8x7B sizes
   on the RTX 3090 preset, copy only, with a cache of 25 % of the bfloat16 experts' bytes: int8 holds about
   2x and int4 about 4x as many experts, and each miss moves 0.52x / 0.27x the bytes. The traces are the
-  bfloat16 model's routing for every precision (quantization changes bytes, here, not routing).
+  bfloat16 model's routing for every precision (quantization changes bytes, here, not routing). Each policy
+  also runs hybrid (`--sim-host`, the RTX 3090 desktop's DDR4 host by default): a miss may be computed on the
+  host, which reads the expert's stored bytes, so quantization speeds that path as well.
 
-Writes `quantization.{json,md,png}` to --out; parts not run keep their previous results. No hybrid
-(host-computed) variant: this branch has none.
+Writes `quantization.{json,md,png}` to --out; parts not run keep their previous results.
 """
 
 from __future__ import annotations
@@ -237,9 +238,14 @@ def kernel_part(args) -> list[dict]:
 
 
 def sim_part(args) -> list[dict]:
-    from fmoe_jax.offload.cost_model import HARDWARE
+    from fmoe_jax.offload.cost_model import HARDWARE, HOSTS
     from fmoe_jax.offload.simulator import simulate
 
+    # Copy only, and hybrid (misses computed on the host, which reads the stored bytes too): fmoe+hybrid
+    # prefetches every selected expert, as in experiment 8 (benchmarks/exp8_hybrid.py says why).
+    variants = [(p, "copy") for p in args.sim_policies]
+    if args.sim_host:
+        variants += [(p, "hybrid") for p in args.sim_policies]
     rows = []
     for name in args.sim_models:
         w = h.load_workload(name, args)
@@ -252,17 +258,19 @@ def sim_part(args) -> list[dict]:
                 preset = (
                     w.preset if kind == "bf16" else dataclasses.replace(w.preset, expert_quantization=kind)
                 )
-                for policy in args.sim_policies:
-                    offload = h.offload_config(
-                        w, h.Variant(policy, policy), calls=[*warmup, *measured], simulated=True
-                    )
+                for policy, execution in variants:
+                    options = (("admission", "all"),) if (policy, execution) == ("fmoe", "hybrid") else ()
+                    variant = h.Variant(policy, policy, options=options, execution=execution)
+                    offload = h.offload_config(w, variant, calls=[*warmup, *measured], simulated=True)
                     offload = dataclasses.replace(offload, cache_experts=None, cache_bytes=budget_bytes)
-                    print(f"[{w.name}] simulated {policy}, {kind} experts, on {hw}", flush=True)
+                    label = policy if execution == "copy" else f"{policy}+hybrid"
+                    print(f"[{w.name}] simulated {label}, {kind} experts, on {hw}", flush=True)
                     result = simulate(
                         [h.batch_trace(b) for b in measured],
                         offload,
                         model=preset,
                         hardware=HARDWARE[hw],
+                        host=HOSTS[args.sim_host] if execution == "hybrid" else None,
                         router_weights=w.router_weights,
                         warmup=[h.batch_trace(b) for b in warmup],
                     )
@@ -271,8 +279,9 @@ def sim_part(args) -> list[dict]:
                             model=w.name,
                             sizes=preset.name,
                             hardware=hw,
+                            host=args.sim_host if execution == "hybrid" else None,
                             precision=kind,
-                            policy=policy,
+                            policy=label,
                             slots=result.capacity,
                             expert_mb=result.expert_bytes / 2**20,
                             **h.sim_row(result),
@@ -320,7 +329,9 @@ def tables(payload: dict) -> dict[str, list[dict]]:
     if payload.get("kernel"):
         out["Expert kernel (expert_parts) at bench-s shapes on this CPU"] = payload["kernel"]
     if payload.get("sim"):
-        out["Simulated decoding, cache = 25 % of the bfloat16 experts' bytes, copy only"] = payload["sim"]
+        out["Simulated decoding, cache = 25 % of the bfloat16 experts' bytes, copy only and hybrid"] = (
+            payload["sim"]
+        )
     return out
 
 
@@ -335,10 +346,10 @@ def notes(payload: dict) -> list[str]:
                 )
     sim = payload.get("sim") or []
     for r in sim:
-        if r["precision"] == "int4" and r["policy"] == "fmoe":
+        if r["precision"] == "int4" and r["policy"] in ("fmoe", "fmoe+hybrid"):
             out.append(
-                f"{r['model']} at {r['sizes']} sizes on {r['hardware']}: int4 fmoe TPOT "
-                f"{r['tpot_vs_bf16']:.2f}x bf16 fmoe's"
+                f"{r['model']} at {r['sizes']} sizes on {r['hardware']}: int4 {r['policy']} TPOT "
+                f"{r['tpot_vs_bf16']:.2f}x bf16 {r['policy']}'s (target for fmoe: <= 0.35x)"
             )
     return out
 
@@ -393,11 +404,14 @@ def plot(payload: dict, path: Path) -> None:
             1e3 * next(r["median_tpot_s"] for r in sim if (r["policy"], r["precision"]) == (policy, p))
             for p in precisions
         ]
-        ax.bar(np.arange(len(precisions)) + (i - 0.5) * 0.4, values, 0.4, color=colour[policy], label=policy)
+        width = 0.8 / len(policies)
+        offset = (i - (len(policies) - 1) / 2) * width
+        ax.bar(np.arange(len(precisions)) + offset, values, width, color=colour[policy], label=policy)
     if sim:
         ax.set_xticks(range(len(precisions)), precisions)
         ax.set(
-            title=f"{h.mode_title(sim[0]['hardware'])}\n{sim[0]['sizes']}, cache 25 % of bf16 bytes",
+            title=f"{h.mode_title(sim[0]['hardware'])}\n{sim[0]['sizes']}, cache 25 % of bf16 bytes"
+            + "".join(sorted({f"; hybrid: {r['host']} host" for r in sim if r.get("host")})),
             ylabel="median TPOT (ms)",
         )
         ax.legend(fontsize=7)
@@ -421,6 +435,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kernel-tokens", type=int, nargs="+", default=[1, 8], help="tokens per kernel call")
     parser.add_argument("--kernel-repeats", type=int, default=60, help="timed calls per variant")
     parser.add_argument("--sim-policies", nargs="+", default=["on_demand_lru", "fmoe"], help="simulated")
+    parser.add_argument(
+        "--sim-host",
+        default="desktop_ddr4",
+        help="host CPU preset of the hybrid variants (offload/cost_model.py HOSTS; '' for copy only)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
