@@ -1,7 +1,8 @@
 """fmoe-serve over HTTP with the official `openai` client: OpenAI's routes, streaming, batching, errors, a
 full queue, cancellation, metrics, and SIGTERM on the real CLI in a subprocess.
 
-One server (fmoe-tiny-mixtral with fMoE offloading) is shared by the module. Every request asks for
+One server (fmoe-tiny-mixtral with fMoE offloading, and opt-in batching: `max_batch=4`, exact on this model
+but not on every one, see `fmoe_jax.serve.scheduler`) is shared by the module. Every request asks for
 `MAX_TOKENS` tokens from a prompt of at most 16 tokens, so the whole module compiles few shapes (batch 1 and
 4). Tests that need requests to wait hold the model (`Model.serving`) so that the scheduler blocks: the queue
 then fills deterministically, without timing.
@@ -346,7 +347,7 @@ def test_sigterm_finishes_in_flight_requests_and_saves_the_store(tmp_path):
 
     store = tmp_path / "store.npz"
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or ""}
-    command = [sys.executable, "-m", "fmoe_jax.serve", MODEL, "--port", "0", "--max-batch", "1", "--warmup"]
+    command = [sys.executable, "-m", "fmoe_jax.serve", MODEL, "--port", "0", "--warmup"]
     command += [
         "--policy",
         "fmoe",
