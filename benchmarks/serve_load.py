@@ -3,14 +3,15 @@
     python -m benchmarks.serve_load [--model fmoe-tiny-mixtral] [--requests 32] [--new-tokens 16]
 
 For each policy (resident, on_demand_lru, fmoe at a 25 % expert cache) the real CLI runs in a subprocess
-(`--warmup --max-batch 8`); clients in threads stream greedy completions with the official `openai` client,
-each client sending its next request as soon as the last one ends, `--requests` requests per level. Every
-answer is checked against the same prompt generated alone in this process (`fmoe_jax.generate`, resident):
-a dropped, failed or different answer is counted and makes the script exit 1. Latency is client-side, request
-sent to `[DONE]`; TTFT to the first text; throughput is generated tokens over the level's wall time. The
-server's compile seconds during each level (from /metrics) are reported: nonzero means a shape `--warmup`
-did not cover (prompts here are at most 16 tokens and `--new-tokens` should stay 16 for that). The hit rate
-is the server's since it started (its warm-up included).
+(`--warmup`, and `--max-batch` as given: 1, the server's exact default, serves each request alone); clients
+in threads stream greedy completions with the official `openai` client, each client sending its next request
+as soon as the last one ends, `--requests` requests per level. Every answer is checked against the same
+prompt generated alone in this process (`fmoe_jax.generate`, resident): a dropped, failed or different answer
+is counted and makes the script exit 1. Latency is client-side, request sent to `[DONE]`; TTFT to the first
+text; throughput is generated tokens over the level's wall time. The server's compile seconds during each
+level (from /metrics) are reported: nonzero means a shape `--warmup` did not cover (prompts here are at most
+16 tokens and `--new-tokens` should stay 16 for that). The hit rate is the server's since it started (its
+warm-up included).
 """
 
 from __future__ import annotations
@@ -54,17 +55,7 @@ class ServerProcess:
 
     def __init__(self, model: str, options: list[str], timeout: float = 600):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="fmoe-serve-", suffix=".log")
-        command = [
-            sys.executable,
-            "-m",
-            "fmoe_jax.serve",
-            model,
-            "--port",
-            "0",
-            "--warmup",
-            "--max-batch",
-            "8",
-        ]
+        command = [sys.executable, "-m", "fmoe_jax.serve", model, "--port", "0", "--warmup"]
         self.proc = subprocess.Popen(command + options, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout
         while (
@@ -163,6 +154,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens per request (EOS ignored)")
     parser.add_argument("--clients", type=int, nargs="+", default=list(CLIENTS), help="concurrency levels")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES, help="policies")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=1,
+        help="fmoe-serve --max-batch (>1 batches greedy requests; not exact)",
+    )
     parser.add_argument("--budget", type=float, default=0.25, help="fraction of experts the cache holds")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and PNG results")
     args = parser.parse_args()
@@ -182,7 +179,7 @@ def main() -> None:
         options = [] if policy == "resident" else ["--policy", policy, "--cache-experts", str(slots)]
         if policy == "fmoe":
             options += ["--prefetch-distance", "1"]  # the shipped 8-layer models' best (benchmarks/README.md)
-        server = ServerProcess(args.model, options)
+        server = ServerProcess(args.model, options + ["--max-batch", str(args.max_batch)])
         try:
             for clients in args.clients:
                 compiled = server.metric("fmoe_compile_seconds_total")
@@ -198,9 +195,13 @@ def main() -> None:
             print(f"fmoe-serve ({policy}) exited with {code} after SIGTERM", file=sys.stderr)
     columns = ["policy", "clients", "requests", "wrong_or_failed", "tokens_per_s", "requests_per_s"]
     columns += ["latency_p50_ms", "latency_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "compile_s", "hit_rate"]
-    print(f"\n{NAME}: {name}, {args.new_tokens} new tokens per request, cache {slots} experts when offloaded")
+    print(
+        f"\n{NAME}: {name}, {args.new_tokens} new tokens per request, --max-batch {args.max_batch}, "
+        f"cache {slots} experts when offloaded"
+    )
     print_table(rows, columns)
-    save(NAME, dict(model=name, new_tokens=args.new_tokens, slots=slots, rows=rows), args.out)
+    payload = dict(model=name, new_tokens=args.new_tokens, max_batch=args.max_batch, slots=slots, rows=rows)
+    save(NAME, payload, args.out)
     plot(saved(NAME, args.out), args.out / f"{NAME}.png")
     if any(r["wrong_or_failed"] for r in rows):
         sys.exit("some requests failed or differed from their single-request reference (see the table)")
