@@ -59,8 +59,7 @@ class StopCut:
 
 def create_app(model: fj.Model, *, model_name: str, max_batch: int = 1, max_queue: int = 64) -> FastAPI:
     """The server's app; its lifespan's end closes the scheduler (not the model, which its caller owns)."""
-    scheduler: Scheduler | None = None
-    metrics = Metrics(lambda: scheduler.depth, lambda: scheduler.running)
+    metrics = Metrics(lambda: scheduler.depth, lambda: scheduler.running)  # read when scraped
     scheduler = Scheduler(model, max_batch=max_batch, max_queue=max_queue, on_batch=metrics.batch_done)
     limit = model.config.max_position_embeddings
     created = int(time.time())
@@ -111,7 +110,7 @@ def create_app(model: fj.Model, *, model_name: str, max_batch: int = 1, max_queu
                 code="model_not_found",
             )
 
-    def submit(body: p._GenerationRequest, prompt, param: str, default_max: int | None) -> Job:
+    def submit(body: p.GenerationRequest, prompt, param: str, default_max: int | None) -> Job:
         """Tokenizes, checks the context, maps the options and queues the request."""
         check_model(body.model)
         body.refuse_unsupported()

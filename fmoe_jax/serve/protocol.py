@@ -40,7 +40,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class GenerationRequest(BaseModel):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI's API does."""
 
     model_config = ConfigDict(extra="ignore")
@@ -97,7 +97,7 @@ class _GenerationRequest(BaseModel):
         return options
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
@@ -152,7 +152,7 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content or ""}
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
