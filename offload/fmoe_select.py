@@ -66,6 +66,26 @@ def select_experts(
     if probs.ndim not in (1, 2):
         raise ValueError(f"probs must be [J] or [B, J], got shape {probs.shape}.")
     rows = probs.reshape(-1, probs.shape[-1])  # [B, J]
+    order, count = _selection(rows, score, top_k)
+    ids = [order[b, : count[b]].astype(np.int64) for b in range(rows.shape[0])]
+    return ids[0] if probs.ndim == 1 else ids
+
+
+def select_mask(probs: np.ndarray, score: float | np.ndarray, top_k: int) -> np.ndarray:
+    """`select_experts` of every row `[B, J]` as a mask `[B, J]` bool (True: selected), with no Python loop
+    over the rows."""
+    rows = np.asarray(probs, dtype=np.float64)
+    if rows.ndim != 2:
+        raise ValueError(f"probs must be [B, J], got shape {rows.shape}.")
+    order, count = _selection(rows, score, top_k)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(rows.shape[1])[None, :], axis=1)  # each expert's position
+    return rank < count[:, None]
+
+
+def _selection(rows: np.ndarray, score: float | np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's experts by descending probability (ties: lower id first) `[B, J]`, and how many of them
+    are selected `[B]`."""
     num_experts = rows.shape[1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, J={num_experts}], got {top_k}.")
@@ -79,9 +99,7 @@ def select_experts(
     # First position where the mass reaches delta; a row that never reaches it takes all J.
     count = np.where(reached.any(axis=1), reached.argmax(axis=1) + 1, num_experts)
     count = np.maximum(count, top_k)
-    count = np.where(rows.any(axis=1), count, 0)
-    ids = [order[b, : count[b]].astype(np.int64) for b in range(rows.shape[0])]
-    return ids[0] if probs.ndim == 1 else ids
+    return order, np.where(rows.any(axis=1), count, 0)
 
 
 def prefetch_priority(

@@ -10,6 +10,7 @@ from fmoe_jax.offload.fmoe_select import (
     keep_priority,
     prefetch_priority,
     select_experts,
+    select_mask,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -345,6 +346,18 @@ def test_rows_take_their_own_scores():
     probs = np.array([[0.5, 0.3, 0.2], [0.6, 0.4, 0.0], [0.0, 0.0, 0.0]])
     ids = select_experts(probs, np.array([1.0, 0.0, 0.0]), top_k=1)
     assert [i.tolist() for i in ids] == [[0], [0, 1], []]
+
+
+def test_select_mask_marks_what_select_experts_returns():
+    """The policy's loop-free form, on ties, zero rows and per-row scores."""
+    rng = np.random.default_rng(0)
+    probs = np.round(rng.dirichlet(np.ones(8), size=40), 1)  # rounded: many ties
+    probs[5] = 0.0
+    scores = rng.uniform(-1.0, 1.0, 40)
+    for top_k in (1, 2, 8):
+        mask = select_mask(probs, scores, top_k)
+        for row, ids in enumerate(select_experts(probs, scores, top_k)):
+            assert np.flatnonzero(mask[row]).tolist() == sorted(ids.tolist()), (row, top_k)
 
 
 def test_selection_refuses_bad_arguments():

@@ -34,7 +34,7 @@ import numpy as np
 from ..cache import CacheView, Entry, Key
 from ..events import IterationStart, LayerRouted, RequestStart
 from ..expert_map_store import ExpertMapStore, PrefixDots
-from ..fmoe_select import keep_priority, prefetch_priority, select_experts
+from ..fmoe_select import keep_priority, prefetch_priority, select_mask
 from ..forecast import Calibration, ReuseForecast
 from .base import Policy, PolicyContext
 
@@ -293,16 +293,20 @@ class FMoE(Policy):
                 self.copy_s = per_copy if self.copy_s is None else 0.9 * self.copy_s + 0.1 * per_copy
         self._clock = now
 
-    def threshold(self, layer: int, current: int) -> float:
-        """The probability a selected expert of `layer` needs to be prefetched, deciding after `current`."""
+    def threshold(self, layer: int | np.ndarray, current: int) -> float | np.ndarray:
+        """The probability a selected expert of `layer` (or of each of several layers) needs to be
+        prefetched, deciding after `current`."""
         if self.admission == "all":
-            return 0.0
+            return np.zeros(np.shape(layer)) if np.ndim(layer) else 0.0
         if self.admission != "cost":
-            return float(self.admission)
+            return (
+                np.full(np.shape(layer), float(self.admission)) if np.ndim(layer) else float(self.admission)
+            )
         if self.copy_s is None or self.layer_s is None or self.copy_s <= 0:
-            return 0.0  # nothing measured yet
-        window = (layer - current) * self.layer_s
-        return self.copy_s / (self.copy_s + min(self.copy_s, window))
+            return np.zeros(np.shape(layer)) if np.ndim(layer) else 0.0  # nothing measured yet
+        window = (np.asarray(layer) - current) * self.layer_s
+        out = self.copy_s / (self.copy_s + np.minimum(self.copy_s, window))
+        return out if np.ndim(layer) else float(out)
 
     def on_iteration_end(self) -> None:
         self.forecast.end_iteration(self._used)
@@ -432,10 +436,8 @@ class FMoE(Policy):
         distance = layers - current  # [n]
         probs = maps[:, layers, :]  # [B, n, J]
         score = scores if self.dynamic_delta else np.ones_like(scores)  # [B]
-        chosen = np.zeros(probs.shape, bool)
-        selected = select_experts(probs.reshape(-1, j), np.repeat(score, len(layers)), self.ctx.top_k)
-        for row, ids in enumerate(selected):
-            chosen.reshape(-1, j)[row, ids] = True
+        chosen = select_mask(probs.reshape(-1, j), np.repeat(score, len(layers)), self.ctx.top_k)
+        chosen = chosen.reshape(probs.shape)
         best = np.where(chosen, probs, 0.0).max(axis=0)  # [n, J] selected experts' best probability
         guide = probs.max(axis=0)  # [n, J] every expert's best probability in the matched maps
         match = np.full(guide.shape, float(np.max(scores)) if len(scores) else 0.0)
@@ -446,7 +448,7 @@ class FMoE(Policy):
             self._guided[layers] = True
             self._need[layers] = need
         q = np.where(best > 0, need, 0.0)
-        thresholds = np.array([self.threshold(int(layer), current) for layer in layers])  # [n]
+        thresholds = self.threshold(layers, current)  # [n]
         admitted = (q > 0) & (q >= thresholds[:, None])
         self.counts["not_admitted"] += int(((best > 0) & ~admitted).sum())
         pos, experts = np.nonzero(admitted)
