@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import queue
 import threading
 import time
 import warnings
@@ -131,10 +132,11 @@ class FMoE(Policy):
         self.scores: dict[str, list[float]] = {"semantic": [], "trajectory": []}
         self.last_error: str | None = None  # the latest context the matcher failed on, and why
         self._thread: threading.Thread | None = None
-        self._pending: collections.deque[_Context] = collections.deque()
-        self._cv = threading.Condition()
-        self._stop = False
-        self._busy = False  # the matcher is processing a context it took off `_pending`
+        # The engine thread only puts contexts here (a C-level queue: no Python lock for the engine thread to
+        # take while the matcher holds the interpreter); the matcher drains it, drops and skips on its side.
+        self._inbox: queue.SimpleQueue[_Context | None] = queue.SimpleQueue()
+        self._published = 0  # contexts put in the inbox (engine thread)
+        self._done = 0  # contexts the matcher has finished with: processed, skipped or dropped
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     @classmethod
@@ -213,9 +215,7 @@ class FMoE(Policy):
     def close(self) -> None:
         """Stops the matcher (after the contexts it has) and saves the store when `store_path` is set."""
         if self._thread is not None:
-            with self._cv:
-                self._stop = True
-                self._cv.notify()
+            self._inbox.put(None)  # after the contexts already published
             self._thread.join()
             self._thread = None
         if self.store_path and self.store is not None and hasattr(self, "ctx"):
@@ -323,43 +323,45 @@ class FMoE(Policy):
         if not self.asynchronous:
             self._process_or_drop(context)
             return
-        with self._cv:
-            if len(self._pending) >= self.queue_size:
-                self._pending.popleft()
-                self.counts["dropped_contexts"] += 1
-            self._pending.append(context)
-            self._cv.notify()
+        self._published += 1
+        self._inbox.put(context)
 
     # -- the matcher -------------------------------------------------------------------------------------
     def _run(self) -> None:
+        backlog: collections.deque[_Context] = collections.deque()
         while True:
-            with self._cv:
-                while not self._pending and not self._stop:
-                    self._cv.wait()
-                if not self._pending:
-                    return
-                context = self._pending.popleft()
-                self._busy = True
-                superseded = (
-                    self.traj_target == "band"
-                    and context.kind != "update"
-                    and any(c.kind != "update" for c in self._pending)
-                )
+            if not backlog:
+                backlog.append(self._inbox.get())  # waits, without holding the interpreter
+            while True:  # everything published meanwhile
+                try:
+                    backlog.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            # The oldest go first when the matcher falls behind (never close()'s mark, which comes last).
+            while len(backlog) > self.queue_size and backlog[0] is not None:
+                backlog.popleft()
+                self.counts["dropped_contexts"] += 1
+                self._done += 1
+            context = backlog.popleft()
+            if context is None:  # close(): every context published before it is done
+                return
+            # A newer prediction in the backlog replaces this one's prefetches anyway.
+            superseded = (
+                self.traj_target == "band"
+                and context.kind != "update"
+                and any(c is not None and c.kind != "update" for c in backlog)
+            )
             try:
-                if superseded:  # a newer prediction replaces this one's prefetches anyway
+                if superseded:
                     self.counts["skipped_contexts"] += 1
                 else:
                     self._process_or_drop(context)
             finally:
-                with self._cv:
-                    self._busy = False
+                self._done += 1
 
     def wait_idle(self) -> None:
         """Blocks until the matcher has processed every published context (tests, benchmarks)."""
-        while True:
-            with self._cv:
-                if not self._pending and not self._busy:
-                    break
+        while self._thread is not None and self._done < self._published:
             time.sleep(0.001)
 
     def _process_or_drop(self, context: _Context) -> None:
