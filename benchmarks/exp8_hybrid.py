@@ -70,15 +70,7 @@ def run_setting(w: h.Workload, model, system: str, budget: float, copies: dict) 
     hardware, host = system.split("+")
     rows = []
     for label, policy, execution in VARIANTS:
-        options: tuple = ()
-        if label == "fmoe+hybrid":
-            # fmoe's cost admission prefetches an expert only if its probability pays for the link time a
-            # wasted copy makes every later copy wait, misses' loads included. Under hybrid execution a miss
-            # goes to the host instead of waiting for the link, so fmoe+hybrid prefetches every selected
-            # expert (at Mixtral-8x7B sizes on both RTX 3090 systems and every budget, TPOT 1-14 % lower
-            # than with cost admission given the layer time of on_demand_lru+hybrid).
-            options = (("admission", "all"),)
-        variant = h.Variant(label, policy, options=options, execution=execution)
+        variant = h.Variant(label, policy, execution=execution)
         key = (model.name, hardware, budget, label)
         if execution == "copy" and key in copies:
             r = copies[key]
@@ -150,9 +142,9 @@ def main(argv: list[str] | None = None) -> dict:
         "TPOT and TTFT: medians over the evaluation requests (one at a time). host_share: needed experts the "
         "host computed; host_busy_share, link_busy_share, stall_share: fractions of the simulated time the "
         "host computed, the link copied experts, the device waited for copies.",
-        "fmoe+hybrid prefetches every expert its maps select (admission='all'): its misses do not wait for "
-        "the link; fmoe (copy) admits a prefetch only when its probability pays for the link time "
-        "(admission='cost', the default).",
+        "fmoe+hybrid prefetches every expert its maps select (its default 'cost' admission does so under "
+        "hybrid execution: misses do not wait for the link); fmoe (copy) admits a prefetch only when its "
+        "probability pays for the link time.",
         "Only on_demand_lru copies an expert the host computed into its cache (Policy.host_fill); fiddler "
         "keeps one slot free for the copies the planner chooses, as Fiddler's placeholder.",
         f"max_inflight={args.max_inflight} for every variant (one copy on the link at a time; the queue "

@@ -241,8 +241,7 @@ def sim_part(args) -> list[dict]:
     from fmoe_jax.offload.cost_model import HARDWARE, HOSTS
     from fmoe_jax.offload.simulator import simulate
 
-    # Copy only, and hybrid (misses computed on the host, which reads the stored bytes too): fmoe+hybrid
-    # prefetches every selected expert, as in experiment 8 (benchmarks/exp8_hybrid.py says why).
+    # Copy only, and hybrid (misses computed on the host, which reads the stored bytes too).
     variants = [(p, "copy") for p in args.sim_policies]
     if args.sim_host:
         variants += [(p, "hybrid") for p in args.sim_policies]
@@ -259,8 +258,7 @@ def sim_part(args) -> list[dict]:
                     w.preset if kind == "bf16" else dataclasses.replace(w.preset, expert_quantization=kind)
                 )
                 for policy, execution in variants:
-                    options = (("admission", "all"),) if (policy, execution) == ("fmoe", "hybrid") else ()
-                    variant = h.Variant(policy, policy, options=options, execution=execution)
+                    variant = h.Variant(policy, policy, execution=execution)
                     offload = h.offload_config(w, variant, calls=[*warmup, *measured], simulated=True)
                     offload = dataclasses.replace(offload, cache_experts=None, cache_bytes=budget_bytes)
                     label = policy if execution == "copy" else f"{policy}+hybrid"

@@ -251,6 +251,7 @@ class Replay:
             else (),
             copy_s=model.expert_bytes / hardware.link_effective,
             layer_s=decode_layer_s,
+            execution=offload.execution,
         )
         self.policy.bind(ctx, self.cache)
         self.host: SimulatedHost | None = None

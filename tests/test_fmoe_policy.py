@@ -15,7 +15,7 @@ from fmoe_jax.offload.policies import FMoE, PolicyContext, store_from_traces
 import fmoe_jax as fj
 
 
-def bound_policy(store: ExpertMapStore, **options) -> tuple[FMoE, RecordingCache]:
+def bound_policy(store: ExpertMapStore, execution: str = "copy", **options) -> tuple[FMoE, RecordingCache]:
     ctx = PolicyContext(
         num_layers=store.num_layers,
         num_experts=store.num_experts,
@@ -23,6 +23,7 @@ def bound_policy(store: ExpertMapStore, **options) -> tuple[FMoE, RecordingCache
         embed_dim=store.embed_dim,
         prefetch_distance=store.prefetch_distance,
         capacity=4,
+        execution=execution,
     )
     policy = FMoE(store=store, asynchronous=False, learn=False, **options)
     cache = RecordingCache()
@@ -99,6 +100,8 @@ def test_cost_admission_prefetches_only_what_pays_for_its_copy():
     assert policy.stats()["not_admitted"] == 1
     assert policy.stats()["copy_ms"] == pytest.approx(3.0)
     assert prefetched(copy_s=1e-2, layer_s=1e-3)[1] == []  # the link is the bottleneck: cache only
+    # Hybrid execution: misses go to the host, a wasted copy delays no miss, every selected expert goes.
+    assert prefetched(copy_s=1e-2, layer_s=1e-3, execution="hybrid")[1] == [(1, 1), (2, 2), (3, 3)]
     assert prefetched(admission="all", copy_s=1e-2, layer_s=1e-3)[1] == [(1, 1), (2, 2), (3, 3)]
     assert prefetched(admission=0.8)[1] == []
     assert prefetched()[1] == [(1, 1), (2, 2), (3, 3)]  # nothing measured yet: the paper's behaviour

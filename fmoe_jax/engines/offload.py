@@ -120,6 +120,7 @@ class OffloadEngine:
                 capacity=slots,
                 model_id=model_identity(cfg),
                 router_weights=router_weights(module) if self.policy.needs_hidden else (),
+                execution=offload.execution,
             ),
             self.cache,
         )
