@@ -155,6 +155,17 @@ def create_app(model: fj.Model, *, model_name: str, max_batch: int = 1, max_queu
         metrics.prompt_tokens.inc(prompt_tokens)
         metrics.generated_tokens.inc(job.tokens)
 
+    async def whole(job: Job, request: Request, cut: StopCut) -> tuple[list[fj.StreamPiece], str] | None:
+        """A non-streamed answer: its pieces and its text (cut at a stop string), counted as served; None
+        when its client went away."""
+        pieces = await collect(job, request)
+        if pieces is None:
+            return None
+        text = "".join(cut.add(piece.text, piece.finish_reason) for piece in pieces)
+        observe(job, len(job.prompt_ids))
+        metrics.request_done(request.url.path, 200)
+        return pieces, text
+
     async def collect(job: Job, request: Request) -> list[fj.StreamPiece] | None:
         """Every piece of a non-streamed request; None when its client went away (which cancels it)."""
         reading = asyncio.ensure_future(_all(job))
@@ -244,12 +255,10 @@ def create_app(model: fj.Model, *, model_name: str, max_batch: int = 1, max_queu
                     ).model_dump_json()
 
             return events(request, job, chunks())
-        pieces = await collect(job, request)
-        if pieces is None:
+        answer = await whole(job, request, cut)
+        if answer is None:
             return Response(status_code=CLIENT_GONE)
-        text = "".join(cut.add(piece.text, piece.finish_reason) for piece in pieces)
-        observe(job, len(job.prompt_ids))
-        metrics.request_done(request.url.path, 200)
+        pieces, text = answer
         return p.CompletionResponse(
             id=rid, created=created, model=model_name, choices=[choice(text, pieces, 0)], usage=usage(job)
         )
@@ -297,12 +306,10 @@ def create_app(model: fj.Model, *, model_name: str, max_batch: int = 1, max_queu
                     ).model_dump_json()
 
             return events(request, job, chunks())
-        pieces = await collect(job, request)
-        if pieces is None:
+        answer = await whole(job, request, cut)
+        if answer is None:
             return Response(status_code=CLIENT_GONE)
-        text = "".join(cut.add(piece.text, piece.finish_reason) for piece in pieces)
-        observe(job, len(job.prompt_ids))
-        metrics.request_done(request.url.path, 200)
+        pieces, text = answer
         choice = p.ChatChoice(
             message=p.AssistantMessage(content=text),
             finish_reason=p.finish_reason(pieces[-1].finish_reason),
