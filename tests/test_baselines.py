@@ -425,7 +425,7 @@ def test_oracle_evicts_the_expert_needed_farthest_ahead():
 
 def test_oracle_reaches_the_brute_force_optimum():
     rng = np.random.default_rng(1)
-    beaten = 0
+    beaten = fewer = 0
     for case in range(24):
         layers, experts, capacity = 2, 3, int(rng.integers(2, 4))
         width = int(rng.integers(1, 3))  # experts per layer and iteration
@@ -444,10 +444,18 @@ def test_oracle_reaches_the_brute_force_optimum():
         assert belady.misses == optimum, (case, iterations, capacity)
         full = replay(Oracle(trace_of(iterations, experts)), iterations, **kw)
         assert full.misses <= optimum and full.wasted_prefetches == 0, (case, iterations, capacity)
+        # Prefetching as far as fits also misses nothing Belady would, but brings experts in early enough
+        # to evict ones that come back: never fewer copies than one layer ahead (the default).
+        far = replay(Oracle(trace_of(iterations, experts), prefetch_ahead=None), iterations, **kw)
+        assert far.misses <= optimum, (case, iterations, capacity)
+        copies, far_copies = full.misses + full.prefetches, far.misses + far.prefetches
+        assert copies <= far_copies, (case, iterations, capacity)
+        fewer += copies < far_copies
         lru = replay(OnDemandLRU(), iterations, **kw)
         assert lru.misses >= optimum
         beaten += lru.misses > optimum
     assert beaten > 0  # the sequences are hard enough for LRU to lose somewhere
+    assert fewer > 0  # and for reaching far ahead to cost copies somewhere
 
 
 def test_oracle_prefetch_turns_misses_into_hits():
