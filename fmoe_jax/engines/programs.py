@@ -92,11 +92,11 @@ class Programs:
 
         `label` names the program a call needs from its arguments' shapes, cheaply (it runs on every call).
         The first call with a new label (or new static arguments) compiles the program and runs it once on
-        copies of the donated arguments, both charged to `compile_s`, before the real run (the copies hold
+        copies of the donated arguments, both charged to `compile_s`, before the real run. The copies hold
         the donated arguments' memory a second time during that one run: the KV cache, for the whole-model
-        step; one layer's, for the per-layer steps). A compilation
-        the label did not foresee (say, a new dtype) happens inside the real call, which is then charged to
-        `compile_s` whole, its first run included.
+        step; one layer's, for the per-layer steps. A compilation the label did not foresee (say, a new
+        dtype) happens inside the real call, which is then charged to `compile_s` whole, its first run
+        included.
         """
         donated = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
