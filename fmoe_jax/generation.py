@@ -184,11 +184,17 @@ def generate_stream(model: Model, prompts: Any, *args: Any, **options: Any) -> G
     """
     if "streamer" in options:
         raise ValueError("generate_stream yields the pieces itself; pass streamer= to generate instead")
-    # Bound to generate's signature: its defaults, and its TypeError for a name it does not take.
+    request = resolve_request(model, prompts, *args, **options)
+    return GenerationStream(_holding(model, _generation(model, request, text_pieces=True)))
+
+
+def resolve_request(model: Model, prompts: Any, *args: Any, **options: Any) -> Request:
+    """`generate`'s arguments (less `streamer`) checked and resolved into a `Request`, as `generate` does:
+    its defaults, its `ValueError` for a bad value and its `TypeError` for a name it does not take."""
     arguments = inspect.signature(generate).bind(model, prompts, *args, **options)
     arguments.apply_defaults()
-    request = make_request(**{name: v for name, v in arguments.arguments.items() if name != "streamer"})
-    return GenerationStream(_holding(model, _generation(model, request, text_pieces=True)))
+    arguments.arguments.pop("streamer", None)
+    return make_request(**arguments.arguments)
 
 
 # help() and editors show the options `generate_stream` binds: generate's, less `streamer`.

@@ -111,25 +111,42 @@ class Linear(nnx.Module):
 class Layout:
     """Where the new tokens of one call sit in the (left-padded) KV cache.
 
-    Rows are left padded so that every row writes its new tokens at the same cache index `write_index`;
-    row b's real tokens start at cache index `key_start[b]`, and its token at cache index i has position
+    `generate` left pads its rows so that every row writes its new tokens at the same cache index
+    `write_index` (a scalar); continuous batching (`fmoe_jax/batching.py`) gives each row its own (`[B]`).
+    Row b's real tokens start at cache index `key_start[b]`, and its token at cache index i has position
     `i - key_start[b]`.
     """
 
-    write_index: jax.Array  # [] int32, cache index of the first new token
+    write_index: jax.Array  # [] or [B] int32, cache index of the first new token (of every row, or per row)
     key_start: jax.Array  # [B] int32, first valid cache index per row
     row_active: jax.Array  # [B] bool, False for rows that finished (their tokens count as padding)
     num_new: int = dataclasses.field(metadata=dict(static=True))  # T
 
     @property
+    def query_index(self) -> jax.Array:  # [1, T] or [B, T]: cache index of each new token
+        w = jnp.asarray(self.write_index)
+        if w.ndim == 0:
+            return (w + jnp.arange(self.num_new, dtype=jnp.int32))[None, :]
+        return w[:, None] + jnp.arange(self.num_new, dtype=jnp.int32)[None, :]
+
+    @property
     def positions(self) -> jax.Array:  # [B, T]
-        idx = self.write_index + jnp.arange(self.num_new, dtype=jnp.int32)
-        return jnp.maximum(idx[None, :] - self.key_start[:, None], 0)
+        return jnp.maximum(self.query_index - self.key_start[:, None], 0)
 
     @property
     def token_valid(self) -> jax.Array:  # [B, T] False on left padding and in finished rows
-        idx = self.write_index + jnp.arange(self.num_new, dtype=jnp.int32)
-        return (idx[None, :] >= self.key_start[:, None]) & self.row_active[:, None]
+        return (self.query_index >= self.key_start[:, None]) & self.row_active[:, None]
+
+
+def write_new(cache: jax.Array, new: jax.Array, layout: Layout) -> jax.Array:
+    """`new` `[B, T, ...]` written into `cache` `[B, S, ...]` at the layout's write index (one for every
+    row: a slice update; one per row: a scatter)."""
+    new = new.astype(cache.dtype)
+    w = jnp.asarray(layout.write_index)
+    tail = (0,) * (cache.ndim - 2)
+    if w.ndim == 0:
+        return jax.lax.dynamic_update_slice(cache, new, (0, w, *tail))
+    return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (i, *tail)))(cache, new, w)
 
 
 def rope_tables(
@@ -213,13 +230,11 @@ def init_kv_cache(cfg: MoEConfig, batch: int, length: int, dtype: jnp.dtype) -> 
 
 def attention_mask(layout: Layout, length: int, window: int | None) -> jax.Array:
     """`[B, T, S]` bool: causal over the cache, no left padding, within the sliding window if any."""
-    q_idx = layout.write_index + jnp.arange(layout.num_new, dtype=jnp.int32)  # [T]
-    k_idx = jnp.arange(length, dtype=jnp.int32)  # [S]
-    allowed = (k_idx[None, None, :] <= q_idx[None, :, None]) & (
-        k_idx[None, None, :] >= layout.key_start[:, None, None]
-    )
+    q_idx = layout.query_index[:, :, None]  # [1 or B, T, 1]
+    k_idx = jnp.arange(length, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    allowed = (k_idx <= q_idx) & (k_idx >= layout.key_start[:, None, None])
     if window is not None:
-        allowed &= (q_idx[None, :, None] - k_idx[None, None, :]) < window
+        allowed &= (q_idx - k_idx) < window
     return allowed
 
 
@@ -260,9 +275,7 @@ class Attention(nnx.Module):
         cos, sin = rope
         q, k_new = apply_rope(q, cos, sin), apply_rope(k_new, cos, sin)
 
-        start = (0, layout.write_index, 0, 0)
-        keys = jax.lax.dynamic_update_slice(kv.k, k_new.astype(kv.k.dtype), start)
-        values = jax.lax.dynamic_update_slice(kv.v, v_new.astype(kv.v.dtype), start)
+        keys, values = write_new(kv.k, k_new, layout), write_new(kv.v, v_new, layout)
         allowed = attention_mask(layout, keys.shape[1], window)  # [B, T, S]
 
         qg = q.reshape(b, t, k, h // k, e)

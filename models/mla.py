@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import MoEConfig, yarn_mscale
-from .layers import LayerKV, Layout, Linear, RMSNorm, apply_rope, attention_mask
+from .layers import LayerKV, Layout, Linear, RMSNorm, apply_rope, attention_mask, write_new
 
 # The latent norms' epsilon is fixed in DeepSeek-V2's code (and transformers'), not `rms_norm_eps`.
 LATENT_NORM_EPS = 1e-6
@@ -80,9 +80,7 @@ class LatentAttention(nnx.Module):
         q_pe = apply_rope(deinterleave(q_pe), cos, sin)
         k_pe = apply_rope(deinterleave(k_pe), cos, sin)
 
-        start = (0, layout.write_index, 0, 0)
-        latents = jax.lax.dynamic_update_slice(kv.k, latent.astype(kv.k.dtype), start)
-        rope_keys = jax.lax.dynamic_update_slice(kv.v, k_pe.astype(kv.v.dtype), start)
+        latents, rope_keys = write_new(kv.k, latent, layout), write_new(kv.v, k_pe, layout)
         allowed = attention_mask(layout, latents.shape[1], window)  # [B, T, S]
 
         c = latents[:, :, 0].astype(q.dtype)  # [B, S, R]

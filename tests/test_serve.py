@@ -1,11 +1,11 @@
 """fmoe-serve over HTTP with the official `openai` client: OpenAI's routes, streaming, batching, errors, a
 full queue, cancellation, metrics, and SIGTERM on the real CLI in a subprocess.
 
-One server (fmoe-tiny-mixtral with fMoE offloading, and opt-in batching: `max_batch=4`, exact on this model
-but not on every one, see `fmoe_jax.serve.scheduler`) is shared by the module. Every request asks for
-`MAX_TOKENS` tokens from a prompt of at most 16 tokens, so the whole module compiles few shapes (batch 1 and
-4). Tests that need requests to wait hold the model (`Model.serving`) so that the scheduler blocks: the queue
-then fills deterministically, without timing.
+One server (fmoe-tiny-mixtral with fMoE offloading and continuous batching over `max_batch=4` slots, warmed
+up) is shared by the module; a second one without batching (`max_batch=1`) serves exactly what `generate`
+does. Every request asks for `MAX_TOKENS` tokens from a prompt of at most 16 tokens. Tests that need
+requests to wait hold the model (`Model.serving`) so that the scheduler blocks: the queue then fills
+deterministically, without timing.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def wait_until(condition, timeout: float, what: str) -> None:
 def settled(server: Server) -> None:
     """Waits until the scheduler is idle: its last batch's statistics are in the metrics (a client may have
     its answer a moment before)."""
-    wait_until(lambda: server.scheduler.running == server.scheduler.depth == 0, 60, "the scheduler to idle")
+    wait_until(lambda: server.scheduler.idle, 60, "the scheduler to idle")
 
 
 def metrics(url: str) -> dict[tuple, float]:
@@ -121,7 +121,18 @@ def post(url: str, path: str, body: bytes) -> tuple[int, dict, dict]:
 @pytest.fixture(scope="module")
 def server():
     model = fj.load_model(MODEL, offload=fj.OffloadConfig(**OFFLOAD))
-    served = Server(model, max_batch=4, max_queue=MAX_QUEUE)
+    served = Server(model, max_batch=4, max_queue=MAX_QUEUE, context=64)
+    assert served.scheduler.warmup() > 0
+    served.compiled = sum(model.engine.programs.compilations.values())
+    yield served
+    served.stop()
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def alone_server():
+    model = fj.load_model(MODEL, offload=fj.OffloadConfig(**OFFLOAD))
+    served = Server(model, max_queue=MAX_QUEUE)
     yield served
     served.stop()
     model.close()
@@ -142,7 +153,8 @@ def test_health_models_and_unknown_routes(server):
     assert err.value.body["code"] == "model_not_found"
 
 
-def test_completion_and_chat_match_generate(server):
+def test_completion_and_chat_match_generate(alone_server):
+    server = alone_server
     client = server.client()
     out = complete(client, PROMPTS[0], logprobs=2)
     ref = fj.generate(
@@ -229,17 +241,28 @@ def held_queue(server: Server, client: openai.OpenAI, pool, prompts: list[str]):
 def test_concurrent_requests_batched_as_served_alone(server):
     client = server.client()
     alone = [complete(client, p).choices[0].text for p in PROMPTS]  # one at a time
-    settled(server)  # the last one's batch is counted a moment after its client has the answer
-    batches = metrics(server.url)[("fmoe_batches_total", ())]
+    settled(server)  # the last one's statistics are counted a moment after its client has the answer
+    full = ("fmoe_decode_steps_total", (("rows", "4"),))
+    steps = metrics(server.url).get(full, 0.0)
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS) + 1) as pool:
         with server.model.serving():
             blocker, futures = held_queue(server, client, pool, PROMPTS)
         together = [f.result(timeout=120).choices[0].text for f in futures]
         blocker.result(timeout=120)
-    assert together == alone
+    assert together == alone and all(together)
     settled(server)
-    # The blocker alone, then the 16 queued ones as 4 batches of 4: batching did happen.
-    assert metrics(server.url)[("fmoe_batches_total", ())] - batches == 1 + len(PROMPTS) // 4
+    after = metrics(server.url)
+    assert after[full] - steps >= len(PROMPTS) // 4  # four rows decoded together: batching did happen
+    # Nothing compiled since the warm-up, alone or together.
+    assert after[("fmoe_compilations", ())] == server.compiled
+
+
+def test_a_sampled_request_is_served_alone_as_generate_serves_it(server):
+    """Continuous batching decodes greedily: a sampled request runs alone, and its seed gives generate's
+    tokens."""
+    out = complete(server.client(), PROMPTS[0], temperature=0.8, seed=5)
+    ref = fj.generate(server.model, PROMPTS[0], max_new_tokens=MAX_TOKENS, temperature=0.8, seed=5)
+    assert out.choices[0].text == ref.texts[0]
 
 
 def test_full_queue_answers_503_with_retry_after(server):
@@ -344,13 +367,13 @@ def test_missing_serve_extra_is_named(monkeypatch):
 
 
 def test_sigterm_finishes_in_flight_requests_and_saves_the_store(tmp_path):
-    """The CLI in a subprocess (fMoE with --store-path, --warmup): SIGTERM while requests run and wait; each
-    gets its answer, the process exits 0 and the store is saved."""
+    """The CLI in a subprocess (fMoE with --store-path, continuous batching, --warmup): SIGTERM while
+    requests run and wait; each gets its answer, the process exits 0 and the store is saved."""
     import jax
 
     store = tmp_path / "store.npz"
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or ""}
-    command = [sys.executable, "-m", "fmoe_jax.serve", MODEL, "--port", "0", "--warmup"]
+    command = [sys.executable, "-m", "fmoe_jax.serve", MODEL, "--port", "0", "--warmup", "--max-batch", "2"]
     command += [
         "--policy",
         "fmoe",

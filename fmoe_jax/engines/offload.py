@@ -266,6 +266,10 @@ class OffloadEngine:
         policy, devices, timers = self.policy, self.devices, self.driver.timers
         b, t = np.shape(tokens)
         valid_bt = _token_valid(layout)  # [B, T] host bool
+        # Expert arguments are padded to one width when a step has several tokens (see `chunk_width`). A
+        # continuous batch (a write index per row) counts its rows as such: its decode steps then compile
+        # one program whatever the rows' experts, so serving compiles nothing after its warm-up.
+        width_tokens = b * t if np.ndim(layout.write_index) else t
         valid = devices.replicate(valid_bt.reshape(b * t))
         tokens, layout = devices.replicate((tokens, layout))
         x, rope = self._embed(self.embed_params, tokens, layout)
@@ -325,7 +329,7 @@ class OffloadEngine:
             z_d, routing_d, valid_d = devices.on((z, routing, valid), d)
             if acc[d] is None:
                 acc[d] = self._empty_parts(z, routing, d)
-            experts, slots = self._chunk_arguments(chunk, arrays, int(h.shape[1]), d)
+            experts, slots = self._chunk_arguments(chunk, arrays, width_tokens, d)
             if (
                 is_last and devices.single and pending is None
             ):  # last chunk, shared expert, residual: one program
@@ -473,8 +477,8 @@ class OffloadEngine:
 
 def _token_valid(layout: Layout) -> np.ndarray:
     """`[B, T]` bool: the step's real tokens (not padding, not finished rows), on the host."""
-    index = np.asarray(layout.write_index) + np.arange(layout.num_new)
-    return (index[None, :] >= np.asarray(layout.key_start)[:, None]) & np.asarray(layout.row_active)[:, None]
+    index = np.asarray(layout.write_index).reshape(-1, 1) + np.arange(layout.num_new)  # [1 or B, T]
+    return (index >= np.asarray(layout.key_start)[:, None]) & np.asarray(layout.row_active)[:, None]
 
 
 def _expert_leaves(graph: Graph, moe_index: dict[int, int]) -> list[tuple[int, Key, tuple[str, ...]]]:

@@ -153,8 +153,13 @@ class Recorded(NamedTuple):
     hidden: Any  # [B, T, L_moe, D] router inputs, or None
 
 
-def _whole_label(params, tokens, cache, *_: Any) -> str:
-    return f"whole_step_T{tokens.shape[1]}_S{cache[0].k.shape[1]}_B{tokens.shape[0]}"
+def _per_row(layout: Layout) -> str:
+    """A label's mark for a layout with a write index per row (continuous batching), traced apart."""
+    return "_per_row" if np.ndim(layout.write_index) else ""
+
+
+def _whole_label(params, tokens, cache, layout, *_: Any) -> str:
+    return f"whole_step_T{tokens.shape[1]}_S{cache[0].k.shape[1]}_B{tokens.shape[0]}{_per_row(layout)}"
 
 
 # -- the whole model ---------------------------------------------------------------------------------------
@@ -208,6 +213,27 @@ def forward_inputs(config: Any, tokens: Any, dtype: Any) -> tuple[list, Layout]:
     return init_kv_cache(config, b, t + 1, dtype), layout
 
 
+def insert_row(programs: Programs) -> Callable:
+    """`insert(cache, row, slot)`: a one-row KV cache `row` copied into row `slot` (a traced int) of a
+    batch's `cache` (donated), every layer. Continuous batching prefills a joining request on its own and
+    then moves it into its slot (`fmoe_jax/batching.py`)."""
+
+    def insert(cache, row, slot):
+        def put(whole, one):
+            return jax.lax.dynamic_update_slice(whole, one, (slot,) + (0,) * (whole.ndim - 1))
+
+        return [jax.tree.map(put, c, r) for c, r in zip(cache, row, strict=True)]
+
+    return programs.memo(
+        "insert_row",
+        lambda: programs.jit(
+            insert,
+            lambda cache, *_: f"insert_row_B{cache[0].k.shape[0]}_S{cache[0].k.shape[1]}",
+            donate_argnums=0,
+        ),
+    )
+
+
 # -- the offload engine's per-layer steps ------------------------------------------------------------------
 class LayerSteps(NamedTuple):
     attention_and_router: Callable
@@ -247,9 +273,15 @@ def layer_steps(programs: Programs, graph: Graph, kernel: Kernel) -> LayerSteps:
     def make() -> LayerSteps:
         return LayerSteps(
             programs.jit(
-                attention_and_router, lambda s, x, *_: f"attention_and_router_T{x.shape[1]}", donate_argnums=2
+                attention_and_router,
+                lambda s, x, kv, layout, *_: f"attention_and_router_T{x.shape[1]}{_per_row(layout)}",
+                donate_argnums=2,
             ),
-            programs.jit(dense_layer, lambda s, x, *_: f"dense_layer_T{x.shape[1]}", donate_argnums=2),
+            programs.jit(
+                dense_layer,
+                lambda s, x, kv, layout, *_: f"dense_layer_T{x.shape[1]}{_per_row(layout)}",
+                donate_argnums=2,
+            ),
             programs.jit(
                 experts_finish,
                 lambda s, h, z, r, experts, *_: f"experts_finish_T{h.shape[1]}_n{len(experts)}",
@@ -279,7 +311,8 @@ def embed_step(programs: Programs, graph: Graph, cfg: Any) -> Callable:
         return x, MoECausalLM.rope_for(cfg, layout, x.dtype)
 
     return programs.memo(
-        ("embed", graph), lambda: programs.jit(embed, lambda s, tokens, *_: f"embed_T{tokens.shape[1]}")
+        ("embed", graph),
+        lambda: programs.jit(embed, lambda s, tokens, layout: f"embed_T{tokens.shape[1]}{_per_row(layout)}"),
     )
 
 

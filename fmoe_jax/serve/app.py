@@ -57,10 +57,29 @@ class StopCut:
         return out
 
 
-def create_app(model: fj.Model, *, model_name: str, max_batch: int = 1, max_queue: int = 64) -> FastAPI:
-    """The server's app; its lifespan's end closes the scheduler (not the model, which its caller owns)."""
-    metrics = Metrics(lambda: scheduler.depth, lambda: scheduler.running)  # read when scraped
-    scheduler = Scheduler(model, max_batch=max_batch, max_queue=max_queue, on_batch=metrics.batch_done)
+def create_app(
+    model: fj.Model,
+    *,
+    model_name: str,
+    max_batch: int = 1,
+    max_queue: int = 64,
+    context: int | None = None,
+    chunk: int = 16,
+) -> FastAPI:
+    """The server's app; its lifespan's end closes the scheduler (not the model, which its caller owns).
+    `max_batch`, `max_queue`, `context` and `chunk` are the `Scheduler`'s."""
+    compilations = model.engine.programs.compilations
+    metrics = Metrics(  # read when scraped
+        lambda: scheduler.depth, lambda: scheduler.running, lambda: sum(compilations.values())
+    )
+    scheduler = Scheduler(
+        model,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        on_batch=metrics.batch_done,
+        context=context,
+        chunk=chunk,
+    )
     limit = model.config.max_position_embeddings
     created = int(time.time())
 

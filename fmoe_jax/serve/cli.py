@@ -54,9 +54,23 @@ def parser() -> argparse.ArgumentParser:
         "--max-batch",
         type=int,
         default=1,
-        help="most greedy requests with equal settings in one generate call. Faster, but not exact: "
-        "bfloat16 rounding depends on the batch size and can flip a near-tied greedy token "
-        "(fmoe-tiny-qwen-moe, batch 8); 1 serves each request alone",
+        help="sequences decoding at once. Above 1, greedy requests are served by continuous batching: they "
+        "join between iterations and leave when done, with their greedy tokens independent of the other "
+        "requests (but, in bfloat16, not always generate's: see fmoe_jax.batching); 1 serves each request "
+        "alone, as generate runs it",
+    )
+    ap.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="with --max-batch > 1: cache positions per sequence (default: the model's, at most 2048); "
+        "longer requests are served alone",
+    )
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=16,
+        help="with --max-batch > 1: prompt tokens prefilled per iteration",
     )
     ap.add_argument("--max-queue", type=int, default=64, help="most waiting requests; beyond: 503")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -67,8 +81,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--warmup",
         action="store_true",
-        help="compile before taking requests: short prompts (up to 16 tokens) with 16 new tokens, at each "
-        "batch size (1, 2, 4, ... --max-batch)",
+        help="compile before taking requests. With --max-batch > 1: every program continuous batching runs "
+        "(nothing compiles while serving, see the fmoe_compilations metric); with 1: what short prompts (up "
+        "to 16 tokens) with 16 new tokens use",
     )
     ap.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM"
@@ -86,20 +101,16 @@ def require_serve_dependencies() -> None:
             raise SystemExit(EXTRA_HINT.format(name=module)) from None
 
 
-def warmup(model, max_batch: int) -> None:
-    """Compiles what short requests use: a prompt bucket of 16 and 16 new tokens, at each power-of-two batch
-    size the scheduler forms (see `fmoe_jax.serve.scheduler`). The prompts are random tokens, so that an
-    offloaded layer meets as many experts as real requests make it (its programs depend on how many)."""
+def warmup_alone(model) -> None:
+    """Compiles what short requests served alone use: a prompt bucket of 16 and 16 new tokens. The prompt is
+    random tokens, so that an offloaded layer meets as many experts as real requests make it (its programs
+    depend on how many)."""
     import numpy as np
 
     import fmoe_jax as fj
 
-    rng = np.random.default_rng(0)
-    size = 1
-    while size <= max_batch:
-        prompts = rng.integers(0, model.config.vocab_size, (size, 12)).tolist()
-        fj.generate(model, prompts, max_new_tokens=16, stop_at_eos=False)
-        size *= 2
+    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, (1, 12)).tolist()
+    fj.generate(model, prompt, max_new_tokens=16, stop_at_eos=False)
 
 
 def _exit(signum: int, frame) -> None:
@@ -136,12 +147,22 @@ def main(argv: list[str] | None = None) -> None:
     model = fj.load_model(args.model, offload=offload)
     log.info("loaded %s in %.1f s (%s)", args.model, time.perf_counter() - start, args.policy or "resident")
     try:
+        name = args.served_model_name or Path(args.model).name
+        app = create_app(
+            model,
+            model_name=name,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            context=args.max_context,
+            chunk=args.prefill_chunk,
+        )
         if args.warmup:
             start = time.perf_counter()
-            warmup(model, args.max_batch)
+            if args.max_batch > 1:
+                app.state.scheduler.warmup()
+            else:
+                warmup_alone(model)
             log.info("warm-up compiled in %.1f s", time.perf_counter() - start)
-        name = args.served_model_name or Path(args.model).name
-        app = create_app(model, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue)
         config = uvicorn.Config(
             app,
             host=args.host,

@@ -1,6 +1,6 @@
 """fmoe-serve's Prometheus metrics (`GET /metrics`), in a registry of the server's own (nothing global).
 
-The HTTP layer counts requests and observes TTFT / TPOT per request; the scheduler reports each batch's
+The HTTP layer counts requests and observes TTFT / TPOT per request; the scheduler reports each busy period's
 `GenerationStats` (expert hits and misses, bytes copied to the device, compile time) through `batch_done`.
 """
 
@@ -20,7 +20,9 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 class Metrics:
     """The server's metrics. `queue_depth` and `running` are read from the scheduler when scraped."""
 
-    def __init__(self, queue_depth: Callable[[], int], running: Callable[[], int]):
+    def __init__(
+        self, queue_depth: Callable[[], int], running: Callable[[], int], compilations: Callable[[], int]
+    ):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -30,7 +32,12 @@ class Metrics:
             registry=r,
         )
         Gauge("fmoe_queue_depth", "Requests waiting to run", registry=r).set_function(queue_depth)
-        Gauge("fmoe_running_requests", "Requests in the batch now running", registry=r).set_function(running)
+        Gauge("fmoe_running_requests", "Requests now running", registry=r).set_function(running)
+        Gauge(
+            "fmoe_compilations",
+            "Programs the model has compiled since it was loaded (constant while serving after --warmup)",
+            registry=r,
+        ).set_function(compilations)
         self.ttft = Histogram(
             "fmoe_time_to_first_token_seconds",
             "From a request's arrival (queueing included) to its first token",
@@ -59,7 +66,17 @@ class Metrics:
         self.compile_seconds = Counter(
             "fmoe_compile_seconds", "Seconds spent compiling programs while serving requests", registry=r
         )
-        self.batches = Counter("fmoe_batches", "generate calls run (each serves one batch)", registry=r)
+        self.batches = Counter(
+            "fmoe_batches",
+            "Busy periods served: a request run alone, or a continuous batch from its first request to idle",
+            registry=r,
+        )
+        self.decode_steps = Counter(
+            "fmoe_decode_steps",
+            "Continuous batch decode steps, by the rows decoding in them",
+            ["rows"],
+            registry=r,
+        )
 
     def batch_done(self, stats: fj.GenerationStats) -> None:
         """Called by the scheduler thread with each finished batch's statistics."""
@@ -73,6 +90,8 @@ class Metrics:
         self.bytes_to_device.inc(stats.bytes_to_device)
         self.host_computed.inc(stats.host_computed)
         self.compile_seconds.inc(stats.compile_s)
+        for rows in stats.extra.get("decode_rows", ()):
+            self.decode_steps.labels(str(rows)).inc()
 
     def request_done(self, route: str, status: int | str) -> None:
         self.requests.labels(route, str(status)).inc()

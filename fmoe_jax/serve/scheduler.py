@@ -3,17 +3,17 @@
 The HTTP layer submits a request's token ids and `generate` options and reads the `Job` it gets back (an
 async iterator of `StreamPiece`s); this module is the only part of the server that calls the model.
 
-How requests are served today: the model runs one `generate_stream` call at a time (`Model.serving`), so one
-thread takes queued jobs and runs them, by default one job per call (`max_batch=1`). Batching is opt-in
-because it is not exact: bfloat16 rounding in the model depends on the batch size, so a near-tie can flip a
-greedy token. On fmoe-tiny-qwen-moe, 8 copies of one prompt in a batch moved its log-probabilities by up to
-0.026 (0.004 at 4) and flipped its 7th greedy token (top-2 margin 0.03); on fmoe-tiny-mixtral the change was
-1e-7 and 16 prompts gave equal tokens at batch 2, 4 and 8. With `max_batch` > 1, waiting greedy jobs with
-equal options run together as one left-padded batch of up to `max_batch` rows, in powers of two (a bounded
-set of compiled shapes: 3 waiting jobs run as 2, then 1); sampled jobs always run alone, so that a `seed`
-reproduces its tokens. A batch runs from prefill to its last row's end: rows do not join or leave mid-batch
-(no continuous batching), and a cancelled row's tokens are dropped while its batchmates run on; a batch whose
-every row is cancelled stops at once.
+How requests are served. One thread takes queued jobs in order of arrival. With `max_batch=1` (the default)
+each job runs alone as one `generate_stream` call, exactly as `fmoe_jax.generate` would run it. With
+`max_batch` > 1 greedy jobs go through continuous batching (`fmoe_jax.batching.ContinuousBatch`, `max_batch`
+slots): a job joins the running batch at the next iteration boundary when a slot is free, its prompt is
+prefilled a chunk per iteration while the other rows keep decoding, and it leaves its slot when it
+finishes. A job's greedy tokens then do not depend on which other jobs share its iterations (the batch's
+programs have one shape whoever is in it), but they may differ from `generate`'s where bfloat16 rounding
+of a near-tie differs between a chunked prefill and a whole one. Jobs the batch does not take (sampled ones,
+so that a `seed` reproduces `generate`'s tokens; a repetition penalty; a prompt longer than the batch's
+context) run alone once the batch has drained: the queue stays first come, first served. The model is held
+(`Model.serving`) from a busy period's first job to its last.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import fmoe_jax as fj
-from fmoe_jax.sampling import Greedy, from_hf_arguments
-
-SAMPLING_NAMES = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
+from fmoe_jax.batching import ContinuousBatch
+from fmoe_jax.generation import resolve_request
+from fmoe_jax.request import Request
 
 
 class QueueFull(Exception):
@@ -55,9 +55,8 @@ class Job:
     `ShuttingDown` when the scheduler cancelled the job while closing. Timestamps are `time.perf_counter()`.
     """
 
-    def __init__(self, prompt_ids: list[int], options: dict[str, Any], stream: Any, batch_key: Any):
-        self.prompt_ids, self.options, self.batch_key = prompt_ids, options, batch_key
-        self.stream = stream  # the job's own validated generate_stream, used when it runs alone
+    def __init__(self, prompt_ids: list[int], options: dict[str, Any], request: Request):
+        self.prompt_ids, self.options, self.request = prompt_ids, options, request
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
@@ -97,9 +96,12 @@ class Scheduler:
 
     Args:
       model: a loaded `fmoe_jax.Model`.
-      max_batch: most rows in one `generate` call (1: every job alone, the exact default; see above).
+      max_batch: sequences decoding at once (1: every job alone, as `generate` runs it).
       max_queue: most jobs waiting (not yet running); `submit` raises `QueueFull` beyond it.
-      on_batch: called with each finished batch's `GenerationStats` (for the server's metrics).
+      on_batch: called with each busy period's `GenerationStats` (for the server's metrics): one
+        `generate` call's, or a continuous batch's from its first job to its idle end.
+      context: with `max_batch` > 1, cache positions per slot (default: the model's context, at most 2048).
+      chunk: with `max_batch` > 1, prompt tokens prefilled per iteration.
     """
 
     def __init__(
@@ -109,12 +111,21 @@ class Scheduler:
         max_batch: int = 1,
         max_queue: int = 64,
         on_batch: Callable[[fj.GenerationStats], None] | None = None,
+        context: int | None = None,
+        chunk: int = 16,
     ):
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be >= 1, got {max_batch} and {max_queue}")
         self.model, self.max_batch, self.max_queue, self.on_batch = model, max_batch, max_queue, on_batch
+        self.batch: ContinuousBatch | None = None
+        if max_batch > 1:
+            limit = model.config.max_position_embeddings
+            self.batch = ContinuousBatch(
+                model, slots=max_batch, context=context or min(limit, 2048), chunk=chunk
+            )
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
+        self._active = False  # from taking a job until its busy period's statistics are reported
         self._cv = threading.Condition()
         self._accepting = True
         self._stop = False
@@ -133,50 +144,63 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        """Jobs in the batch now running."""
+        """Jobs now running (in the continuous batch's slots, or the one running alone)."""
         return len(self._running)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waits or runs, and the last busy period's statistics have gone to `on_batch`."""
+        with self._cv:
+            return not self._waiting and not self._active
+
+    def warmup(self) -> float:
+        """Compiles the continuous batch's programs (`ContinuousBatch.warmup`) before serving; returns the
+        seconds spent compiling. Without batching (`max_batch=1`), `generate`'s shapes depend on each
+        prompt's length and nothing is compiled here (0.0)."""
+        if self.batch is None:
+            return 0.0
+        with self.model.serving():
+            return self.batch.warmup()
 
     def submit(self, prompt_ids: list[int], options: dict[str, Any]) -> Job:
         """Queues a job: `prompt_ids` generated from with `generate`'s keyword `options`. Call it from the
         event loop that will read the job. Raises `ValueError` (generate's, for invalid options), `QueueFull`
         or `ShuttingDown`."""
-        stream = fj.generate_stream(self.model, prompt_ids, **options)  # checks every option, starts nothing
-        job = Job(prompt_ids, options, stream, _batch_key(options))
+        job = Job(prompt_ids, options, resolve_request(self.model, prompt_ids, **options))  # checks them
         with self._cv:
             if not self._accepting:
-                stream.close()
                 raise ShuttingDown("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
-                stream.close()
                 raise QueueFull(f"{len(self._waiting)} requests are waiting already (--max-queue)")
             self._waiting.append(job)
             self._cv.notify()
         return job
 
     def cancel(self, job: Job) -> None:
-        """Drops a job (its client went away): out of the queue, or its rows ignored while its batch runs; a
-        batch whose every job is cancelled stops, freeing the model. No-op for a finished job."""
+        """Drops a job (its client went away): out of the queue, or out of its slot at the next iteration
+        (a job running alone stops at its next token). No-op for a finished job."""
         with self._cv:
             job.cancelled = True
             if job in self._waiting:
                 self._waiting.remove(job)
-                job.stream.close()
 
     def close(self, timeout: float | None = None) -> None:
-        """Stops taking jobs, cancels those waiting and the running batch (each gets `ShuttingDown`), and
+        """Stops taking jobs, cancels those waiting and the running ones (each gets `ShuttingDown`), and
         waits up to `timeout` seconds for the thread. To finish in-flight requests first, wait until `depth`
         and `running` are 0 (fmoe-serve lets uvicorn's graceful shutdown do that)."""
         with self._cv:
             self._accepting = False
             self._stop = True
             for job in self._waiting:
-                job.stream.close()
                 job._put(_Failed(ShuttingDown("the server shut down before serving this request")))
             self._waiting.clear()
             self._cv.notify()
         self._thread.join(timeout)
 
     # -- the scheduler thread ------------------------------------------------------------------------------
+    def _batched(self, job: Job) -> bool:
+        return self.batch is not None and self.batch.accepts(job.request) is None
+
     def _serve(self) -> None:
         while True:
             with self._cv:
@@ -184,57 +208,77 @@ class Scheduler:
                     self._cv.wait()
                 if self._stop:
                     return
-                self._running = self._take()
+                job = self._waiting.popleft()
+                self._running, self._active = [job], True
             try:
-                self._run(self._running)
+                if self._batched(job):
+                    self._serve_batch(job)
+                else:
+                    self._serve_alone(job)
             finally:
                 with self._cv:
-                    self._running = []
+                    self._running, self._active = [], False
 
-    def _take(self) -> list[Job]:
-        """The next batch (caller holds the lock): the oldest job, and younger ones with its batch key."""
-        first = self._waiting.popleft()
-        batch = [first]
-        if first.batch_key is not None:
-            batch += [j for j in self._waiting if j.batch_key == first.batch_key][: self.max_batch - 1]
-        size = 1 << (len(batch).bit_length() - 1)  # a power of two: bounded compiled shapes
-        batch = batch[:size]
-        for job in batch[1:]:
-            self._waiting.remove(job)
-        return batch
-
-    def _run(self, batch: Sequence[Job]) -> None:
-        if len(batch) == 1:
-            stream = batch[0].stream
-        else:
-            for job in batch:
-                job.stream.close()
-            stream = fj.generate_stream(self.model, [j.prompt_ids for j in batch], **batch[0].options)
+    def _serve_alone(self, job: Job) -> None:
+        stream = fj.generate_stream(self.model, job.prompt_ids, **job.options)
         try:
             with stream:
                 for piece in stream:
-                    job = batch[piece.row]
-                    if not job.cancelled:
-                        job._put(dataclasses.replace(piece, row=0))
-                        if piece.finish_reason is not None:
-                            job._put(_DONE)
-                    pending = [j for j in batch if not j.finished]
-                    if self._stop or (pending and all(j.cancelled for j in pending)):
+                    self._hand(job, piece)
+                    if self._stop or job.cancelled:
                         break
-                if all(j.finished for j in batch) and self.on_batch is not None:
-                    self.on_batch(stream.output.stats)
-        except Exception as error:  # noqa: BLE001 - handed to every client of the batch, the thread goes on
-            for job in batch:
-                job._put(_Failed(error))
-        stopped = ShuttingDown("the server shut down while serving this request")
-        for job in batch:
-            job._put(_Failed(stopped))
+            if job.finished and not job.cancelled and self.on_batch is not None:
+                self.on_batch(stream.output.stats)
+        except Exception as error:  # noqa: BLE001 - handed to the job's client, the thread goes on
+            job._put(_Failed(error))
+        job._put(_Failed(ShuttingDown("the server shut down while serving this request")))
 
+    def _serve_batch(self, first: Job) -> None:
+        """One busy period of the continuous batch: from `first` until no job is in it and the next waiting
+        job (if any) is not one it takes."""
+        batch = self.batch
+        served = False  # whether a job got all its tokens (a period of cancelled jobs reports nothing)
+        with self.model.serving():
+            batch.begin()
+            try:
+                batch.join(first.request, first)
+                while True:
+                    with self._cv:
+                        if self._stop:
+                            break
+                        for job in [j for j in self._running if j.cancelled]:
+                            batch.leave(job)
+                            self._running.remove(job)
+                        while self._waiting and batch.free and self._batched(self._waiting[0]):
+                            job = self._waiting.popleft()
+                            batch.join(job.request, job)
+                            self._running.append(job)
+                    if not batch.busy:
+                        break
+                    for job, piece in batch.prefill() + batch.decode():
+                        if self._hand(job, piece):
+                            served = True
+                            with self._cv:
+                                self._running.remove(job)
+            except Exception as error:  # noqa: BLE001 - handed to every client in the batch, the thread goes on
+                for job in self._running:
+                    job._put(_Failed(error))
+            finally:
+                with self._cv:
+                    for job in self._running:
+                        batch.leave(job)
+                        job._put(_Failed(ShuttingDown("the server shut down while serving this request")))
+                stats = batch.end()
+        if served and self.on_batch is not None:
+            self.on_batch(stats)
 
-def _batch_key(options: dict[str, Any]) -> Any:
-    """Jobs with equal keys may share a batch: greedy ones with the same options. None: the job runs alone."""
-    sampling = from_hf_arguments(None, **{k: options[k] for k in SAMPLING_NAMES if k in options})
-    if not isinstance(sampling, Greedy) or options.get("record_trace"):
-        return None
-    frozen = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if k != "seed"}
-    return tuple(sorted(frozen.items()))
+    @staticmethod
+    def _hand(job: Job, piece: fj.StreamPiece) -> bool:
+        """Gives `piece` to its job (unless cancelled); True when it was the job's last."""
+        if job.cancelled:
+            return False
+        job._put(dataclasses.replace(piece, row=0))
+        if piece.finish_reason is None:
+            return False
+        job._put(_DONE)
+        return True
