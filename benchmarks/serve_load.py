@@ -3,15 +3,17 @@
     python -m benchmarks.serve_load [--model fmoe-tiny-mixtral] [--requests 32] [--new-tokens 16]
 
 For each policy (resident, on_demand_lru, fmoe at a 25 % expert cache) the real CLI runs in a subprocess
-(`--warmup`, and `--max-batch` as given: 1, the server's exact default, serves each request alone); clients
-in threads stream greedy completions with the official `openai` client, each client sending its next request
-as soon as the last one ends, `--requests` requests per level. Every answer is checked against the same
-prompt generated alone in this process (`fmoe_jax.generate`, resident): a dropped, failed or different answer
-is counted and makes the script exit 1. Latency is client-side, request sent to `[DONE]`; TTFT to the first
-text; throughput is generated tokens over the level's wall time. The server's compile seconds during each
-level (from /metrics) are reported: nonzero means a shape `--warmup` did not cover (prompts here are at most
-16 tokens and `--new-tokens` should stay 16 for that). The hit rate is the server's since it started (its
-warm-up included).
+(`--warmup`, and `--max-batch` as given: above 1, greedy requests are served by continuous batching; 1 serves
+each request alone); clients in threads stream greedy completions with the official `openai` client, each
+client sending its next request as soon as the last one ends, `--requests` requests per level. Every answer
+is checked against a single-request reference: with `--max-batch 1`, the same prompt generated alone in this
+process (`fmoe_jax.generate`, resident); above 1, the same prompt served alone by the same server before the
+load starts (continuous batching gives a request the tokens it gets alone, which in bfloat16 are not always
+`generate`'s; how many differ from `generate` is reported too). A dropped, failed or different answer is
+counted and makes the script exit 1, as does any program compiled during a level (the server's
+`fmoe_compilations`). Latency is client-side, request sent to `[DONE]`; TTFT to the first text; throughput
+is generated tokens over the level's wall time. The hit rate is the server's since it started (its warm-up
+included).
 """
 
 from __future__ import annotations
@@ -77,6 +79,17 @@ class ServerProcess:
         code = self.proc.wait(120)
         self.log.close()
         return code
+
+
+def complete(url: str, model: str, prompt: str, new_tokens: int) -> str:
+    """One greedy completion, alone (no other request in flight)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    out = client.completions.create(
+        model=model, prompt=prompt, max_tokens=new_tokens, temperature=0, extra_body={"ignore_eos": True}
+    )
+    return out.choices[0].text
 
 
 def run_level(url: str, model: str, clients: int, count: int, new_tokens: int, reference: dict) -> dict:
@@ -157,8 +170,8 @@ def main() -> None:
     parser.add_argument(
         "--max-batch",
         type=int,
-        default=1,
-        help="fmoe-serve --max-batch (>1 batches greedy requests; not exact)",
+        default=4,
+        help="fmoe-serve --max-batch (>1: continuous batching; 1: each request alone)",
     )
     parser.add_argument("--budget", type=float, default=0.25, help="fraction of experts the cache holds")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and PNG results")
@@ -181,10 +194,19 @@ def main() -> None:
             options += ["--prefetch-distance", "1"]  # the shipped 8-layer models' best (benchmarks/README.md)
         server = ServerProcess(args.model, options + ["--max-batch", str(args.max_batch)])
         try:
+            expected = reference
+            if args.max_batch > 1:  # each prompt served alone by this server
+                expected = {p: complete(server.url, name, p, args.new_tokens) for p in PROMPTS}
             for clients in args.clients:
-                compiled = server.metric("fmoe_compile_seconds_total")
-                row = run_level(server.url, name, clients, args.requests, args.new_tokens, reference)
-                row.update(policy=policy, compile_s=server.metric("fmoe_compile_seconds_total") - compiled)
+                compiled = server.metric("fmoe_compilations")
+                compile_s = server.metric("fmoe_compile_seconds_total")
+                row = run_level(server.url, name, clients, args.requests, args.new_tokens, expected)
+                row.update(
+                    policy=policy,
+                    compilations=server.metric("fmoe_compilations") - compiled,
+                    compile_s=server.metric("fmoe_compile_seconds_total") - compile_s,
+                    prompts_unlike_generate=sum(expected[p] != reference[p] for p in PROMPTS),
+                )
                 row["hit_rate"] = server.metric("fmoe_expert_hit_rate")
                 rows.append(row)
                 rate, p99 = row["tokens_per_s"], row["latency_p99_ms"]
@@ -194,7 +216,8 @@ def main() -> None:
         if code != 0:
             print(f"fmoe-serve ({policy}) exited with {code} after SIGTERM", file=sys.stderr)
     columns = ["policy", "clients", "requests", "wrong_or_failed", "tokens_per_s", "requests_per_s"]
-    columns += ["latency_p50_ms", "latency_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "compile_s", "hit_rate"]
+    columns += ["latency_p50_ms", "latency_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "compilations", "hit_rate"]
+    columns += ["prompts_unlike_generate"]
     print(
         f"\n{NAME}: {name}, {args.new_tokens} new tokens per request, --max-batch {args.max_batch}, "
         f"cache {slots} experts when offloaded"
@@ -205,6 +228,8 @@ def main() -> None:
     plot(saved(NAME, args.out), args.out / f"{NAME}.png")
     if any(r["wrong_or_failed"] for r in rows):
         sys.exit("some requests failed or differed from their single-request reference (see the table)")
+    if any(r["compilations"] for r in rows):
+        sys.exit("programs compiled while serving (see the table): a shape --warmup did not cover")
 
 
 def plot(payload: dict, path: Path) -> None:
