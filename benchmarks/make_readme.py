@@ -27,7 +27,7 @@ RESULTS = HERE / "results"
 EXPERIMENTS = [
     ("exp1_granularity", "request- vs iteration-level routing entropy; hit rate by distance", "3, 4"),
     ("exp2_overall", "TTFT, TPOT and hit rate per policy, live and simulated", "9"),
-    ("exp3_online", "online serving at Azure trace arrival times: latency CDF per policy", "10"),
+    ("exp3_online", "online serving at Azure arrival times, live over HTTP: latency and TTFT CDFs", "10"),
     ("exp4_cache_budget", "TPOT and hit rate against the expert cache budget", "11"),
     ("exp5_ablation", "ablations of fMoE's matching and caching", "12"),
     ("exp6_sensitivity", "prefetch distance, store capacity, batch size", "13, 14"),
