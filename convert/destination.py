@@ -43,7 +43,9 @@ def remove_tree(path: Path) -> bool:
 
     Writer threads of an aborted orbax save may still create files in it for a moment, so removal is
     retried until the directory stays away (for at most `REMOVE_TIMEOUT_S`). A Ctrl-C meanwhile does not
-    stop it: pressing Ctrl-C twice must not leave the work directory behind.
+    stop it: pressing Ctrl-C twice must not leave the work directory behind. Nor does an `OSError` that
+    escapes `rmtree` (its own clean-up of directory descriptors, cut by a Ctrl-C, once raised EBADF here,
+    which replaced the interrupt and left the directory): the next try starts afresh.
     """
     deadline = time.monotonic() + REMOVE_TIMEOUT_S
     while True:
@@ -54,7 +56,9 @@ def remove_tree(path: Path) -> bool:
                 return True
             if time.monotonic() > deadline:
                 return False
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, OSError):
+            if time.monotonic() > deadline:
+                return False
             continue
 
 
