@@ -55,7 +55,8 @@ def test_simulate_warmup_carries_state_and_is_left_out(policy):
     assert (stepped.hits, stepped.misses, stepped.ttft_s) == (warmed.hits, warmed.misses, warmed.ttft_s)
 
 
-def test_exp2_runs_live_and_simulated(hf_dirs, tmp_path):
+def tiny_sharegpt(tmp_path: Path) -> Path:
+    """Six short prompts as a ShareGPT file."""
     prompts = tmp_path / "sharegpt_tiny.json"
     texts = ["hello there", "what is a mixture of experts", "tell me a story", "two plus two", "why", "ok"]
     prompts.write_text(
@@ -63,6 +64,11 @@ def test_exp2_runs_live_and_simulated(hf_dirs, tmp_path):
             [{"id": str(i), "conversations": [{"from": "human", "value": t}]} for i, t in enumerate(texts)]
         )
     )
+    return prompts
+
+
+def test_exp2_runs_live_and_simulated(hf_dirs, tmp_path):
+    prompts = tiny_sharegpt(tmp_path)
     out = tmp_path / "results"
     command = [sys.executable, "-m", "benchmarks.exp2_overall"]
     command += [
@@ -182,13 +188,7 @@ def test_main_readme_hybrid_table_is_written_from_the_results(tmp_path):
 def test_exp3_serves_live_over_http_at_arrival_times_and_simulates(hf_dirs, tmp_path):
     """Experiment 3 end to end on a tiny model: live, requests stream from fmoe-serve (continuous batching)
     at scaled arrival times, nothing compiles while they run; simulated, static batches on the replay."""
-    prompts = tmp_path / "sharegpt_tiny.json"
-    texts = ["hello there", "what is a mixture of experts", "tell me a story", "two plus two", "why", "ok"]
-    prompts.write_text(
-        json.dumps(
-            [{"id": str(i), "conversations": [{"from": "human", "value": t}]} for i, t in enumerate(texts)]
-        )
-    )
+    prompts = tiny_sharegpt(tmp_path)
     arrivals = tmp_path / "arrivals.csv"
     arrivals.write_text(
         "TIMESTAMP,ContextTokens,GeneratedTokens\n"
