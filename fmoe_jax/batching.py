@@ -38,8 +38,8 @@ import numpy as np
 from fmoe_jax.models import Layout
 
 from .engines.programs import insert_row
-from .generation import GenerationStats
-from .request import Request, make_request
+from .generation import GenerationStats, resolve_request
+from .request import Request
 from .sampling import Greedy
 from .streaming import Rows, StreamPiece, log_softmax
 
@@ -262,20 +262,8 @@ class ContinuousBatch:
             for _ in range(passes):
                 self.begin()
                 for i in range(self.slots):
-                    request = make_request(
-                        self.model,
-                        [rng.integers(0, vocab, self.chunk).tolist()],
-                        3,
-                        None,
-                        0,
-                        eos_token_id=None,
-                        stop=None,
-                        return_logprobs=False,
-                        top_logprobs=0,
-                        stop_at_eos=False,
-                        record_trace=False,
-                        record_hidden=False,
-                    )
+                    ids = rng.integers(0, vocab, self.chunk).tolist()
+                    request = resolve_request(self.model, [ids], max_new_tokens=3, stop_at_eos=False)
                     self.join(request, i)
                 while self.busy:
                     self.prefill()
