@@ -9,7 +9,8 @@ collection (`eamc_from_traces`), ProMoE's and DuoServe's predictors (trained on 
 oracle gets the recorded routing of the very calls it serves. Live runs serve the evaluation prompts on
 whatever JAX backend is present, after `--warmup` store prompts that compile and warm the cache; simulated
 runs replay the same traces after the same warm-up through `fmoe_jax.offload.simulator` at a real model's
-sizes on a hardware preset.
+sizes on a hardware preset. `--split validation` splits the store set 7:3 again and replays its 30 % in
+place of the evaluation set: designs are tried there, and the evaluation prompts only report.
 """
 
 from __future__ import annotations
@@ -125,8 +126,32 @@ def add_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
         help="cache while recording traces: 1 = every expert on the device; lower for models that do not fit",
     )
     a("--seed", type=int, default=0, help="store/eval split and arrival assignment")
+    a(
+        "--split",
+        default="eval",
+        choices=SPLITS,
+        help="'eval': replay the evaluation prompts (what results report); 'validation': split the store "
+        "prompts 7:3 again and replay their 30 %%, for designing and tuning without seeing an evaluation "
+        "prompt",
+    )
     a("--out", type=Path, default=RESULTS)
     a("--cache-dir", type=Path, default=CACHE, help="recorded traces and trained predictors")
+
+
+SPLITS = ("eval", "validation")
+
+
+def split_prompts(prompts: Sequence[Any], split: str, seed: int) -> tuple[list, list]:
+    """(store, replayed) prompts. "eval": the 7:3 store / evaluation split. "validation": the same store
+    prompts split 7:3 again, so a design tried on the validation split never sees an evaluation prompt."""
+    from fmoe_jax.research import workloads
+
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    store, evaluation = workloads.split_store_eval(prompts, 0.7, seed=seed)
+    if split == "validation":
+        store, evaluation = workloads.split_store_eval(store, 0.7, seed=seed)
+    return store, evaluation
 
 
 def default_models() -> list[str]:
@@ -213,7 +238,6 @@ def load_workload(name: str, args: argparse.Namespace, *, record: bool = True) -
     """The model, the store/eval split and (with `record`) every request's routing trace."""
     from fmoe_jax.models import model_identity
     from fmoe_jax.offload.cost_model import MODELS, ModelPreset
-    from fmoe_jax.research import workloads
 
     import fmoe_jax as fj
     from fmoe_jax.engines.offload import router_weights
@@ -223,7 +247,7 @@ def load_workload(name: str, args: argparse.Namespace, *, record: bool = True) -
     model = fj.load_model(path, offload=fj.OffloadConfig(policy="on_demand_lru", cache_experts=1))
     cfg = model.config
     prompts = load_prompts(args)
-    store, evaluation = workloads.split_store_eval(prompts, 0.7, seed=args.seed)
+    store, evaluation = split_prompts(prompts, getattr(args, "split", "eval"), args.seed)
     ids = encode(model, [p.text for p in store + evaluation], args.prompt_tokens)
     key = dict(
         model=model_identity(cfg),
@@ -585,8 +609,9 @@ def settings_note(workload: Workload) -> str:
     a, cfg = workload.args, workload.config
     return (
         f"{workload.name}: {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}; "
-        f"prompts '{Path(a.prompts).name}', {len(workload.store)} store / {len(workload.eval)} eval "
-        f"(7:3, seed {a.seed}), prompts cut to {a.prompt_tokens} tokens, {a.new_tokens} new tokens, "
+        f"prompts '{Path(a.prompts).name}', {len(workload.store)} store / {len(workload.eval)} "
+        f"{getattr(a, 'split', 'eval')} (7:3, seed {a.seed}), prompts cut to {a.prompt_tokens} tokens, "
+        f"{a.new_tokens} new tokens, "
         f"greedy; cache {workload.slots(a.budget)} of {workload.total_experts} experts ({a.budget:.0%}), "
         f"d = {a.prefetch_distance}, store capacity {a.store_capacity}, {a.warmup} warm-up store prompts; "
         f"simulated sizes: {workload.preset.name} ({workload.preset.expert_bytes / 2**20:.0f} MiB per expert)"

@@ -215,3 +215,20 @@ def test_exp3_serves_live_over_http_at_arrival_times_and_simulates(hf_dirs, tmp_
     sim = result["sim"]["h100_sxm"]
     assert all(r["requests"] == 4 and r["batches"] >= 1 for r in sim["rows"])
     assert (out / "exp3_online.png").stat().st_size > 10_000
+
+
+def test_validation_split_holds_out_the_store_prompts_only():
+    from fmoe_jax.research.workloads import Prompt
+
+    from benchmarks.harness import split_prompts
+
+    prompts = [Prompt(text=f"prompt {i}", source="t", category=f"c{i % 3}", uid=f"p{i}") for i in range(60)]
+    store, evaluation = split_prompts(prompts, "eval", seed=0)
+    v_store, v_replayed = split_prompts(prompts, "validation", seed=0)
+    uids = lambda ps: {p.uid for p in ps}  # noqa: E731
+    assert uids(v_store) | uids(v_replayed) == uids(store)  # only store prompts
+    assert not uids(v_store) & uids(v_replayed)
+    assert not uids(v_replayed) & uids(evaluation)
+    assert len(v_replayed) == round(0.3 * len(store))
+    with pytest.raises(ValueError, match="split must be"):
+        split_prompts(prompts, "test", seed=0)
