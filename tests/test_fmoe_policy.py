@@ -147,6 +147,22 @@ def test_reuse_eviction_keeps_what_this_iteration_or_the_next_ones_need():
     assert policy.keep_score((2, 1), Entry()) == pytest.approx(policy.forecast.scores[2, 1])
 
 
+def test_reuse_eviction_keeps_popular_experts_from_the_profile():
+    popularity = np.array([[9, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [3, 1, 0, 0]], np.float64)
+    policy, _ = bound_policy(one_map_store(), popularity=popularity)  # top_k = 1: rate = share per layer
+    plain, _ = bound_policy(one_map_store())
+    for p in (policy, plain):
+        iteration_start(p, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
+    reuse = policy.forecast.scores
+    assert not policy._need[3].any()  # layer 3 has no guide: only the forecast and the profile speak
+    assert policy.keep_score((3, 0), Entry()) == pytest.approx(1 - (1 - reuse[3, 0]) * (1 - 0.75))
+    assert policy.keep_score((3, 0), Entry()) > policy.keep_score((3, 1), Entry())
+    assert plain.keep_score((3, 0), Entry()) == pytest.approx(plain.keep_score((3, 1), Entry()))
+    assert policy.keep_score((2, 0), Entry()) == pytest.approx(plain.keep_score((2, 0), Entry()))  # no uses
+    with pytest.raises(ValueError, match="popularity profile"):
+        bound_policy(one_map_store(), popularity=np.ones((4, 3)))
+
+
 def test_a_failing_context_is_dropped_and_reported_not_fatal():
     class Broken(ExpertMapStore):
         calls = 0

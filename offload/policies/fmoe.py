@@ -38,6 +38,7 @@ from ..expert_map_store import ExpertMapStore, PrefixDots
 from ..fmoe_select import keep_priority, prefetch_priority, select_mask
 from ..forecast import Calibration, ReuseForecast
 from .base import Policy, PolicyContext
+from .fiddler import expert_usage
 
 
 @dataclasses.dataclass
@@ -64,6 +65,9 @@ class FMoE(Policy):
       calibrate: turn matched-map probabilities into need probabilities learned online (`Calibration`)
         before admission, priority and eviction use them; off: the raw map probability (the paper).
       reuse_horizon: iterations ahead the reuse forecast looks (eviction "reuse").
+      popularity: `[L, J]` tokens routed to each expert in earlier requests (`from_traces` counts them in the
+        store traces, as Fiddler profiles); eviction "reuse" also keeps an expert for its share of every
+        token's routing, a chance of reuse the request's own short history cannot see yet. None: no prior.
       traj_target: "band" guides every layer from l + d on after layer l (as the authors' code);
         "single" guides layer l + d only (as the paper's text). Measured in benchmarks/ablations.
       asynchronous: match on a thread of its own (the paper's publisher/subscriber); off: inline,
@@ -96,6 +100,7 @@ class FMoE(Policy):
         eviction: Literal["reuse", "fmoe", "lfu", "lru"] = "reuse",
         calibrate: bool = True,
         reuse_horizon: int = 2,
+        popularity: Any = None,
         traj_target: Literal["band", "single"] = "band",
         asynchronous: bool = True,
         learn: bool = True,
@@ -119,6 +124,7 @@ class FMoE(Policy):
         self.needs_semantic = semantic  # without semantic search, traces need no embeddings
         self.eviction, self.traj_target = eviction, traj_target
         self.calibrate, self.reuse_horizon = calibrate, reuse_horizon
+        self.popularity = None if popularity is None else np.asarray(popularity, np.float64)
         self.calibration = Calibration()
         self.asynchronous, self.learn = asynchronous, learn
         self.store = store
@@ -145,12 +151,14 @@ class FMoE(Policy):
     def from_traces(
         cls, traces: Sequence[Any], *, prefetch_distance: int, store_capacity: int, **options: Any
     ) -> FMoE:
-        """Offline mode: starts from an expert-map store built from recorded traces (`store_from_traces`);
-        with no traces, from an empty store of `store_capacity` maps."""
+        """Offline mode: starts from an expert-map store built from recorded traces (`store_from_traces`) and
+        their experts' popularity (`expert_usage`); with no traces, from an empty store of `store_capacity`
+        maps and no popularity prior."""
         if traces:
             options["store"] = store_from_traces(
                 traces, capacity=store_capacity, prefetch_distance=prefetch_distance
             )
+            options.setdefault("popularity", expert_usage(traces))
         return cls(store_capacity=store_capacity, **options)
 
     def bind(self, ctx: PolicyContext, cache: CacheView) -> None:
@@ -188,6 +196,15 @@ class FMoE(Policy):
                 f"H={ctx.embed_dim}"
             )
         shape = (ctx.num_layers, ctx.num_experts)
+        self._rate = None  # [L, J] each expert's share of a token's routing (top_k per token)
+        if self.popularity is not None:
+            if self.popularity.shape != shape:
+                raise ValueError(
+                    f"fmoe's popularity profile is {self.popularity.shape} but the model has {shape} (MoE "
+                    "layers, experts): profile requests of this model"
+                )
+            total = self.popularity.sum(axis=1, keepdims=True)
+            self._rate = np.minimum(1.0, ctx.top_k * self.popularity / np.maximum(total, 1.0))
         self.forecast = ReuseForecast(*shape, horizon=self.reuse_horizon)
         self.calibration.load(self.store.attachments)  # what an earlier run learned, saved with the store
         self.forecast.load(self.store.attachments)
@@ -475,7 +492,8 @@ class FMoE(Policy):
     def keep_score(self, key: Key, entry: Entry) -> float:
         """Higher is kept longer. "reuse": the probability the expert is needed soon: later in this
         iteration (its need probability, for a layer still to route) or in the next iterations (the reuse
-        forecast), combined as independent chances. "fmoe": the paper's p * freq (`keep_priority`)."""
+        forecast) or in any token (its popularity, when profiled), combined as independent chances. "fmoe":
+        the paper's p * freq (`keep_priority`)."""
         if self.eviction == "lru":
             return float(entry.last_use)
         if self.eviction == "lfu":
@@ -485,7 +503,9 @@ class FMoE(Policy):
             p = self._guide_p[layer, expert] if self._guided[layer, expert] else 0.0
             return float(keep_priority(p, self.cache.freq(key)))
         now = self._need[layer, expert] if layer > self._current else 0.0
-        return float(1.0 - (1.0 - now) * (1.0 - self.forecast.scores[layer, expert]))
+        later = 1.0 - self.forecast.scores[layer, expert]
+        anytime = 1.0 if self._rate is None else 1.0 - self._rate[layer, expert]
+        return float(1.0 - (1.0 - now) * later * anytime)
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         """A prefetch evicts only an expert worth less than the one it brings."""
