@@ -163,6 +163,37 @@ def test_reuse_eviction_keeps_popular_experts_from_the_profile():
         bound_policy(one_map_store(), popularity=np.ones((4, 3)))
 
 
+def test_without_a_profile_fmoe_profiles_what_it_serves_and_saves_it_with_the_store(tmp_path):
+    path = tmp_path / "store.npz"
+    counting, _ = bound_policy(one_map_store(), store_path=path)
+    none, _ = bound_policy(one_map_store(), popularity=False)
+    profiled, _ = bound_policy(one_map_store(), popularity=np.ones((4, 4)))
+    valid = np.ones((1, 2), bool)
+    for p in (counting, none, profiled):
+        for _ in range(3):  # two tokens an iteration, both routed to expert 0 of layer 3
+            iteration_start(p, np.ones((2, 3), np.float32), valid)
+            layer_routed(p, 3, np.full((2, 4), 0.25, np.float32), np.array([[0], [0]]), valid)
+            p.on_iteration_end()
+        iteration_start(p, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
+    # The same events, so the same forecast: only the counted popularity (6 of layer 3's 6 tokens) differs.
+    assert counting.forecast.scores[3, 0] == none.forecast.scores[3, 0]
+    assert counting.keep_score((3, 0), Entry()) == pytest.approx(1.0)
+    assert none.keep_score((3, 0), Entry()) < 1.0
+    assert counting.keep_score((3, 1), Entry()) == pytest.approx(none.keep_score((3, 1), Entry()))
+    assert counting.keep_score((2, 0), Entry()) == pytest.approx(none.keep_score((2, 0), Entry()))
+    # A given profile is used as given: the served tokens do not move it.
+    assert profiled.keep_score((3, 0), Entry()) == pytest.approx(
+        1 - (1 - profiled.forecast.scores[3, 0]) * 0.75
+    )
+
+    counting.close()  # saves the counts with the store; a policy loading that store starts from them
+    reloaded = FMoE(store_path=path, asynchronous=False, learn=False)
+    reloaded.bind(counting.ctx, RecordingCache())
+    iteration_start(reloaded, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
+    assert reloaded.keep_score((3, 0), Entry()) == pytest.approx(1.0)
+    assert reloaded.keep_score((3, 1), Entry()) < 1.0
+
+
 def test_a_failing_context_is_dropped_and_reported_not_fatal():
     class Broken(ExpertMapStore):
         calls = 0
