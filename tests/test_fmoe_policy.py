@@ -163,6 +163,19 @@ def test_reuse_eviction_keeps_popular_experts_from_the_profile():
         bound_policy(one_map_store(), popularity=np.ones((4, 3)))
 
 
+def test_a_prefetch_and_its_victim_are_scored_alike():
+    # Layer 0: experts 0 and 1 each take half the profiled tokens; layer 3: expert 0 three quarters.
+    popularity = np.array([[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [3, 1, 0, 0]], np.float64)
+    policy, _ = bound_policy(one_map_store(), popularity=popularity)
+    iteration_start(policy, np.array([[2.0, 0.0, 0.0]], np.float32), np.ones((1, 1), bool))  # guides layer 0
+    need, forecast = policy._need[0, 0], policy.forecast.scores
+    incoming = 1 - (1 - need) * (1 - forecast[0, 0]) * (1 - 0.5)
+    victim = policy.keep_score((3, 0), Entry())
+    assert need < victim < incoming  # its need alone would lose to the victim's forecast and popularity
+    assert policy.admit_prefetch((0, 0), 0.7, victim=(3, 0))
+    assert not policy.admit_prefetch((0, 2), 0.1, victim=(3, 0))  # unguided and never used: worth less
+
+
 def test_without_a_profile_fmoe_profiles_what_it_serves_and_saves_it_with_the_store(tmp_path):
     path = tmp_path / "store.npz"
     counting, _ = bound_policy(one_map_store(), store_path=path)
