@@ -32,6 +32,10 @@ class OffloadConfig:
       placement: which device holds expert `(layer, expert)`: None (round robin), a mapping, or a callable.
       max_inflight: host-to-device copies in flight at once.
       synchronous_transfers: wait for every copy as it is issued (the simulator's comparison mode).
+      chunked_copies: copies go over the link from a transfer thread, one of the expert's arrays at a time,
+        on-demand loads first (`ChunkedJaxMover`): a miss waits behind at most one matrix of a prefetch, and
+        a prefetch no longer wanted is stopped between matrices. Off: each copy is one `jax.device_put`
+        issued at once, and the runtime orders them.
       preload: warm start: fill the cache before serving, layer by layer in expert order, up to its
         budget. These loads count in no request's statistics (a warm cache, as after earlier requests).
       policy_options: keyword arguments of the policy: every setting a policy has (fmoe's store, ablation
@@ -59,6 +63,7 @@ class OffloadConfig:
     placement: Any = None
     max_inflight: int = 4
     synchronous_transfers: bool = False
+    chunked_copies: bool = False
     preload: bool = False
     policy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     execution: str = "copy"

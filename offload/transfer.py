@@ -4,15 +4,19 @@
 priority queue and start while fewer than `max_inflight` copies are in flight; on-demand loads start
 at once, ahead of every queued prefetch, and pause prefetching until they land. The iteration
 driver calls `ensure` and `release`; policies read it through the `CacheView` methods and call
-`request_prefetch` (from any thread: one lock guards the state). Copies go
-through a `Mover`: `JaxMover` does real `jax.device_put`s; the simulator plugs in a simulated link.
+`request_prefetch` (from any thread: one lock guards the state). Copies go through a `Mover`:
+`JaxMover` issues each expert's `jax.device_put` at once (the runtime orders the copies);
+`ChunkedJaxMover` sends them from a transfer thread one matrix at a time, on-demand loads first, and can
+stop a prefetch between matrices; the simulator plugs in a simulated link (`offload/resources.py`).
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -43,6 +47,9 @@ class Mover(Protocol):
         """Stops a copy between chunks: the fraction of its bytes not sent, or None if it cannot be stopped
         (it has landed, its last chunk is under way, or this mover cannot cancel)."""
 
+    # Optional: `result(handle)`, the expert's device arrays once the copy has landed (without it, the
+    # handle is the arrays), and `close()`, which stops the mover's threads.
+
 
 class JaxMover:
     """Asynchronous `jax.device_put` of an expert's host arrays to a device sharding."""
@@ -62,6 +69,139 @@ class JaxMover:
 
     def cancel(self, handle: ExpertWeights) -> None:
         return None  # an issued device_put runs to its end
+
+
+class _Transfer:
+    """One expert's copy by `ChunkedJaxMover`: its host arrays (the chunks), sent in order."""
+
+    def __init__(self, key: Key, leaves: list[Any], treedef: Any):
+        self.key, self.leaves, self.treedef = key, leaves, treedef
+        self.sent: list[jax.Array] = []  # the device arrays of the chunks that have landed
+        self.sending = False  # a chunk is on the link
+        self.cancelled = False
+        self.done = threading.Event()  # landed, failed or cancelled
+        self.error: BaseException | None = None
+        self.arrays: Any = None  # the expert's device arrays, once landed
+
+    def unsent_share(self) -> float:
+        """The share of the expert's bytes not sent and not under way."""
+        total = sum(leaf.nbytes for leaf in self.leaves)
+        later = self.leaves[len(self.sent) + self.sending :]
+        return sum(leaf.nbytes for leaf in later) / max(total, 1)
+
+
+class _Link:
+    """`ChunkedJaxMover`'s queues and its transfer thread's loop. The thread holds only this (not the mover,
+    whose host-array source keeps the model alive), and stops once the mover is closed or collected."""
+
+    def __init__(self, device: jax.sharding.Sharding):
+        self.device = device
+        self.cv = threading.Condition()
+        self.urgent: collections.deque[_Transfer] = collections.deque()  # on-demand loads, in order
+        self.queued: collections.deque[_Transfer] = collections.deque()  # prefetches, in the order started
+        self.closed = False
+
+    def send(self, leaf: Any) -> jax.Array:
+        """One chunk to the device, waiting until it has landed."""
+        return jax.block_until_ready(jax.device_put(leaf, self.device))
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+
+    def run(self) -> None:
+        while True:
+            with self.cv:
+                while not (self.urgent or self.queued or self.closed):
+                    self.cv.wait()
+                if self.closed:
+                    for transfer in (*self.urgent, *self.queued):
+                        transfer.error = RuntimeError("the expert transfer thread was closed")
+                        transfer.done.set()
+                    return
+                line = self.urgent if self.urgent else self.queued
+                transfer = line[0]
+                leaf = transfer.leaves[len(transfer.sent)]
+                transfer.sending = True
+            try:  # one chunk on the link at a time: what comes next is decided between chunks
+                chunk, error = self.send(leaf), None
+            except Exception as err:  # noqa: BLE001 - handed to whoever waits for this copy
+                chunk, error = None, err
+            with self.cv:
+                transfer.sending = False
+                if transfer.cancelled:  # it left its line when cancelled
+                    continue
+                if error is None:
+                    transfer.sent.append(chunk)
+                if error is not None or len(transfer.sent) == len(transfer.leaves):
+                    line.remove(transfer)
+                    transfer.error = error
+                    if error is None:
+                        transfer.arrays = jax.tree.unflatten(transfer.treedef, transfer.sent)
+                    transfer.done.set()
+
+
+class ChunkedJaxMover:
+    """Copies experts from a transfer thread of its own, one chunk (one of the expert's arrays: a matrix, or
+    a quantized matrix's values or scales) at a time: on-demand loads (`urgent`) before every prefetch, and
+    prefetches in the order they were started. So an on-demand load waits behind at most one chunk of a
+    prefetch, and `cancel` stops a prefetch that is no longer wanted between chunks, freeing the link (the
+    simulator's `SimulatedLink` models the same). `OffloadConfig(chunked_copies=True)`.
+
+    The cost: a chunk waits for the previous one to land before it is issued (the link is never given two
+    at once, so that the order stays ours), and each chunk is a thread hand-off.
+    """
+
+    def __init__(self, host: Callable[[Key], ExpertWeights], device: jax.sharding.Sharding):
+        self.host = host
+        self._link = _Link(device)
+        thread = threading.Thread(target=self._link.run, name="fmoe-expert-transfers", daemon=True)
+        thread.start()
+        self._closer = weakref.finalize(self, self._link.close)
+
+    def start(self, key: Key, *, urgent: bool = False) -> _Transfer:
+        leaves, treedef = jax.tree.flatten(self.host(key))
+        transfer = _Transfer(key, leaves, treedef)
+        with self._link.cv:
+            if self._link.closed:
+                raise RuntimeError("the expert transfer thread was closed")
+            (self._link.urgent if urgent else self._link.queued).append(transfer)
+            self._link.cv.notify()
+        return transfer
+
+    def is_ready(self, handle: _Transfer) -> bool:
+        return handle.done.is_set()
+
+    def wait(self, handles: Sequence[_Transfer]) -> None:
+        for handle in handles:
+            handle.done.wait()
+            if handle.error is not None:
+                raise handle.error
+
+    def result(self, handle: _Transfer) -> ExpertWeights:
+        if handle.error is not None:
+            raise handle.error
+        return handle.arrays
+
+    def cancel(self, handle: _Transfer) -> float | None:
+        with self._link.cv:
+            if handle.done.is_set() or handle.cancelled:
+                return None
+            unsent = handle.unsent_share()
+            if handle.sending and unsent == 0.0:  # its last chunk is under way
+                return None
+            for line in (self._link.urgent, self._link.queued):
+                if handle in line:
+                    line.remove(handle)
+            handle.cancelled = True
+            handle.error = RuntimeError(f"the copy of expert {handle.key} was cancelled")
+            handle.done.set()
+            return unsent
+
+    def close(self) -> None:
+        """Stops the transfer thread; copies not landed fail."""
+        self._closer()
 
 
 class DeviceExpertCache(BookView):
@@ -87,6 +227,7 @@ class DeviceExpertCache(BookView):
         synchronous: bool = False,
     ):
         self.mover = mover
+        self._result = getattr(mover, "result", lambda handle: handle)  # handle -> device arrays
         self.book = CacheBook(capacity, expert_bytes)
         self.policy = policy
         self.max_inflight = max_inflight
@@ -273,7 +414,7 @@ class DeviceExpertCache(BookView):
             self.paused -= bool(misses)
             for key in needed:
                 self.book.record_use(key)
-            out = {key: self.arrays[key] for key in needed}
+            out = {key: self._result(self.arrays[key]) for key in needed}
             self._pump()
         return out
 
@@ -293,7 +434,7 @@ class DeviceExpertCache(BookView):
             if not all(key in entries and entries[key].ready for key in keys):
                 return None
             self.book.pin(keys)
-            return {key: self.arrays[key] for key in keys}
+            return {key: self._result(self.arrays[key]) for key in keys}
 
     def _wait_for_any_inflight(self) -> None:
         """No evictable expert: every slot is pinned or arriving. Waits (lock held) for an unpinned arriving

@@ -41,9 +41,10 @@ SINGLE_THREADED = {"xla_cpu_multi_thread_eigen": False}
 
 
 class TimedMover:
-    """A `Mover` around another (`JaxMover`) that times its copies, for the hybrid planner (`landing_in`,
-    `load_in`) and the link's busy share. A copy's time runs from its start to when the cache first sees it
-    done (polled or waited for): an upper bound, averaged exponentially into `copy_s`."""
+    """A `Mover` around another (`JaxMover`, `ChunkedJaxMover`) that times its copies, for the hybrid
+    planner (`landing_in`, `load_in`) and the link's busy share. A copy's time runs from its start to when
+    the cache first sees it done (polled or waited for): an upper bound, averaged exponentially into
+    `copy_s`."""
 
     def __init__(self, inner: Any, decay: float = 0.8):
         self.inner = inner
@@ -61,6 +62,13 @@ class TimedMover:
         handle = self.inner.start(key, urgent=urgent)
         self.started[id(handle)] = (time.perf_counter(), handle)
         return handle
+
+    def result(self, handle: Any) -> Any:
+        return self.inner.result(handle) if hasattr(self.inner, "result") else handle
+
+    def close(self) -> None:
+        if hasattr(self.inner, "close"):
+            self.inner.close()
 
     def cancel(self, handle: Any) -> float | None:
         unsent = self.inner.cancel(handle)

@@ -35,7 +35,7 @@ from fmoe_jax.offload.driver import Driver, Routed
 from fmoe_jax.offload.hybrid import HostCost, HybridPlanner, MeasuredHostCost
 from fmoe_jax.offload.placement import CacheGroup, placement_from
 from fmoe_jax.offload.policies import PolicyContext
-from fmoe_jax.offload.transfer import DeviceExpertCache, JaxMover
+from fmoe_jax.offload.transfer import ChunkedJaxMover, DeviceExpertCache, JaxMover
 
 from ..sampling import Sampling
 from . import StepOutput
@@ -148,7 +148,8 @@ class OffloadEngine:
         self._movers: list[TimedMover] = []
 
         def one(index: int, capacity: int) -> DeviceExpertCache:
-            jax_mover = JaxMover(
+            mover_cls = ChunkedJaxMover if self.offload.chunked_copies else JaxMover
+            jax_mover = mover_cls(
                 functools.partial(_host_expert, self.module), self.devices.cache_target(index)
             )
             mover = TimedMover(jax_mover)
@@ -213,9 +214,14 @@ class OffloadEngine:
             stats.extra["per_device"] = self.cache.device_stats()
 
     def close(self) -> None:
-        """Closes the policy (stops its threads, saves its state); its errors propagate."""
+        """Closes the policy (stops its threads, saves its state; its errors propagate) and the transfer
+        threads."""
         self._close_policy.detach()
-        self.policy.close()
+        try:
+            self.policy.close()
+        finally:
+            for mover in self._movers:
+                mover.close()
 
     def step(
         self,
