@@ -127,6 +127,7 @@ class CacheView(Protocol):
         *,
         replace: bool | Iterable[int] = True,
         stale_before: int | None = None,
+        if_idle: bool = False,
     ) -> None:
         """Queues prefetches `(key, priority)`, higher first (see `DeviceExpertCache.request_prefetch`)."""
 

@@ -170,7 +170,7 @@ class Driver:
             self.serve(layer, [e for e in needed if (layer, e) not in on_host], compute)
             if on_host and policy.host_fill:
                 fill = [(key, FILL_PRIORITY) for key in on_host if self.cache.entry(key) is None]
-                self.cache.request_prefetch(fill, replace=False)
+                self.cache.request_prefetch(fill, replace=False, if_idle=policy.host_fill == "idle")
         self._tell(policy.on_iteration_end)
 
     def plan(self, layer: int, needed: tuple[int, ...], ids: np.ndarray, valid: np.ndarray) -> list[Key]:

@@ -113,7 +113,12 @@ class CacheGroup:
         return out
 
     def request_prefetch(
-        self, items: Iterable[tuple[Key, float]], *, replace: Any = True, stale_before: int | None = None
+        self,
+        items: Iterable[tuple[Key, float]],
+        *,
+        replace: Any = True,
+        stale_before: int | None = None,
+        if_idle: bool = False,
     ) -> None:
         items = list(items)
         by_device: list[list[tuple[Key, float]]] = [[] for _ in self.caches]
@@ -121,7 +126,7 @@ class CacheGroup:
             by_device[self.placement(key)].append((key, priority))
         for cache, wanted in zip(self.caches, by_device, strict=True):
             if cache is not None:
-                cache.request_prefetch(wanted, replace=replace, stale_before=stale_before)
+                cache.request_prefetch(wanted, replace=replace, stale_before=stale_before, if_idle=if_idle)
 
     def protect(self, keys: Iterable[Key], layer: int | None = None) -> None:
         for cache, own in zip(self.caches, self.split(keys), strict=True):

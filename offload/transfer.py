@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import math
 import threading
 import time
 import weakref
@@ -236,6 +237,7 @@ class DeviceExpertCache(BookView):
         self.lock = threading.RLock()
         self.queue: list[tuple[float, int, Key]] = []  # (-priority, order, key)
         self.queued: set[Key] = set()
+        self.filling: set[Key] = set()  # background fills on the link (`request_prefetch`)
         self.order = 0
         self.paused = 0  # on-demand loads pending
         self.protected: set[Key] = set()  # the current layer's needs: prefetches must not evict them
@@ -294,10 +296,14 @@ class DeviceExpertCache(BookView):
         *,
         replace: bool | Iterable[int] = True,
         stale_before: int | None = None,
+        if_idle: bool = False,
     ) -> None:
         """Queues prefetches `(key, priority)` (higher first), dropping waiting requests that are no longer
         wanted first: all of them (`replace=True`), those of the given layers (`replace=layers`), and those
-        of layers before `stale_before` (already computed)."""
+        of layers before `stale_before` (already computed). Background fills (priority -inf,
+        `hybrid.FILL_PRIORITY`: an expert the host computed, a free slot's expert) are no prediction, and no
+        prediction replaces them: they stay queued, and arriving, until they land. `if_idle`: queue the items
+        only if the link is idle (nothing queued or arriving), else drop them."""
         start = time.perf_counter()
         with self.lock:
             if replace is not False or stale_before is not None:
@@ -311,13 +317,15 @@ class DeviceExpertCache(BookView):
                     )
 
                 items = list(items)
-                kept = [entry for entry in self.queue if not unwanted(entry[2])]
+                kept = [entry for entry in self.queue if entry[0] == math.inf or not unwanted(entry[2])]
                 self.book.stats.dropped_prefetches += len(self.queue) - len(kept)
                 heapq.heapify(kept)
                 self.queue = kept
                 self.queued = {entry[2] for entry in kept}
                 still = {key for key, _ in items}
                 self._cancel_arriving(lambda key: unwanted(key) and key not in still)
+            if if_idle and (self.queue or self._inflight()):
+                items = []
             for key, priority in items:
                 if key in self.book or key in self.queued or key[0] == self.serving:
                     continue
@@ -333,6 +341,8 @@ class DeviceExpertCache(BookView):
         for key, entry in list(self.book.entries.items()):
             if key in self.protected:  # the layer being served needs it: a late prefetch still beats a miss
                 continue
+            if key in self.filling:
+                continue
             if entry.prefetched and not entry.ready and not entry.pins and unwanted(key):
                 unsent = self.mover.cancel(self.arrays[key])
                 if unsent is not None:
@@ -344,6 +354,9 @@ class DeviceExpertCache(BookView):
         if self.paused:
             return
         self._poll()
+        if self.filling:  # only those still arriving
+            entries = self.book.entries
+            self.filling = {k for k in self.filling if k in entries and not entries[k].ready}
         while self.queue and len(self._inflight()) < self.max_inflight:
             neg_priority, _, key = self.queue[0]
             if key in self.book:
@@ -355,6 +368,8 @@ class DeviceExpertCache(BookView):
             heapq.heappop(self.queue)
             self.queued.discard(key)
             self._start_copy(key, prefetched=True)
+            if neg_priority == math.inf:
+                self.filling.add(key)
 
     def _evict_for_prefetch(self, key: Key, priority: float) -> bool:
         """Makes room for a prefetch if the policy lets it evict its lowest-ranked expert."""

@@ -234,6 +234,42 @@ def test_cache_bookkeeping_hits_late_and_wasted():
     assert len(cache.book) <= 2
 
 
+class CancellableMover(FakeMover):
+    """Copies stop when asked, until they land."""
+
+    def cancel(self, handle):
+        return None if handle in self.done else 1.0
+
+
+def test_background_fills_outlive_predictions_and_if_idle_waits_for_a_free_link():
+    fill = float("-inf")  # hybrid.FILL_PRIORITY
+    mover = CancellableMover()
+    cache = DeviceExpertCache(mover, capacity=4, expert_bytes=10, policy=LRU(), max_inflight=1)
+    cache.request_prefetch([((0, 1), fill), ((0, 2), fill)], replace=False)
+    assert set(cache.arrays) == {(0, 1)}  # one copy on the link, the other fill queued
+    # A prediction replacing every earlier one, and marking layer 0 stale, keeps both fills.
+    cache.request_prefetch([((2, 0), 1.0)], replace=True, stale_before=1)
+    assert (0, 1) in cache.arrays and (0, 2) in cache.queued and cache.book.stats.dropped_prefetches == 0
+    # A prediction it does replace is dropped and, arriving, cancelled.
+    mover.done.add((0, 1))
+    cache.request_prefetch([], replace=True)  # the link frees: (2, 0) starts, then is no longer wanted
+    assert (2, 0) not in cache.queued
+    cache.request_prefetch([((3, 0), 1.0)], replace=False)
+    cache.request_prefetch([((3, 1), 1.0)], replace=True)
+    assert (3, 0) not in cache.arrays and (3, 0) not in cache.queued
+    # if_idle: queued only when nothing is queued or arriving.
+    busy = [k for k, e in cache.book.entries.items() if not e.ready]
+    assert busy or cache.queue
+    cache.request_prefetch([((1, 3), fill)], replace=False, if_idle=True)
+    assert (1, 3) not in cache.arrays and (1, 3) not in cache.queued
+    for _ in range(4):  # let every copy land
+        mover.done.update(cache.arrays)
+        cache.request_prefetch([], replace=False)
+    assert not cache.queue and all(e.ready for e in cache.book.entries.values())
+    cache.request_prefetch([((1, 3), fill)], replace=False, if_idle=True)
+    assert (1, 3) in cache.arrays
+
+
 def test_pinned_experts_survive_concurrent_prefetch_storms():
     """While a layer holds its experts, prefetches from another thread never evict them."""
     mover = FakeMover()

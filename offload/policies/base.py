@@ -56,11 +56,10 @@ class Policy:
     needs_hidden = False  # likewise for each MoE layer's router input (speculative / learned predictors)
     preload_all = False  # the cache starts with every expert (the resident policy)
     # Hybrid execution: an expert the host computed is also copied to the cache in the background, behind
-    # every prefetch, so that a cache without prediction still follows what is used (on_demand_lru). Off by
-    # default: the link serves prefetches in the order they start, so such a copy delays the later prefetches
-    # of a policy that predicts (fmoe with admission="all", simulated Mixtral-8x7B on an RTX 3090 + DDR5
-    # desktop at 25 %: TPOT 41.4 ms with it, 40.4 without).
-    host_fill = False
+    # every prefetch (True), so that a cache without prediction still follows what is used (on_demand_lru);
+    # "idle": only when the link is idle at the time, so that such a copy never delays a prediction's (fmoe).
+    # Off by default (Fiddler and the static split keep their placement).
+    host_fill: bool | str = False
     # A cache with room for every expert copies in those no request has needed yet (`Driver.fill_free_slots`),
     # so that the engine's full-cache fast path takes over. Off for a policy that places experts itself and
     # computes the rest on the host (Fiddler, the static split).

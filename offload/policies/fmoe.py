@@ -94,6 +94,14 @@ class FMoE(Policy):
     name = "fmoe"
     needs_semantic = True
     needs_probs = True
+    # Hybrid execution: an expert the host computed is copied to the cache when the link is idle, never in
+    # a prediction's way. On the validation split of experiment 8 (Mixtral-8x7B sizes, four systems, 12.5 /
+    # 25 / 50 %) that was 17-47 % faster at 50 % (where the cache otherwise fills only by prefetch and fmoe
+    # lost to on_demand_lru), 2-13 % faster at 25 %, and from 6 % faster to 1.5 % slower at 12.5 % (three
+    # systems). With it fmoe+hybrid beat on_demand_lru+hybrid at all 12 points, by 11-32 %. Filling behind
+    # every prefetch, as on_demand_lru does, was slower at 12.5 and 25 % on the RTX 3090 (up to 13 %): the
+    # fills evicted experts that would have been hits.
+    host_fill = "idle"
 
     def __init__(
         self,
