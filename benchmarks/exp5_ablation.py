@@ -8,9 +8,12 @@ only and exactly top-k per layer), `map(T+S)` (plus semantic search), `map(T+S+d
 selection: full fMoE), each prefetching every selected expert as the paper does, then `+ cost admission` (the
 default fmoe: prefetch only what pays for its copy). Unlike the paper, which ported speculation and hit counts
 into fMoE's matcher, the first two rows are the complete baselines with their own cache rules. (b) Caching:
-full fMoE prediction (every selected expert prefetched) with LRU, LFU or fMoE's p * freq eviction. Hit rates
-live, simulated with synchronous copies (prediction and caching alone) and asynchronous ones (with TPOT), on
-each `--hardware` preset.
+full fMoE prediction (every selected expert prefetched) with LRU, LFU, fMoE's p * freq or our reuse eviction.
+Hit rates live, simulated with synchronous copies (prediction and caching alone) and asynchronous ones (with
+TPOT), on each `--hardware` preset. (c) What the default fmoe is made of (issue 16), simulated only: each
+eviction rule with its cost admission, calibration and the popularity prior off, whole copies instead of one
+chunk per matrix, and Belady's eviction with 1, 2 or 4 tokens of foresight or the whole future (on-demand
+loads, no prefetch) beside the oracle (Belady plus perfect prefetch one layer ahead).
 Writes `exp5_ablation.{json,md,png}` to --out.
 """
 
@@ -35,14 +38,27 @@ CACHING = [
     h.Variant("LRU", "fmoe", (("eviction", "lru"), *ALL)),
     h.Variant("LFU", "fmoe", (("eviction", "lfu"), *ALL)),
     h.Variant("fMoE", "fmoe", (("eviction", "fmoe"), *ALL)),
+    h.Variant("reuse", "fmoe", (("eviction", "reuse"), *ALL)),
+]
+PARTS = [
+    h.Variant("fmoe (default: reuse eviction)", "fmoe"),
+    h.Variant("eviction fMoE (p * freq)", "fmoe", (("eviction", "fmoe"),)),
+    h.Variant("eviction LFU", "fmoe", (("eviction", "lfu"),)),
+    h.Variant("eviction LRU", "fmoe", (("eviction", "lru"),)),
+    h.Variant("calibration off", "fmoe", (("calibrate", False),)),
+    h.Variant("no popularity prior", "fmoe", (("popularity", False),)),
+    h.Variant("whole copies", "fmoe", chunks=1),
+    *(h.Variant(f"Belady, {n} token(s)", "oracle", (("prefetch", False), ("horizon", n))) for n in (1, 2, 4)),
+    h.Variant("Belady, whole future", "oracle", (("prefetch", False),)),
+    h.Variant("oracle", "oracle"),
 ]
 
 
-def rows_for(w: h.Workload, group: list[h.Variant], args) -> list[dict]:
+def rows_for(w: h.Workload, group: list[h.Variant], args, *, live: bool = True) -> list[dict]:
     rows = []
     for v in group:
         row = {"variant": v.label}
-        if not args.no_live:
+        if live and not args.no_live:
             print(f"[{w.name}] live {v.label}", flush=True)
             r = h.run_live(w, v)
             row |= dict(live_hit_rate=r["hit_rate"], live_tpot_ms=1e3 * r["median_tpot_s"])
@@ -66,9 +82,11 @@ def main(argv: list[str] | None = None) -> dict:
         w = h.load_workload(name, args)
         notes.append(h.settings_note(w))
         tracking, caching = rows_for(w, TRACKING, args), rows_for(w, CACHING, args)
-        payload["models"][w.name] = {"tracking": tracking, "caching": caching}
+        parts = rows_for(w, PARTS, args, live=False)
+        payload["models"][w.name] = {"tracking": tracking, "caching": caching, "parts": parts}
         tables[f"{w.name}: (a) expert-pattern tracking"] = tracking
         tables[f"{w.name}: (b) prefetching and caching (eviction)"] = caching
+        tables[f"{w.name}: (c) the default fmoe's parts, and Belady's foresight (simulated)"] = parts
         w.model.close()
     notes.append("sim_hit_rate_sync: simulated on the first --hardware preset with synchronous copies")
     payload["args"] = {k: str(v) for k, v in vars(args).items()}
@@ -89,8 +107,13 @@ def plot(payload: dict, path) -> None:
     }
     panels = {}
     for model, result in payload["models"].items():
-        for part, name in (("tracking", "(a) expert-pattern tracking"), ("caching", "(b) eviction")):
-            rows = result[part]
+        parts = (
+            ("tracking", "(a) expert-pattern tracking"),
+            ("caching", "(b) eviction"),
+            ("parts", "(c) parts"),
+        )
+        for part, name in parts:
+            rows = result.get(part, [])
             for key, where in sources.items():
                 if rows and key in rows[0]:
                     panels.setdefault(f"{where}\n{name}: hit rate", {})[model] = {

@@ -351,13 +351,16 @@ def batches(requests: Sequence[Request], size: int) -> list[list[Request]]:
 class Variant:
     """A policy as one row of a table: `options` are extra policy options (ablation switches); `knowledge`
     False starts learned policies empty (online serving: fmoe's store, MoE-Infinity's EAMs); `execution`
-    "hybrid" lets the host compute misses (`OffloadConfig.execution`)."""
+    "hybrid" lets the host compute misses (`OffloadConfig.execution`); `chunks`, the pieces a copy goes
+    over the link in: None, each runtime's default (live: one `device_put` per expert; simulated: 3, one per
+    matrix), 1 whole experts (both), 3 per matrix (live: `OffloadConfig(chunked_copies=True)`)."""
 
     label: str
     policy: str
     options: tuple[tuple[str, Any], ...] = ()
     knowledge: bool = True
     execution: str = "copy"
+    chunks: int | None = None
 
 
 def variants(names: Sequence[str]) -> list[Variant]:
@@ -425,6 +428,7 @@ def offload_config(
         prefetch_distance=d,
         max_inflight=args.max_inflight,
         synchronous_transfers=synchronous,
+        chunked_copies=variant.chunks is not None and variant.chunks > 1,
         execution=variant.execution,
     )
 
@@ -530,6 +534,7 @@ def run_sim(
         host=HOSTS[host] if host else None,
         router_weights=workload.router_weights,
         warmup=[batch_trace(b) for b in warmup],
+        **({} if variant.chunks is None else {"chunks": variant.chunks}),
     )
 
 

@@ -232,3 +232,26 @@ def test_validation_split_holds_out_the_store_prompts_only():
     assert len(v_replayed) == round(0.3 * len(store))
     with pytest.raises(ValueError, match="split must be"):
         split_prompts(prompts, "test", seed=0)
+
+
+def test_exp5_ablates_the_default_fmoe_and_belady_foresight(hf_dirs, tmp_path):
+    prompts = tiny_sharegpt(tmp_path)
+    out = tmp_path / "results"
+    command = [sys.executable, "-m", "benchmarks.exp5_ablation", "--no-live"]
+    command += [
+        *("--model", str(hf_dirs["mixtral"]), "--prompts", str(prompts), "--n-prompts", "6"),
+        *("--prompt-tokens", "8", "--new-tokens", "4", "--warmup", "1", "--hardware", "h100_sxm"),
+        *("--out", str(out), "--cache-dir", str(tmp_path / "cache")),
+    ]
+    subprocess.run(command, cwd=ROOT, check=True, timeout=600)
+    payload = json.loads((out / "exp5_ablation.json").read_text())
+    (result,) = payload["models"].values()
+    parts = {row["variant"]: row for row in result["parts"]}
+    assert set(parts) >= {"fmoe (default: reuse eviction)", "whole copies", "calibration off", "oracle"}
+    assert "reuse" in {row["variant"] for row in result["caching"]}
+    # Belady's miss count is the optimum of on-demand loading: no foresight limit does better.
+    best = parts["Belady, whole future"]["sim_hit_rate_sync"]
+    assert all(parts[f"Belady, {n} token(s)"]["sim_hit_rate_sync"] <= best for n in (1, 2, 4))
+    assert parts["whole copies"]["h100_sxm_tpot_s"] > 0
+    assert "(c) the default fmoe's parts" in (out / "exp5_ablation.md").read_text()
+    assert (out / "exp5_ablation.png").stat().st_size > 10_000
