@@ -255,3 +255,25 @@ def test_exp5_ablates_the_default_fmoe_and_belady_foresight(hf_dirs, tmp_path):
     assert parts["whole copies"]["h100_sxm_tpot_s"] > 0
     assert "(c) the default fmoe's parts" in (out / "exp5_ablation.md").read_text()
     assert (out / "exp5_ablation.png").stat().st_size > 10_000
+
+
+def test_conclusion_counts_where_fmoe_hybrid_wins_and_loses():
+    from benchmarks.make_readme import _hybrid_sentence
+
+    def rows(budget, **tpot):
+        return [
+            {"policy": p.replace("_h", "+hybrid"), "budget": budget, "tpot_ms": t} for p, t in tpot.items()
+        ]
+
+    payload = {
+        "models": {
+            "m": {
+                "sys": rows(0.25, fmoe_h=30.0, fiddler=40.0, on_demand_lru_h=35.0, oracle_h=20.0)
+                + rows(0.5, fmoe_h=20.0, fiddler=25.0, on_demand_lru_h=18.0, oracle_h=22.0)
+            }
+        }
+    }
+    text = _hybrid_sentence(payload)
+    assert "at 1 of 2 (model, system, budget) points" in text
+    assert "at budget 0.5 to on_demand_lru+hybrid, by up to 11 %" in text
+    assert "0.75–0.80x Fiddler's" in text
