@@ -55,6 +55,7 @@ class _Row:
     rows: Rows  # its tokens, text and finish reason (a one-row `Rows`, as `generate` keeps them)
     tokens: np.ndarray  # [P] its prompt, left padded to a multiple of `chunk`
     key_start: int  # cache index of its first prompt token
+    number: int  # the batch's count of requests joined so far: its id for the expert policy
     next_chunk: int = 0
 
 
@@ -87,6 +88,7 @@ class ContinuousBatch:
         self._cache = self.engine.init_cache(slots, context)
         self._side = self.engine.init_cache(1, context)  # the joining request's prefill
         self._joining: collections.deque[_Row] = collections.deque()
+        self._joined = 0  # requests joined so far
         self._in_slot: list[_Row | None] = [None] * slots
         self._write = np.zeros((slots,), np.int32)  # each slot's cache index of its next token
         self._key_start = np.zeros((slots,), np.int32)
@@ -152,7 +154,8 @@ class ContinuousBatch:
             logprobs=request.return_logprobs,
             top_logprobs=request.top_logprobs,
         )
-        self._joining.append(_Row(owner, request, rows, tokens, padded - len(prompt)))
+        self._joined += 1
+        self._joining.append(_Row(owner, request, rows, tokens, padded - len(prompt), self._joined))
         if self._period is not None:
             self._period.prompt_tokens += len(prompt)
 
@@ -175,7 +178,7 @@ class ContinuousBatch:
         start = row.next_chunk * c
         layout = Layout(np.int32(start), np.asarray([row.key_start], np.int32), np.ones((1,), bool), c)
         out, self._side = self.engine.step(
-            row.tokens[None, start : start + c], self._side, layout, self._key, GREEDY
+            row.tokens[None, start : start + c], self._side, layout, self._key, GREEDY, requests=(row.number,)
         )
         row.next_chunk += 1
         if start + c < len(row.tokens):
@@ -198,8 +201,9 @@ class ContinuousBatch:
         start = time.perf_counter()
         compiled = self.engine.programs.compile_s
         layout = Layout(self._write.copy(), self._key_start.copy(), active, 1)
+        requests = tuple(-1 if r is None else r.number for r in self._in_slot)
         out, self._cache = self.engine.step(
-            self._last[:, None].copy(), self._cache, layout, self._key, GREEDY
+            self._last[:, None].copy(), self._cache, layout, self._key, GREEDY, requests=requests
         )
         tokens = np.asarray(out.tokens)
         pieces = []

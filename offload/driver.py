@@ -77,6 +77,7 @@ class Driver:
         # callers add theirs (the engine's "context_collection").
         self.timers: collections.defaultdict[str, float] = collections.defaultdict(float)
         self._start: tuple[CacheStats, dict[str, float]] = (CacheStats(), {})
+        self.requests: tuple[int, ...] | None = None  # the rows' requests of the step being run (engine)
 
     # -- statistics ---------------------------------------------------------------------------------------
     def _all_timers(self) -> dict[str, float]:
@@ -144,7 +145,7 @@ class Driver:
         """
         policy = self.policy
         token_valid = valid.reshape(-1)
-        start = IterationStart(valid, embeds if policy.needs_semantic else None)
+        start = IterationStart(valid, embeds if policy.needs_semantic else None, self.requests)
         self._tell(policy.on_iteration_start, start)
         for layer in range(policy.ctx.num_layers):
             routed = route(layer)

@@ -26,6 +26,9 @@ class IterationStart:
 
     valid: np.ndarray  # [B, T] bool: False for padding and finished rows
     embeds: np.ndarray | None = None  # [N, H] float32, the semantic context (policies that `needs_semantic`)
+    # Each row's request, an id stable across iterations (continuous batching, where a row's request
+    # changes between `RequestStart`s); None: the rows are the requests of the last `RequestStart`.
+    requests: tuple[int, ...] | None = None
 
     @property
     def decoding(self) -> bool:

@@ -25,8 +25,8 @@ def request_start(policy, batch: int) -> None:
     policy.on_request_start(RequestStart(batch))
 
 
-def iteration_start(policy, embeds, valid) -> None:
-    policy.on_iteration_start(IterationStart(np.asarray(valid), embeds))
+def iteration_start(policy, embeds, valid, requests=None) -> None:
+    policy.on_iteration_start(IterationStart(np.asarray(valid), embeds, requests))
 
 
 def layer_routed(policy, layer: int, probs, ids, valid, *, hidden=None) -> None:

@@ -176,3 +176,28 @@ def test_a_write_index_per_row_is_the_shared_one_when_equal(mixtral):
     np.testing.assert_array_equal(a2, b2)
     for x, y in zip(ak, bk, strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_the_expert_policy_hears_which_request_each_row_serves():
+    model = fj.load_model("fmoe-tiny-mixtral", offload=fj.OffloadConfig(policy="fmoe", cache_experts=16))
+    try:
+        policy, seen = model.engine.policy, []
+        hear = policy.on_iteration_start
+        policy.on_iteration_start = lambda event: (
+            seen.append((event.valid.shape, event.requests)),
+            hear(event),
+        )
+        batch = ContinuousBatch(model, slots=2, context=64, chunk=16)
+        requests = [
+            resolve_request(model, p, max_new_tokens=3 + i, stop_at_eos=False)
+            for i, p in enumerate(PROMPTS[:3])
+        ]
+        serve(batch, requests)
+    finally:
+        model.close()
+    prefills = [r for shape, r in seen if shape[1] > 1]
+    decodes = [r for shape, r in seen if shape[1] == 1]
+    assert prefills == [(1,), (2,), (3,)]  # one chunk each, under the request's own id
+    assert all(len(r) == 2 for r in decodes)  # a row per slot; -1: a free slot
+    assert decodes[0] == (1, -1) and (1, 2) in decodes
+    assert (3, 2) in decodes  # request 3 took the slot request 1 left

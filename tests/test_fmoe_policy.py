@@ -356,3 +356,28 @@ def test_offline_store_from_traces(hf_dirs):
         again = fj.generate(model, [[3, 4, 5, 6], [9, 8, 7]], max_new_tokens=5)
         assert again.tokens == out.tokens
         assert len(model.engine.policy.store) == len(store)  # offline: the store does not learn
+
+
+@pytest.mark.parametrize("requests", [None, ((7, 8), (8, 9))])
+def test_follower_links_join_the_tokens_of_one_request(requests):
+    """Two decode iterations of two rows. Under continuous batching (request ids given) row 0's request 7
+    leaves and row 1's request 8 moves to row 0: its second token follows its first, whatever the rows.
+    Without ids the rows are the requests."""
+    store = ExpertMapStore(capacity=8, num_layers=4, num_experts=4, embed_dim=3, prefetch_distance=1)
+    ctx = PolicyContext(num_layers=4, num_experts=4, top_k=1, embed_dim=3, prefetch_distance=1, capacity=4)
+    policy = FMoE(store=store, asynchronous=False, learn=True)
+    policy.bind(ctx, RecordingCache())
+    valid = np.ones((2, 1), bool)
+    rng = np.random.default_rng(0)
+    for step in range(2):
+        iteration_start(
+            policy, rng.random((2, 3), np.float32), valid, None if requests is None else requests[step]
+        )
+        for layer in range(4):
+            probs = rng.dirichlet(np.ones(4), 2).astype(np.float32)
+            layer_routed(policy, layer, probs, probs.argmax(1)[:, None], valid)
+        policy.on_iteration_end()
+    # Slots 0 and 1: the first iteration's rows; 2 and 3: the second's.
+    followers = store._future_count[:4].tolist()
+    assert followers == ([1.0, 1.0, 0.0, 0.0] if requests is None else [0.0, 1.0, 0.0, 0.0])
+    policy.close()

@@ -49,8 +49,10 @@ class Engine(Protocol):
         sampling: Sampling,
         record: bool = False,
         record_hidden: bool = False,
+        requests: Any = None,
     ) -> tuple[StepOutput, list[LayerKV]]:
-        """Prefill (T > 1) or one decode step (T = 1) of tokens `[B, T]`."""
+        """Prefill (T > 1) or one decode step (T = 1) of tokens `[B, T]`. `requests`: each row's request id,
+        stable across steps, when rows change requests between `begin`s (continuous batching)."""
 
     def finish(self, stats: Any) -> None:
         """The call is over: fill the engine's statistics into `stats` (a `GenerationStats`)."""

@@ -232,8 +232,11 @@ class OffloadEngine:
         sampling: Sampling,
         record: bool = False,
         record_hidden: bool = False,
+        requests: Any = None,
     ) -> tuple[StepOutput, list[LayerKV]]:
-        """Prefill (T > 1) or one decode step (T = 1); samples each row's next token."""
+        """Prefill (T > 1) or one decode step (T = 1); samples each row's next token. `requests`: each row's
+        request id (`IterationStart.requests`), for continuous batching."""
+        self.driver.requests = None if requests is None else tuple(int(r) for r in requests)
         if self.devices.single:
             done = self._step_whole(tokens, kv, layout, key, sampling, record, record and record_hidden)
             if done is not None:

@@ -51,8 +51,10 @@ class ResidentEngine:
         sampling: Sampling,
         record: bool = False,
         record_hidden: bool = False,
+        requests: Any = None,
     ) -> tuple[StepOutput, list[LayerKV]]:
-        """Runs prefill (T > 1) or one decode step (T = 1) and samples the next token of each row."""
+        """Runs prefill (T > 1) or one decode step (T = 1) and samples the next token of each row (`requests`
+        is for the offload engine's policy)."""
         next_tokens, logits, cache, recorded = self._step(
             self.params, tokens, cache, layout, key, sampling, record, record and record_hidden
         )

@@ -40,6 +40,9 @@ from ..forecast import Calibration, ReuseForecast
 from .base import Policy, PolicyContext
 from .fiddler import expert_usage
 
+# Requests whose last tokens the matcher remembers for follower links (`FMoE._learn`).
+_RECENT_REQUESTS = 1024
+
 
 @dataclasses.dataclass
 class _Context:
@@ -50,6 +53,7 @@ class _Context:
     iteration: int = 0  # the policy's iteration count when published (a late match updates no guide)
     request: int = 0  # the policy's request count when published
     rows: Any = None  # update: each token's batch row
+    requests: Any = None  # update: each row's request id (`IterationStart.requests`), or None
 
 
 class FMoE(Policy):
@@ -241,8 +245,10 @@ class FMoE(Policy):
         self._iteration = 0
         self._request = 0
         self._hint: np.ndarray | None = None  # [L, J] what the store says follows the last token
-        self._recent: dict[int, collections.deque] = {}  # matcher: each row's last slots in the store
-        self._recent_request = -1
+        # Matcher: each request's last slots in the store, by (request count, row), or by the request id the
+        # engine gives (continuous batching); the least recently used go beyond `_RECENT_REQUESTS`.
+        self._recent: collections.OrderedDict[tuple, collections.deque] = collections.OrderedDict()
+        self._requests: tuple[int, ...] | None = None  # the current iteration's rows' requests
         self._prefix_dots = PrefixDots()  # matcher: an iteration's trajectory searches, layer after layer
         if self.asynchronous:
             self._thread = threading.Thread(target=self._run, name="fmoe-matcher", daemon=True)
@@ -296,6 +302,7 @@ class FMoE(Policy):
             self._embeds = np.zeros((n_valid, self.ctx.embed_dim), np.float32)
         self._maps = np.zeros((rows * tokens, self.ctx.num_layers, self.ctx.num_experts), np.float32)
         self._token_rows = np.repeat(np.arange(rows), tokens)[self._valid]  # each valid token's row
+        self._requests = event.requests
         self._clock = None
         self._decoding = tokens == 1
         self._iteration += 1
@@ -375,11 +382,8 @@ class FMoE(Policy):
             self._update_rate()
         if self._embeds.shape[0] and (self.learn or self.eviction == "reuse"):
             context = _Context("update", data=self._embeds, extra=self._maps[self._valid])
-            context.rows, context.request, context.iteration = (
-                self._token_rows,
-                self._request,
-                self._iteration,
-            )
+            context.rows, context.requests = self._token_rows, self._requests
+            context.request, context.iteration = self._request, self._iteration
             self._publish(context)
 
     def _publish(self, context: _Context) -> None:
@@ -474,13 +478,17 @@ class FMoE(Policy):
         self.cache.request_prefetch(items, replace=replace, stale_before=current + 1)
 
     def _learn(self, context: _Context) -> None:
-        """Adds the iteration's maps to the store and records each as a follower of the same row's
+        """Adds the iteration's maps to the store and records each as a follower of the same request's
         previous `reuse_horizon` tokens (`ExpertMapStore.add_future`)."""
         slots = self.store.add(context.data, context.extra)
-        if context.request != self._recent_request:  # a new batch of requests: no earlier tokens
-            self._recent, self._recent_request = {}, context.request
         for slot, row, token_map in zip(slots, context.rows, context.extra, strict=True):
-            recent = self._recent.setdefault(int(row), collections.deque(maxlen=self.reuse_horizon))
+            key = (context.request, int(row)) if context.requests is None else (context.requests[row],)
+            recent = self._recent.get(key)
+            if recent is None:
+                recent = self._recent[key] = collections.deque(maxlen=self.reuse_horizon)
+                if len(self._recent) > _RECENT_REQUESTS:
+                    self._recent.popitem(last=False)
+            self._recent.move_to_end(key)
             if recent:
                 self.store.add_future(
                     np.fromiter(recent, np.int64), np.repeat(token_map[None], len(recent), 0)
