@@ -3,7 +3,8 @@
 The engine publishes contexts; a matcher thread subscribes to them, searches the `ExpertMapStore`
 (semantic search at iteration start for layers [0, d), trajectory search after each layer for the layers
 d ahead), picks experts by similarity-aware selection, and queues prefetches by priority p / (l - l_now).
-Eviction keeps the experts with the highest p * freq. The engine never waits for matching.
+The paper's eviction keeps the experts with the highest p * freq; ours by default ("reuse") keeps those most
+likely needed soon (see `keep_score`). The engine never waits for matching.
 
 Prefetch admission (ours, not in the paper): a selected expert is prefetched only when its probability p
 pays for the link time it takes. A prefetch that is used saves at most min(T, W) of stall (T: one expert's
