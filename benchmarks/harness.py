@@ -361,6 +361,7 @@ class Variant:
     knowledge: bool = True
     execution: str = "copy"
     chunks: int | None = None
+    finish_started: bool = True  # simulated: False cancels a prefetch between chunks (`SimulatedLink`)
 
 
 def variants(names: Sequence[str]) -> list[Variant]:
@@ -535,6 +536,7 @@ def run_sim(
         router_weights=workload.router_weights,
         warmup=[batch_trace(b) for b in warmup],
         **({} if variant.chunks is None else {"chunks": variant.chunks}),
+        **({} if variant.finish_started else {"finish_started": False}),
     )
 
 

@@ -32,19 +32,24 @@ class SimulatedLink:
     An expert goes over in `chunks` equal pieces (one per weight matrix by default), one piece at a time.
     The link serves urgent copies (on-demand loads) before any prefetch piece it has not started, so a
     miss waits behind at most the one piece already under way; prefetches are served in the order asked,
-    back to back while any wait; a prefetch can be cancelled between pieces. `wait` advances the clock to
-    the last completion and counts the advance as stall time (compute waiting for experts); `compute`
-    advances it by compute time. The link's schedule is worked out lazily: a piece is committed when the
-    clock passes its start, so a later urgent copy can still go ahead of the pieces not yet started.
+    back to back while any wait; a prefetch can be cancelled before its first piece (or between pieces,
+    with `finish_started=False`; see `transfer.ChunkedJaxMover` for why started copies finish). `wait`
+    advances the clock to the last completion and counts the advance as stall time (compute waiting for
+    experts); `compute` advances it by compute time. The link's schedule is worked out lazily: a piece is
+    committed when the clock passes its start, so a later urgent copy can still go ahead of the pieces not
+    yet started.
     """
 
-    def __init__(self, expert_bytes: int, bytes_per_s: float, *, chunks: int = 3):
+    def __init__(
+        self, expert_bytes: int, bytes_per_s: float, *, chunks: int = 3, finish_started: bool = True
+    ):
         if bytes_per_s <= 0:
             raise ValueError(f"link bandwidth must be positive, got {bytes_per_s} bytes/s")
         if chunks < 1:
             raise ValueError(f"an expert goes over in at least one chunk, got chunks={chunks}")
         self.copy_s = expert_bytes / bytes_per_s
         self.chunks = chunks
+        self.finish_started = finish_started
         self.chunk_s = self.copy_s / chunks
         self.clock = 0.0
         self.free_at = 0.0  # when the last piece the link has started completes
@@ -124,6 +129,8 @@ class SimulatedLink:
         self._advance(self.clock)
         if handle.done_s != math.inf:
             return None  # its last piece is under way or done
+        if self.finish_started and handle.chunks_left < self.chunks:
+            return None  # started: it lands
         queue = self.urgent if handle.urgent else self.background
         queue.remove(handle)
         return handle.chunks_left / self.chunks

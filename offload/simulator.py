@@ -122,6 +122,7 @@ def simulate(
     router_weights: Sequence[np.ndarray] | None = None,
     warmup: Sequence[RoutingTrace] = (),
     chunks: int = 3,
+    finish_started: bool = True,
 ) -> SimResult:
     """Replays routing traces through an offload policy and expert cache on a simulated clock.
 
@@ -147,6 +148,8 @@ def simulate(
       warmup: traces replayed first through the same policy and cache, left out of the result (cache and
         policy state carry over into `traces`, as `generate` calls before a measurement do).
       chunks: pieces each expert's copy goes over the link in (`SimulatedLink`); 1: whole experts.
+      finish_started: a prefetch no longer wanted is cancelled only before its first piece (the default,
+        as the live `ChunkedJaxMover`); False: also between pieces.
 
     Returns:
       a `SimResult` of `traces`. The policy is bound to a fresh cache and closed at the end.
@@ -164,6 +167,7 @@ def simulate(
         router_weights=router_weights,
         check=everything,
         chunks=chunks,
+        finish_started=finish_started,
     )
     try:
         for trace in everything[: len(everything) - len(traces)]:
@@ -197,6 +201,7 @@ class Replay:
         router_weights: Sequence[np.ndarray] | None = None,
         check: Sequence[RoutingTrace] = (),
         chunks: int = 3,
+        finish_started: bool = True,
     ):
         offload = offload or OffloadConfig()
         if offload.execution == "hybrid" and host is None:
@@ -222,7 +227,9 @@ class Replay:
 
         total = self.num_layers * num_experts
         self.capacity = total if self.policy.preload_all else offload.slots(model.expert_bytes, total)
-        self.link = SimulatedLink(model.expert_bytes, hardware.link_effective, chunks=chunks)
+        self.link = SimulatedLink(
+            model.expert_bytes, hardware.link_effective, chunks=chunks, finish_started=finish_started
+        )
         self.cache = DeviceExpertCache(
             self.link,
             self.capacity,

@@ -425,7 +425,7 @@ def test_chunked_copies_are_bit_identical_in_bfloat16(name="fmoe-tiny-mixtral"):
 
 
 def test_chunked_copies_under_a_prefetch_storm_stay_lossless(hf_dirs):
-    """Prefetches replaced as fast as a thread can ask: the transfer thread cancels them between chunks."""
+    """Prefetches replaced as fast as a thread can ask: the transfer thread drops those not yet started."""
     resident = fj.load_model(hf_dirs["mixtral"])
     prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26]]
     ref = fj.generate(resident, prompts, max_new_tokens=10, stop_at_eos=False)
@@ -469,13 +469,13 @@ class GatedLink:
         return self.send(leaf)
 
 
-def chunked_mover(hold: int) -> tuple[ChunkedJaxMover, GatedLink]:
+def chunked_mover(hold: int, **options) -> tuple[ChunkedJaxMover, GatedLink]:
     """Experts of three chunks (4, 4 and 8 values), each chunk's first values naming it."""
 
     def host(key):
         return tuple(np.array([key[1], c] + [0] * (2 + 4 * (c == 2)), np.float32) for c in range(3))
 
-    mover = ChunkedJaxMover(host, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    mover = ChunkedJaxMover(host, jax.sharding.SingleDeviceSharding(jax.devices()[0]), **options)
     gate = GatedLink(mover._link.send, hold)
     mover._link.send = gate
     return mover, gate
@@ -499,8 +499,19 @@ def test_chunked_mover_sends_on_demand_loads_between_a_prefetchs_chunks():
     mover.close()
 
 
-def test_chunked_mover_cancels_between_chunks_not_within_one():
+def test_chunked_mover_lets_a_started_copy_land_by_default():
     mover, gate = chunked_mover(hold=1)
+    copy = mover.start((0, 4))
+    assert gate.holding.wait(10)  # its second chunk is on the link
+    assert mover.cancel(copy) is None
+    gate.release.set()
+    mover.wait([copy])
+    assert gate.sent == [(4, 0), (4, 1), (4, 2)] and float(mover.result(copy)[2][0]) == 4.0
+    mover.close()
+
+
+def test_chunked_mover_cancels_between_chunks_not_within_one():
+    mover, gate = chunked_mover(hold=1, finish_started=False)
     copy = mover.start((0, 5))
     assert gate.holding.wait(10)  # its second chunk (4 of 16 values) is on the link
     assert mover.cancel(copy) == pytest.approx(0.5)  # the third chunk, 8 of 16 values, is not sent
@@ -509,7 +520,7 @@ def test_chunked_mover_cancels_between_chunks_not_within_one():
     mover.wait([last])
     assert gate.sent == [(5, 0), (5, 1), (6, 0), (6, 1), (6, 2)]
 
-    mover, gate = chunked_mover(hold=2)
+    mover, gate = chunked_mover(hold=2, finish_started=False)
     copy = mover.start((0, 7))
     assert gate.holding.wait(10)
     assert mover.cancel(copy) is None  # its last chunk is under way: it lands

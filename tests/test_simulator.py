@@ -322,7 +322,7 @@ def test_simulated_link_serves_prefetches_in_order_and_counts_stall():
 
 
 def test_on_demand_load_waits_behind_one_chunk_and_prefetches_cancel_between_chunks():
-    link = SimulatedLink(expert_bytes=300, bytes_per_s=1000.0)  # 3 chunks of 0.1 s
+    link = SimulatedLink(expert_bytes=300, bytes_per_s=1000.0, finish_started=False)  # 3 chunks of 0.1 s
     first, second = link.start((1, 0)), link.start((1, 1))  # two prefetches queue (0.6 s of link)
     link.compute(0.05)  # the first prefetch's first chunk is under way
     miss = link.start((0, 3), urgent=True)
@@ -335,6 +335,15 @@ def test_on_demand_load_waits_behind_one_chunk_and_prefetches_cancel_between_chu
     link.compute(1.0)
     assert link.busy_s == pytest.approx(0.1 + 0.3 + 0.1)  # two chunks of the first, the whole miss
     assert link.cancel(miss) is None  # done: nothing to cancel
+
+
+def test_a_started_prefetch_lands_by_default_and_only_unstarted_ones_cancel():
+    link = SimulatedLink(expert_bytes=300, bytes_per_s=1000.0)  # 3 chunks of 0.1 s
+    first, second = link.start((1, 0)), link.start((1, 1))
+    link.compute(0.15)  # the first prefetch's second chunk is under way, the second's not begun
+    assert link.cancel(first) is None and link.cancel(second) == pytest.approx(1.0)
+    link.compute(1.0)
+    assert link.is_ready(first) and first.done_s == pytest.approx(0.3) and link.busy_s == pytest.approx(0.3)
 
 
 def random_trace(seed: int, requests: int = 1, decode: int = 40, layers: int = 4, experts: int = 8):
