@@ -88,6 +88,7 @@ def test_cost_admission_prefetches_only_what_pays_for_its_copy():
     probs = np.array([[0.7, 0.1, 0.1, 0.1]], np.float32)  # trajectory score 1 with the stored map
 
     def prefetched(**options):
+        options.setdefault("link_queue", False)
         policy, cache = bound_policy(one_map_store(), semantic=False, **options)
         iteration_start(policy, np.zeros((1, 3), np.float32), valid)
         layer_routed(policy, 0, probs, np.array([[0]]), valid)
@@ -107,6 +108,31 @@ def test_cost_admission_prefetches_only_what_pays_for_its_copy():
     assert prefetched()[1] == [(1, 1), (2, 2), (3, 3)]  # nothing measured yet: the paper's behaviour
     with pytest.raises(ValueError, match="admission"):
         FMoE(admission="sometimes")
+
+
+def test_cost_admission_counts_the_copies_queued_ahead_on_the_link():
+    """With the link's queue counted, a prefetch starts after the copies ahead of it: layer 3's (3 ms,
+    after layer 2's 3 ms copy) would land 3 ms after layer 3 is due, so only layer 2's goes; a copy already
+    arriving, or the misses the layers in between will load, push layer 2's past its layer too."""
+    valid = np.ones((1, 1), bool)
+    probs = np.array([[0.7, 0.1, 0.1, 0.1]], np.float32)
+
+    def prefetched(arriving=(), hits=0, misses=0):
+        policy, cache = bound_policy(one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3)
+        for key in arriving:
+            cache.book.add(key, prefetched=True)  # not ready: still on the link
+        cache.book.stats.hits, cache.book.stats.misses = hits, misses
+        iteration_start(policy, np.zeros((1, 3), np.float32), valid)
+        layer_routed(policy, 0, probs, np.array([[0]]), valid)
+        ((items, _),) = cache.requests
+        return policy, [key for key, _ in items]
+
+    policy, keys = prefetched()
+    assert keys == [(2, 2)] and policy.stats()["not_admitted"] == 2
+    assert prefetched(arriving=[(0, 3)])[1] == []
+    # Half of the accesses miss (top_k = 1): layer 1's miss takes the link 0.5 * 3 ms before layer 2's copy.
+    assert prefetched(hits=1, misses=1)[1] == []
+    assert prefetched(hits=9, misses=1)[1] == [(2, 2)]  # 0.3 ms: still in time to save 1.7 ms (p >= 0.64)
 
 
 def test_cost_admission_measures_copy_and_layer_time_live(hf_dirs):
@@ -149,14 +175,19 @@ def test_reuse_eviction_keeps_what_this_iteration_or_the_next_ones_need():
 
 def test_reuse_eviction_keeps_popular_experts_from_the_profile():
     popularity = np.array([[9, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [3, 1, 0, 0]], np.float64)
-    policy, _ = bound_policy(one_map_store(), popularity=popularity)  # top_k = 1: rate = share per layer
+    # top_k = 1 of J = 4: an expert's share of its layer's tokens counts above the uniform 1/4, scaled to 1.
+    policy, _ = bound_policy(one_map_store(), popularity=popularity)
     plain, _ = bound_policy(one_map_store())
     for p in (policy, plain):
         iteration_start(p, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
     reuse = policy.forecast.scores
     assert not policy._need[3].any()  # layer 3 has no guide: only the forecast and the profile speak
-    assert policy.keep_score((3, 0), Entry()) == pytest.approx(1 - (1 - reuse[3, 0]) * (1 - 0.75))
+    excess = (0.75 - 0.25) / (1 - 0.25)  # expert 0 has 3 of layer 3's 4 tokens
+    assert policy.keep_score((3, 0), Entry()) == pytest.approx(1 - (1 - reuse[3, 0]) * (1 - excess))
     assert policy.keep_score((3, 0), Entry()) > policy.keep_score((3, 1), Entry())
+    for expert in range(4):  # a uniform share (layer 3's expert 1, every expert of layer 1) counts nothing
+        assert policy.keep_score((1, expert), Entry()) == pytest.approx(plain.keep_score((1, expert), Entry()))
+    assert policy.keep_score((3, 1), Entry()) == pytest.approx(plain.keep_score((3, 1), Entry()))
     assert plain.keep_score((3, 0), Entry()) == pytest.approx(plain.keep_score((3, 1), Entry()))
     assert policy.keep_score((2, 0), Entry()) == pytest.approx(plain.keep_score((2, 0), Entry()))  # no uses
     with pytest.raises(ValueError, match="popularity profile"):
@@ -180,7 +211,9 @@ def test_without_a_profile_fmoe_profiles_what_it_serves_and_saves_it_with_the_st
     path = tmp_path / "store.npz"
     counting, _ = bound_policy(one_map_store(), store_path=path)
     none, _ = bound_policy(one_map_store(), popularity=False)
-    profiled, _ = bound_policy(one_map_store(), popularity=np.ones((4, 4)))
+    profile = np.ones((4, 4))
+    profile[3] = [1, 3, 0, 0]  # expert 0 at the uniform share (no credit), expert 1 above it
+    profiled, _ = bound_policy(one_map_store(), popularity=profile)
     valid = np.ones((1, 2), bool)
     for p in (counting, none, profiled):
         for _ in range(3):  # two tokens an iteration, both routed to expert 0 of layer 3
@@ -194,10 +227,10 @@ def test_without_a_profile_fmoe_profiles_what_it_serves_and_saves_it_with_the_st
     assert none.keep_score((3, 0), Entry()) < 1.0
     assert counting.keep_score((3, 1), Entry()) == pytest.approx(none.keep_score((3, 1), Entry()))
     assert counting.keep_score((2, 0), Entry()) == pytest.approx(none.keep_score((2, 0), Entry()))
-    # A given profile is used as given: the served tokens do not move it.
-    assert profiled.keep_score((3, 0), Entry()) == pytest.approx(
-        1 - (1 - profiled.forecast.scores[3, 0]) * 0.75
-    )
+    # A given profile is used as given: the served tokens (all to expert 0) do not move it.
+    scores = profiled.forecast.scores
+    assert profiled.keep_score((3, 0), Entry()) == pytest.approx(scores[3, 0])
+    assert profiled.keep_score((3, 1), Entry()) == pytest.approx(1 - (1 - scores[3, 1]) * (1 - 2 / 3))
 
     counting.close()  # saves the counts with the store; a policy loading that store starts from them
     reloaded = FMoE(store_path=path, asynchronous=False, learn=False)
