@@ -186,7 +186,8 @@ def test_reuse_eviction_keeps_popular_experts_from_the_profile():
     assert policy.keep_score((3, 0), Entry()) == pytest.approx(1 - (1 - reuse[3, 0]) * (1 - excess))
     assert policy.keep_score((3, 0), Entry()) > policy.keep_score((3, 1), Entry())
     for expert in range(4):  # a uniform share (layer 3's expert 1, every expert of layer 1) counts nothing
-        assert policy.keep_score((1, expert), Entry()) == pytest.approx(plain.keep_score((1, expert), Entry()))
+        key = (1, expert)
+        assert policy.keep_score(key, Entry()) == pytest.approx(plain.keep_score(key, Entry()))
     assert policy.keep_score((3, 1), Entry()) == pytest.approx(plain.keep_score((3, 1), Entry()))
     assert plain.keep_score((3, 0), Entry()) == pytest.approx(plain.keep_score((3, 1), Entry()))
     assert policy.keep_score((2, 0), Entry()) == pytest.approx(plain.keep_score((2, 0), Entry()))  # no uses
