@@ -138,6 +138,13 @@ def measure(
             row["add_full_b1"] = _stats(_time_ms(store.add, [contexts.draw(rng, 1) for _ in range(repeats)]))
             batches = [contexts.draw(rng, 64) for _ in range(max(3, repeats // 20))]
             row["add_full_b64"] = _stats(_time_ms(store.add, batches))
+            # fmoe's reuse hint after each iteration: what followed the stored map most like the last token's
+            # (`future_of`, one more pass over the store's maps), once every stored map has a follower.
+            slots = np.arange(len(store))
+            for start in range(0, len(slots), FILL_CHUNK):
+                part = slots[start : start + FILL_CHUNK]
+                store.add_future(part, contexts.draw(rng, len(part))[1])
+            row["future_of_b1"] = _stats(_time_ms(store.future_of, [(m,) for _, m in queries]))
         del store
 
     same = [np.array_equal(s[1], e[1]) for s, e in zip(results["sketch"], results["exact"], strict=True)]
@@ -160,6 +167,7 @@ def print_table(rows: list[dict]) -> None:
         ("traj cold", "traj_cold"),
         ("add B=1", "add_full_b1"),
         ("add B=64", "add_full_b64"),
+        ("future_of B=1", "future_of_b1"),
     ]
     head = f"{'model':<13} {'C':>6} {'MiB':>5} " + " ".join(f"{title:>15}" for title, _ in columns)
     head += f" {'recall':>6} {'rel.':>5} {'gap':>7}"
