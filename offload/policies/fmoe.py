@@ -17,7 +17,13 @@ link is saturated (Mixtral-8x7B over PCIe: T ~ 14 ms against ~1 ms of compute pe
 RTX 3090: 0.7 ms against 0.27), so almost nothing passes and the reuse eviction does the work. On the
 validation split (3 models x 3 budgets x 2 GPUs, copy-only) this was 2-12 % faster than the rule without
 the queue at every point (Mixtral-8x7B, RTX 3090, 25 %: 95.9 -> 86.9 ms), and within 0.5 % of admitting no
-prefetch at all. Under hybrid execution every selected expert goes (`threshold`).
+prefetch at all, both measured while a cancelled prefetch still stopped between chunks. Since started copies
+land (`SimulatedLink.finish_started`), the rule without the queue is the faster one on the Qwen models'
+traces (Qwen1.5-MoE, RTX 3090, 25 %: validation 7.76 against 8.32 ms; experiment 5 on the evaluation
+prompts 7.79 against 8.44, Qwen3 6.81 against 7.36), while Mixtral-8x7B keeps the queue's gain (validation
+91.9 against 86.9). A known weakness: the rule prices a right prefetch on a congested link at nothing, but
+the on-demand load it spares would wait behind the same queue. Under hybrid execution every selected expert
+goes (`threshold`).
 """
 
 from __future__ import annotations
