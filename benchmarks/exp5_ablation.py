@@ -11,10 +11,11 @@ into fMoE's matcher, the first two rows are the complete baselines with their ow
 full fMoE prediction (every selected expert prefetched) with LRU, LFU, fMoE's p * freq or our reuse eviction.
 Hit rates live, simulated with synchronous copies (prediction and caching alone) and asynchronous ones (with
 TPOT), on each `--hardware` preset. (c) What the default fmoe is made of (issue 16), simulated only: each
-eviction rule with its cost admission, calibration and the popularity prior off, the link's queue not counted
-in admission, no prefetch at all, whole copies instead of one chunk per matrix, started prefetches cancelled
-between chunks, and Belady's eviction with 1, 2 or 4 tokens of foresight or the whole future (on-demand
-loads, no prefetch) beside the oracle (Belady plus perfect prefetch one layer ahead).
+eviction rule with its cost admission, calibration and the popularity prior off, the two earlier admission
+rules (as if the link were free; after the copies and misses queued ahead), no prefetch at all, whole copies
+instead of one chunk per matrix, started prefetches cancelled between chunks, and Belady's eviction with 1, 2
+or 4 tokens of foresight or the whole future (on-demand loads, no prefetch) beside the oracle (Belady plus
+perfect prefetch one layer ahead).
 Writes `exp5_ablation.{json,md,png}` to --out.
 """
 
@@ -48,7 +49,8 @@ PARTS = [
     h.Variant("eviction LRU", "fmoe", (("eviction", "lru"),)),
     h.Variant("calibration off", "fmoe", (("calibrate", False),)),
     h.Variant("no popularity prior", "fmoe", (("popularity", False),)),
-    h.Variant("link queue not counted", "fmoe", (("link_queue", False),)),
+    h.Variant("admission as if the link were free", "fmoe", (("link", "free"),)),
+    h.Variant("admission after the link's queue", "fmoe", (("link", "queue"),)),
     h.Variant("no prefetch", "fmoe", (("admission", 2.0),)),  # no probability reaches 2
     h.Variant("whole copies", "fmoe", chunks=1),
     h.Variant("cancel between chunks", "fmoe", finish_started=False),

@@ -258,6 +258,7 @@ class Replay:
             else (),
             copy_s=model.expert_bytes / hardware.link_effective,
             layer_s=decode_layer_s,
+            copy_chunks=chunks,
             execution=offload.execution,
         )
         self.policy.bind(ctx, self.cache)

@@ -15,7 +15,9 @@ from fmoe_jax.offload.policies import FMoE, PolicyContext, store_from_traces
 import fmoe_jax as fj
 
 
-def bound_policy(store: ExpertMapStore, execution: str = "copy", **options) -> tuple[FMoE, RecordingCache]:
+def bound_policy(
+    store: ExpertMapStore, execution: str = "copy", copy_chunks: int = 1, **options
+) -> tuple[FMoE, RecordingCache]:
     ctx = PolicyContext(
         num_layers=store.num_layers,
         num_experts=store.num_experts,
@@ -23,6 +25,7 @@ def bound_policy(store: ExpertMapStore, execution: str = "copy", **options) -> t
         embed_dim=store.embed_dim,
         prefetch_distance=store.prefetch_distance,
         capacity=4,
+        copy_chunks=copy_chunks,
         execution=execution,
     )
     policy = FMoE(store=store, asynchronous=False, learn=False, **options)
@@ -88,7 +91,7 @@ def test_cost_admission_prefetches_only_what_pays_for_its_copy():
     probs = np.array([[0.7, 0.1, 0.1, 0.1]], np.float32)  # trajectory score 1 with the stored map
 
     def prefetched(**options):
-        options.setdefault("link_queue", False)
+        options.setdefault("link", "free")
         policy, cache = bound_policy(one_map_store(), semantic=False, **options)
         iteration_start(policy, np.zeros((1, 3), np.float32), valid)
         layer_routed(policy, 0, probs, np.array([[0]]), valid)
@@ -110,6 +113,38 @@ def test_cost_admission_prefetches_only_what_pays_for_its_copy():
         FMoE(admission="sometimes")
 
 
+def test_default_admission_wants_a_copy_that_lands_in_time_and_pays_for_the_misses_it_delays():
+    """link="stalls": a prefetch advances c + s per layer (c = 1 ms of compute; s = m * r, the stall its
+    piece under way adds to the next layer's misses, m the chance a layer misses) and is admitted when it
+    lands before its layer and q = 0.7 >= f = s / (c + s), the share of its time taken from misses."""
+    valid = np.ones((1, 1), bool)
+    probs = np.array([[0.7, 0.1, 0.1, 0.1]], np.float32)
+
+    def prefetched(copy_s=3e-3, hits=0, misses=0, copy_chunks=1):
+        policy, cache = bound_policy(
+            one_map_store(), semantic=False, copy_s=copy_s, layer_s=1e-3, copy_chunks=copy_chunks
+        )
+        cache.book.stats.hits, cache.book.stats.misses = hits, misses
+        iteration_start(policy, np.zeros((1, 3), np.float32), valid)
+        layer_routed(policy, 0, probs, np.array([[0]]), valid)
+        ((items, _),) = cache.requests
+        return policy, [key for key, _ in items]
+
+    # No misses: f = 0, and a 3 ms copy needs 3 layers of compute: only layer 3's lands in time.
+    policy, keys = prefetched()
+    assert keys == [(3, 3)] and policy.stats()["not_admitted"] == 2
+    assert policy.threshold(3, 0) == 0.0 and policy.threshold(2, 0) == np.inf
+    # Half the layers miss, r = 3 - 1 = 2 ms: s = 1 ms, f = 0.5, 2 ms a layer: layers 2 and 3.
+    policy, keys = prefetched(hits=1, misses=1)
+    assert keys == [(2, 2), (3, 3)] and policy.threshold(2, 0) == pytest.approx(0.5)
+    # A 6 ms whole copy when every layer misses: r = 5 ms, f = 5 / 6 > 0.7: nothing pays.
+    assert prefetched(copy_s=6e-3, misses=1)[1] == []
+    # The same copy in 3 pieces of 2 ms: r = 1 ms, f = 0.5, 2 ms a layer: only layer 3's lands in time.
+    assert prefetched(copy_s=6e-3, misses=1, copy_chunks=3)[1] == [(3, 3)]
+    with pytest.raises(ValueError, match="link"):
+        FMoE(link="busy")
+
+
 def test_cost_admission_counts_the_copies_queued_ahead_on_the_link():
     """With the link's queue counted, a prefetch starts after the copies ahead of it: layer 3's (3 ms,
     after layer 2's 3 ms copy) would land 3 ms after layer 3 is due, so only layer 2's goes; a copy already
@@ -118,7 +153,7 @@ def test_cost_admission_counts_the_copies_queued_ahead_on_the_link():
     probs = np.array([[0.7, 0.1, 0.1, 0.1]], np.float32)
 
     def prefetched(arriving=(), hits=0, misses=0):
-        policy, cache = bound_policy(one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3)
+        policy, cache = bound_policy(one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3, link="queue")
         for key in arriving:
             cache.book.add(key, prefetched=True)  # not ready: still on the link
         cache.book.stats.hits, cache.book.stats.misses = hits, misses

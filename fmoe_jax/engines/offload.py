@@ -104,7 +104,8 @@ class OffloadEngine:
         )
 
         # As stored: a quantized expert's values and scales (what a copy moves and a cache slot holds).
-        self.expert_bytes = sum(a.nbytes for a in jax.tree.leaves(_host_expert(module, (0, 0))))
+        leaves = jax.tree.leaves(_host_expert(module, (0, 0)))
+        self.expert_bytes = sum(a.nbytes for a in leaves)
         self.all_keys = [(m, e) for m in range(cfg.num_moe_layers) for e in range(cfg.num_experts)]
         self.policy = offload.make_policy()
         total = len(self.all_keys)
@@ -120,6 +121,7 @@ class OffloadEngine:
                 capacity=slots,
                 model_id=model_identity(cfg),
                 router_weights=router_weights(module) if self.policy.needs_hidden else (),
+                copy_chunks=len(leaves) if offload.chunked_copies else 1,  # `ChunkedJaxMover`: one per array
                 execution=offload.execution,
             ),
             self.cache,

@@ -36,6 +36,9 @@ class PolicyContext:
     # simulator passes its cost model's; the live engine leaves them None (such a policy measures them).
     copy_s: float | None = None
     layer_s: float | None = None
+    # The pieces a copy goes over the link in: an on-demand load waits behind at most the one piece under
+    # way (the simulator's `SimulatedLink`, the live `ChunkedJaxMover`); 1: whole copies.
+    copy_chunks: int = 1
     # `OffloadConfig.execution`: "copy", or "hybrid" (a miss may be computed on the host instead of waiting
     # for its copy, so a wasted prefetch delays other prefetches but no miss).
     execution: str = "copy"

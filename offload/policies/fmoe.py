@@ -6,24 +6,22 @@ d ahead), picks experts by similarity-aware selection, and queues prefetches by 
 The paper's eviction keeps the experts with the highest p * freq; ours by default ("reuse") keeps those most
 likely needed soon (see `keep_score`). The engine never waits for matching.
 
-Prefetch admission (ours, not in the paper): a selected expert is prefetched only when its probability p
-pays for the link time it takes. A prefetch that is used saves at most min(T, W) of stall (T: one expert's
-copy; W: the compute before its layer runs), one that is not used costs T of link time every later copy
-waits behind, so it pays when p * min(T, W) >= (1 - p) * T, i.e. p >= T / (T + min(T, W)). With
-`link_queue` (the default) the copy starts only after what the link has queued before it, so W shrinks by
-that queue: the copies arriving, the on-demand loads the layers in between will make (measured miss rate),
-and the prefetches of higher priority admitted with it (`_after_queue`). At the presets' sizes the copy-only
-link is saturated (Mixtral-8x7B over PCIe: T ~ 14 ms against ~1 ms of compute per layer; Qwen1.5-MoE on an
-RTX 3090: 0.7 ms against 0.27), so almost nothing passes and the reuse eviction does the work. On the
-validation split (3 models x 3 budgets x 2 GPUs, copy-only) this was 2-12 % faster than the rule without
-the queue at every point (Mixtral-8x7B, RTX 3090, 25 %: 95.9 -> 86.9 ms), and within 0.5 % of admitting no
-prefetch at all, both measured while a cancelled prefetch still stopped between chunks. Since started copies
-land (`SimulatedLink.finish_started`), the rule without the queue is the faster one on the Qwen models'
-traces (Qwen1.5-MoE, RTX 3090, 25 %: validation 7.76 against 8.32 ms; experiment 5 on the evaluation
-prompts 7.79 against 8.44, Qwen3 6.81 against 7.36), while Mixtral-8x7B keeps the queue's gain (validation
-91.9 against 86.9). A known weakness: the rule prices a right prefetch on a congested link at nothing, but
-the on-demand load it spares would wait behind the same queue. Under hybrid execution every selected expert
-goes (`threshold`).
+Prefetch admission (ours, not in the paper): a selected expert is prefetched only when its need probability q
+pays for the link time it takes. The link serves on-demand loads first, between the pieces of a copy
+(`SimulatedLink`, `ChunkedJaxMover`), so a prefetch moves while the device computes, and the piece under way
+when the next layer's misses come delays them (by r, the piece's expected remainder). Per layer of decode
+the prefetch advances c + s (c: one layer's compute; s = m * r, m the measured chance that a layer misses),
+of which a share f = s / (c + s) is taken from on-demand loads. A right prefetch that lands saves its copy's
+(1 - f) * T net, a wrong one costs f * T, so it pays when q >= f; it is admitted when it also lands before
+its layer, (layer - now) * (c + s) >= T (`link="stalls"`, the default; `_stall_share`). A prefetch that
+cannot land in time holds a slot early and still leaves its layer waiting. At Mixtral-8x7B sizes (T ~ 14 ms
+against c ~ 1 ms on an RTX 3090, a piece 4.7 ms) almost nothing passes; at the Qwen models' (T ~ 0.7 ms,
+c ~ 0.23 ms, a piece about c) most selected experts do. On the validation split (3 models x 3 budgets x 2
+GPUs, copy-only) this was within 2.5 % of the faster of the two earlier rules at every point and 1.7 %
+faster than each in geometric mean: `link="free"`, p >= T / (T + min(T, W)) as if the link were free (W: the
+compute before the layer), faster on the Qwen models; `link="queue"`, the same after the copies and misses
+queued ahead (`_after_queue`), faster on Mixtral-8x7B. Under hybrid execution every selected expert goes
+(`threshold`).
 """
 
 from __future__ import annotations
@@ -101,8 +99,9 @@ class FMoE(Policy):
       copy_s, layer_s: T and the compute of one decode layer for "cost", in seconds. Default: the
         context's hints (the simulator's cost model), else measured as the engine runs (on-demand waits
         per miss; time between layers less those waits). Until measured, every selected expert goes.
-      link_queue: "cost" admission counts the link's queue ahead of each prefetch (see the module docstring);
-        off: the rule as if the link were free when the prefetch is asked.
+      link: how "cost" admission prices a copy (see the module docstring): "stalls" (lands in time and q
+        pays for the misses its pieces delay), "free" (as if the link were free when asked), "queue" (after
+        the copies and misses queued ahead).
     """
 
     name = "fmoe"
@@ -137,12 +136,14 @@ class FMoE(Policy):
         admission: Literal["cost", "all"] | float = "cost",
         copy_s: float | None = None,
         layer_s: float | None = None,
-        link_queue: bool = True,
+        link: Literal["stalls", "free", "queue"] = "stalls",
     ):
         if eviction not in ("reuse", "fmoe", "lfu", "lru"):
             raise ValueError(f"eviction must be 'reuse', 'fmoe', 'lfu' or 'lru', got {eviction!r}")
         if not (admission in ("cost", "all") or isinstance(admission, (int, float))):
             raise ValueError(f"admission must be 'cost', 'all' or a probability, got {admission!r}")
+        if link not in ("stalls", "free", "queue"):
+            raise ValueError(f"link must be 'stalls', 'free' or 'queue', got {link!r}")
         if traj_target not in ("band", "single"):
             raise ValueError(f"traj_target must be 'band' or 'single', got {traj_target!r}")
         if store_capacity < 1:
@@ -162,7 +163,7 @@ class FMoE(Policy):
         self.queue_size = queue_size
         self.admission = admission
         self.copy_s, self.layer_s = copy_s, layer_s
-        self.link_queue = link_queue
+        self.link = link
         self._free_link = False  # hybrid execution (set by `bind`)
         self._clock: tuple[float, float, int] | None = None  # (time, on-demand wait, misses), last layer
         self.timers = {"matching": 0.0, "store_update": 0.0}
@@ -376,7 +377,8 @@ class FMoE(Policy):
 
     def threshold(self, layer: int | np.ndarray, current: int) -> float | np.ndarray:
         """The probability a selected expert of `layer` (or of each of several layers) needs to be
-        prefetched, deciding after `current`.
+        prefetched, deciding after `current`: the share of its link time taken from on-demand loads, or inf
+        where it cannot land before its layer (`link="stalls"`); T / (T + min(T, W)) with the other rules.
 
         Under hybrid execution "cost" admits every selected expert: the rule's price of a wasted copy, the
         link time a later miss waits behind, does not arise when misses go to the host (at Mixtral-8x7B
@@ -390,9 +392,28 @@ class FMoE(Policy):
             )
         if self.copy_s is None or self.layer_s is None or self.copy_s <= 0:
             return np.zeros(np.shape(layer)) if np.ndim(layer) else 0.0  # nothing measured yet
-        window = (np.asarray(layer) - current) * self.layer_s
-        out = self.copy_s / (self.copy_s + np.minimum(self.copy_s, window))
+        ahead = np.asarray(layer) - current  # layers of compute before it
+        if self.link == "stalls":
+            share, per_layer = self._stall_share()
+            out = np.where(ahead * per_layer >= self.copy_s, share, np.inf)  # inf: cannot land in time
+        else:
+            window = ahead * self.layer_s
+            out = self.copy_s / (self.copy_s + np.minimum(self.copy_s, window))
         return out if np.ndim(layer) else float(out)
+
+    def _stall_share(self) -> tuple[float, float]:
+        """(f, c + s): the share of a prefetch's link time taken from on-demand loads, and how far it
+        advances per decode layer. The piece under way when a layer's misses come delays them by r =
+        max(piece - c, piece / 2) (a piece longer than a layer's compute, started as it began, runs piece -
+        c past it; a shorter one is caught on average halfway), in a share m of the layers, m = 1 - (1 -
+        miss rate) ** top_k."""
+        stats = self.cache.stats
+        miss_rate = stats.misses / max(1, stats.hits + stats.misses)
+        m = 1.0 - (1.0 - miss_rate) ** self.ctx.top_k
+        piece = self.copy_s / max(1, self.ctx.copy_chunks)
+        stalls = m * max(piece - self.layer_s, piece / 2)
+        per_layer = self.layer_s + stalls
+        return stalls / per_layer, per_layer
 
     def on_iteration_end(self) -> None:
         self.forecast.end_iteration(self._used)
@@ -544,7 +565,7 @@ class FMoE(Policy):
         self.counts["not_admitted"] += int(((best > 0) & ~admitted).sum())
         pos, experts = np.nonzero(admitted)
         priority = prefetch_priority(q[pos, experts], layers[pos], current)
-        if self.link_queue and self.admission == "cost" and len(pos) and thresholds.max() > 0:
+        if self.link == "queue" and self.admission == "cost" and len(pos) and thresholds.max() > 0:
             keep = self._after_queue(q[pos, experts], layers[pos], current, priority)
             self.counts["not_admitted"] += int(len(keep) - keep.sum())
             pos, experts, priority = pos[keep], experts[keep], priority[keep]
