@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from fmoe_jax.files import write_atomically
+
 FORMAT_VERSION = 1
 
 
@@ -158,11 +160,10 @@ class RoutingTrace:
                     if value is not None:
                         arrays[f"r{r}_i{i}_{name}"] = value
             index.append(len(req.iterations))
-        tmp = stem.with_name(stem.name + ".tmp.npz")
-        np.savez(tmp, **arrays)
-        os.replace(tmp, stem.with_suffix(".npz"))
         header = dict(format_version=FORMAT_VERSION, meta=self.meta, iterations_per_request=index)
-        stem.with_suffix(".json").write_text(json.dumps(header, indent=1))
+        write_atomically(stem.with_suffix(".npz"), lambda f: np.savez(f, **arrays))
+        text = json.dumps(header, indent=1).encode()
+        write_atomically(stem.with_suffix(".json"), lambda f: f.write(text))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RoutingTrace:

@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from fmoe_jax.files import write_atomically
+
 FORMAT_VERSION = 1
 Kind = Literal["promoe", "duoserve"]
 
@@ -116,11 +118,10 @@ class Predictor:
         }
         for i, layer in enumerate(self.layers):
             arrays[f"w{i}"], arrays[f"b{i}"] = layer["w"], layer["b"]
-        tmp = stem.with_name(stem.name + ".tmp.npz")
-        np.savez(tmp, **arrays)
-        os.replace(tmp, stem.with_suffix(".npz"))
+        write_atomically(stem.with_suffix(".npz"), lambda f: np.savez(f, **arrays))
         header = {"format_version": FORMAT_VERSION, "kind": self.kind, "num_mlp_layers": len(self.layers)}
-        stem.with_suffix(".json").write_text(json.dumps({**header, "meta": self.meta}, indent=1))
+        text = json.dumps({**header, "meta": self.meta}, indent=1).encode()
+        write_atomically(stem.with_suffix(".json"), lambda f: f.write(text))
         return stem
 
     @classmethod

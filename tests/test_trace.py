@@ -82,3 +82,32 @@ def test_external_routing_data():
 def test_missing_trace_files_are_reported(tmp_path):
     with pytest.raises(FileNotFoundError, match="routing trace"):
         RoutingTrace.load(tmp_path / "nothing")
+
+
+def test_concurrent_saves_of_one_trace_do_not_collide(tmp_path):
+    """Two benchmark processes recording the same workload save its traces to one path: each save writes a
+    temporary file of its own, so none renames another's half-written file away (a FileNotFoundError
+    before), and what is left loads whole."""
+    import threading
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 8, size=(64, 4, 2))
+    trace = RoutingTrace.from_external([[{"ids": ids}] * 40], num_experts=8)
+    errors = []
+
+    def save():
+        try:
+            for _ in range(10):
+                trace.save(tmp_path / "t")
+        except Exception as err:  # noqa: BLE001 - collected and asserted below
+            errors.append(err)
+
+    threads = [threading.Thread(target=save) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.npz"]  # no temporary file left
+    loaded = RoutingTrace.load(tmp_path / "t")
+    np.testing.assert_array_equal(loaded.requests[0].iterations[39].ids, trace.requests[0].iterations[39].ids)
