@@ -83,7 +83,7 @@ def test_match_scores_are_exact_cosines(mode):
         np.testing.assert_array_equal(found, maps[ref.argmax(axis=1)])
 
 
-def test_running_trajectory_search_equals_a_fresh_one():
+def test_running_trajectory_search_equals_a_fresh_one(tmp_path):
     """`PrefixDots` adds one layer per search; it finds what a fresh search finds, and starts over when the
     earlier layers differ (a new iteration, other rows) or the store has changed."""
     embeds, maps = _data(3, 30)
@@ -112,6 +112,13 @@ def test_running_trajectory_search_equals_a_fresh_one():
     np.testing.assert_allclose(
         store.match_traj(first, running)[0], store.match_traj(first)[0], rtol=0, atol=COS_ATOL
     )
+    # The layer-by-layer copy of the maps the running search reads follows replacements and loading.
+    store.add(*_data(7, 30))  # past capacity: redundant maps are replaced
+    check(first)
+    meta = dict(num_layers=L, num_experts=J, embed_dim=H, prefetch_distance=1)
+    store.save(tmp_path / "store.npz", {})
+    store = ExpertMapStore.load(tmp_path / "store.npz", meta)
+    check(second)
 
 
 def test_sketch_finds_a_clear_best_among_many():
