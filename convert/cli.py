@@ -547,6 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `fmoe-convert`; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted).
 
     Whatever goes wrong with the input or the output ends in one line on stderr, never a traceback."""
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     is_verify = bool(argv) and argv[0] == "verify"
     parser = _verify_parser() if is_verify else _convert_parser()
@@ -575,4 +576,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The process ends now. Tasks of an abandoned save that a background thread still held are
         # destroyed at exit, and asyncio would log each after the one line above.
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    if from_command_line and threading.current_thread() is threading.main_thread():
+        # The outcome is reported and the command returns to exit: a Ctrl-C pressed now would only make the
+        # interpreter's shutdown print a KeyboardInterrupt traceback after that line (seen under load).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     return status
