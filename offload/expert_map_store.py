@@ -306,7 +306,7 @@ class ExpertMapStore:
             self._rows(trajs, shape[1:], "trajs")
             return self._empty_match(shape[0])
         if running is not None:
-            return running.search(self, trajs)
+            return running.search(self, np.asarray(trajs))
         trajs = self._rows(trajs, shape[1:], "trajs")  # [B, l, J]
         observed = trajs.shape[1]
         query = trajs.reshape(trajs.shape[0], -1)  # [B, l*J]
