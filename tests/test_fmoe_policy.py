@@ -113,22 +113,29 @@ def test_cost_admission_prefetches_only_what_pays_for_its_copy():
         FMoE(admission="sometimes")
 
 
+def prefetched_after_layer_0(arriving=(), hits=0, misses=0, **options) -> tuple[FMoE, list]:
+    """The prefetches a policy over `one_map_store` asks for after layer 0 routes like the stored map (p =
+    0.7 for layers 1..3), with `arriving` copies on the link and the cache's hit and miss counts set."""
+    valid = np.ones((1, 1), bool)
+    policy, cache = bound_policy(one_map_store(), semantic=False, **options)
+    for key in arriving:
+        cache.book.add(key, prefetched=True)  # not ready: still on the link
+    cache.book.stats.hits, cache.book.stats.misses = hits, misses
+    iteration_start(policy, np.zeros((1, 3), np.float32), valid)
+    layer_routed(policy, 0, np.array([[0.7, 0.1, 0.1, 0.1]], np.float32), np.array([[0]]), valid)
+    ((items, _),) = cache.requests
+    return policy, [key for key, _ in items]
+
+
 def test_default_admission_wants_a_copy_that_lands_in_time_and_pays_for_the_misses_it_delays():
     """link="stalls": a prefetch advances c + s per layer (c = 1 ms of compute; s = m * r, the stall its
     piece under way adds to the next layer's misses, m the chance a layer misses) and is admitted when it
     lands before its layer and q = 0.7 >= f = s / (c + s), the share of its time taken from misses."""
-    valid = np.ones((1, 1), bool)
-    probs = np.array([[0.7, 0.1, 0.1, 0.1]], np.float32)
 
     def prefetched(copy_s=3e-3, hits=0, misses=0, copy_chunks=1):
-        policy, cache = bound_policy(
-            one_map_store(), semantic=False, copy_s=copy_s, layer_s=1e-3, copy_chunks=copy_chunks
+        return prefetched_after_layer_0(
+            hits=hits, misses=misses, copy_s=copy_s, layer_s=1e-3, copy_chunks=copy_chunks
         )
-        cache.book.stats.hits, cache.book.stats.misses = hits, misses
-        iteration_start(policy, np.zeros((1, 3), np.float32), valid)
-        layer_routed(policy, 0, probs, np.array([[0]]), valid)
-        ((items, _),) = cache.requests
-        return policy, [key for key, _ in items]
 
     # No misses: f = 0, and a 3 ms copy needs 3 layers of compute: only layer 3's lands in time.
     policy, keys = prefetched()
@@ -149,18 +156,9 @@ def test_cost_admission_counts_the_copies_queued_ahead_on_the_link():
     """With the link's queue counted, a prefetch starts after the copies ahead of it: layer 3's (3 ms,
     after layer 2's 3 ms copy) would land 3 ms after layer 3 is due, so only layer 2's goes; a copy already
     arriving, or the misses the layers in between will load, push layer 2's past its layer too."""
-    valid = np.ones((1, 1), bool)
-    probs = np.array([[0.7, 0.1, 0.1, 0.1]], np.float32)
 
     def prefetched(arriving=(), hits=0, misses=0):
-        policy, cache = bound_policy(one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3, link="queue")
-        for key in arriving:
-            cache.book.add(key, prefetched=True)  # not ready: still on the link
-        cache.book.stats.hits, cache.book.stats.misses = hits, misses
-        iteration_start(policy, np.zeros((1, 3), np.float32), valid)
-        layer_routed(policy, 0, probs, np.array([[0]]), valid)
-        ((items, _),) = cache.requests
-        return policy, [key for key, _ in items]
+        return prefetched_after_layer_0(arriving, hits, misses, copy_s=3e-3, layer_s=1e-3, link="queue")
 
     policy, keys = prefetched()
     assert keys == [(2, 2)] and policy.stats()["not_admitted"] == 2
