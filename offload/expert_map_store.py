@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from fmoe_jax.files import write_atomically
+
 # Norms below this are treated as zero: such a vector has cosine 0 with everything.
 _NORM_FLOOR = 1e-12
 _SKETCH_SEED = 0
@@ -340,18 +342,11 @@ class ExpertMapStore:
             header_text = json.dumps(header, default=_json_default)
         except TypeError as err:
             raise ValueError(f"meta must be JSON-serialisable: {err}") from err
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                extra = {f"attachment_{name}": np.asarray(a) for name, a in self.attachments.items()}
-                np.savez(f, header=np.array(header_text), embeds=self.embeds, maps=self.maps, **extra)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        extra = {f"attachment_{name}": np.asarray(a) for name, a in self.attachments.items()}
+        write_atomically(
+            path,
+            lambda f: np.savez(f, header=np.array(header_text), embeds=self.embeds, maps=self.maps, **extra),
+        )
 
     @staticmethod
     def check_writable(path: str | os.PathLike) -> None:
