@@ -17,8 +17,10 @@ Each (iteration, layer, expert) counts once, however many tokens route to it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
+
+import numpy as np
 
 Key = tuple[int, int]  # (moe layer, expert)
 
@@ -249,17 +251,28 @@ class CacheBook:
         s.layer_hits.setdefault(layer, 0)
         s.layer_needed[layer] = s.layer_needed.get(layer, 0) + len(keys)
 
-    def victim(self, keep_score: Callable[[Key, Entry], float], *, protect: Iterable[Key] = ()) -> Key | None:
-        """The ready, unpinned expert with the lowest keep score (ties: least recently used), or None."""
+    def victim(
+        self,
+        keep_score: Callable[[Key, Entry], float],
+        *,
+        protect: Iterable[Key] = (),
+        keep_scores: Callable[[list[Key]], Sequence[float]] | None = None,
+    ) -> Key | None:
+        """The ready, unpinned expert with the lowest keep score (ties: least recently used), or None.
+        `keep_scores(keys)`, when given, scores a list of keys at once (a policy's vectorised
+        `keep_score`, `Policy.keep_scores`): the same scores, without a Python call per entry."""
         protected = set(protect)
-        best, best_score = None, None
-        for key, entry in self.entries.items():
-            if not entry.ready or entry.pins or key in protected:
-                continue
-            score = (keep_score(key, entry), entry.last_use, entry.arrived)
-            if best_score is None or score < best_score:
-                best, best_score = key, score
-        return best
+        entries = self.entries
+        keys = [k for k, e in entries.items() if e.ready and not e.pins and k not in protected]
+        if not keys:
+            return None
+        if keep_scores is None:
+            scores = np.array([keep_score(key, entries[key]) for key in keys], np.float64)
+        else:
+            scores = np.array(keep_scores(keys), np.float64)
+        scores[np.isnan(scores)] = np.inf  # as the tuple comparison it replaces: never below a number
+        lowest = np.flatnonzero(scores == scores.min())
+        return min((keys[i] for i in lowest), key=lambda k: (entries[k].last_use, entries[k].arrived))
 
 
 class BookView:

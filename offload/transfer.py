@@ -290,7 +290,9 @@ class DeviceExpertCache(BookView):
         return [k for k, e in self.book.entries.items() if not e.ready]
 
     def _evict_one(self, protect: Iterable[Key] = ()) -> bool:
-        victim = self.book.victim(self.policy.keep_score, protect=protect)
+        victim = self.book.victim(
+            self.policy.keep_score, protect=protect, keep_scores=getattr(self.policy, "keep_scores", None)
+        )
         if victim is None:
             return False
         self.book.remove(victim)
@@ -388,7 +390,11 @@ class DeviceExpertCache(BookView):
 
     def _evict_for_prefetch(self, key: Key, priority: float) -> bool:
         """Makes room for a prefetch if the policy lets it evict its lowest-ranked expert."""
-        victim = self.book.victim(self.policy.keep_score, protect=self.protected)
+        victim = self.book.victim(
+            self.policy.keep_score,
+            protect=self.protected,
+            keep_scores=getattr(self.policy, "keep_scores", None),
+        )
         if victim is None or not self.policy.admit_prefetch(key, priority, victim):
             return False
         self.book.remove(victim)

@@ -348,6 +348,22 @@ def test_cachebook_refuses_overfill_and_pinned_eviction():
         CacheBook(0, 8)
 
 
+def test_cachebook_victim_is_the_lowest_score_then_the_least_recently_used():
+    book = CacheBook(5, 8)
+    for expert in range(5):
+        book.add((0, expert), prefetched=False)
+        book.mark_ready((0, expert))
+    book.record_use((0, 1))  # (0, 1) is now the most recently used
+    book.pin([(0, 4)])
+    score = {(0, 0): 0.5, (0, 1): 0.2, (0, 2): 0.2, (0, 3): float("nan"), (0, 4): 0.0}
+    by_key = lambda key, entry: score[key]  # noqa: E731
+    by_list = lambda keys: [score[key] for key in keys]  # noqa: E731
+    for kwargs in ({}, {"keep_scores": by_list}):
+        assert book.victim(by_key, **kwargs) == (0, 2)  # ties at 0.2: the least recently used; (0, 4) pinned
+        assert book.victim(by_key, protect=[(0, 1), (0, 2)], **kwargs) == (0, 0)  # NaN never below a number
+        assert book.victim(by_key, protect=[(0, 0), (0, 1), (0, 2), (0, 3)], **kwargs) is None
+
+
 @pytest.mark.parametrize("policy", ["on_demand_lfu", "fmoe"])
 def test_full_cache_fast_path_equals_per_layer_loop(policy, hf_dirs):
     """A preloaded full cache runs each step as one program; tokens, logits, every statistic, the policy's

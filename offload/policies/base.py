@@ -9,7 +9,7 @@ eviction order (`keep_score`, `admit_prefetch`); it reads the cache only through
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -103,6 +103,10 @@ class Policy:
     def keep_score(self, key: Key, entry: Entry) -> float:
         """Eviction order: the lowest score is evicted first."""
         return float(entry.last_use)
+
+    # Optional: `keep_scores(keys) -> [len(keys)]`, `keep_score` of many resident experts at once (a policy
+    # whose scores are array lookups saves a Python call per entry each time the cache picks a victim).
+    keep_scores: Callable[[list[Key]], np.ndarray] | None = None
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         return True

@@ -612,6 +612,16 @@ class FMoE(Policy):
             return float(keep_priority(p, self.cache.freq(key)))
         return self._reuse_score(layer, expert)
 
+    def keep_scores(self, keys: list[Key]) -> np.ndarray | list[float]:
+        """`keep_score` of each of `keys` (resident experts), as one array expression for "reuse"."""
+        if self.eviction != "reuse":
+            return [self.keep_score(key, self.cache.entry(key)) for key in keys]
+        layers, experts = np.array(keys, np.int64).T
+        now = np.where(layers > self._current, self._need[layers, experts], 0.0)
+        later = 1.0 - self.forecast.scores[layers, experts]
+        anytime = 1.0 if self._rate is None else 1.0 - self._rate[layers, experts]
+        return 1.0 - (1.0 - now) * later * anytime
+
     def _reuse_score(self, layer: int, expert: int) -> float:
         now = self._need[layer, expert] if layer > self._current else 0.0
         later = 1.0 - self.forecast.scores[layer, expert]
