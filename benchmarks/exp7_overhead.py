@@ -9,10 +9,12 @@ prefetches, and the rest of the step (inference); map matching and map updates r
 off the critical path, and are shown beside. (b) At real sizes: one decode iteration (batch 1) of
 Mixtral-8x7B, Qwen1.5-MoE-A2.7B and Phi-3.5-MoE on each `--hardware` preset from the cost model (compute,
 one expert copy), next to fMoE's host work at those shapes, measured here with
-`benchmarks/matcher_overhead.py`'s `measure` (store of 1,024 maps: one semantic search, L - d trajectory
-searches, one map update and one reuse hint (`future_of`) per iteration), and the simulated iteration of the
-workload's own routing at its preset's sizes (compute, stall). (c) The expert-map store's host memory by
-capacity for each real model.
+`benchmarks/matcher_overhead.py`'s `measure` (store of 1,024 maps): its parts (one semantic search, the L - d
+trajectory searches, one map update and one reuse hint (`future_of`) per iteration) and the whole policy's
+iteration (`fmoe_host_ms`: the same plus selection, admission, the calibration and forecast updates, with the
+searches `skip_confirmed` leaves out left out; `matcher_share` is it over the compute), and the simulated
+iteration of the workload's own routing at its preset's sizes (compute, stall). (c) The expert-map store's
+host memory by capacity for each real model.
 Writes `exp7_overhead.{json,md,png}` to --out.
 """
 
@@ -60,9 +62,9 @@ def real_size_rows(hardware: list[str], repeats: int, prefetch_distance: int) ->
     }
     rows = []
     for family, preset in MODELS.items():
-        m = mo.measure(names[family], mo.MODELS[names[family]], 1024, repeats, flush, prefetch_distance)
-        parts = ("sem_sketch", "traj_iteration", "add_full_b1", "future_of_b1")
-        host = sum(m[part]["p50_ms"] for part in parts)
+        dims = mo.MODELS[names[family]]
+        m = mo.measure(names[family], dims, 1024, repeats, flush, prefetch_distance, top_k=preset.top_k)
+        host = m["policy_iteration"]["p50_ms"]
         for hw in hardware:
             costs = CostModel(preset, HARDWARE[hw], preset.num_experts)
             layer = costs.attention_s(np.array([1]), np.array([64])) + costs.experts_s([1] * preset.top_k)
@@ -78,6 +80,8 @@ def real_size_rows(hardware: list[str], repeats: int, prefetch_distance: int) ->
                     trajectory_searches_ms=m["traj_iteration"]["p50_ms"],
                     map_update_ms=m["add_full_b1"]["p50_ms"],
                     reuse_hint_ms=m["future_of_b1"]["p50_ms"],
+                    searches=m["searches_per_iteration"],
+                    fmoe_host_ms=host,
                     matcher_share=host / compute_ms,
                 )
             )

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import matplotlib
 import numpy as np
+from fmoe_jax.offload.cache import BookView, CacheBook
 from fmoe_jax.offload.expert_map_store import ExpertMapStore, PrefixDots
 
 from benchmarks.common import HelpFormatter
@@ -92,6 +93,58 @@ def _stats(times_ms: np.ndarray) -> dict:
     return {"p50_ms": float(np.percentile(times_ms, 50)), "p90_ms": float(np.percentile(times_ms, 90))}
 
 
+class _NullCache(BookView):
+    """A `CacheView` with an empty cache that takes prefetch requests and carries none out: the policy's own
+    host work is what is timed."""
+
+    def __init__(self, capacity: int):
+        self.book = CacheBook(capacity, expert_bytes=1)
+        self.timers = {"on_demand_wait": 0.0}
+
+    def request_prefetch(self, items, **kwargs) -> None:
+        list(items)
+
+
+def policy_iteration(store: ExpertMapStore, queries: list, top_k: int, prefetch_distance: int) -> dict:
+    """The whole fmoe policy's host work per decode iteration (batch 1), as the matcher thread and the engine
+    thread do it together: semantic search, the trajectory searches (less those `skip_confirmed` leaves
+    out), selection and admission of the selected experts, the calibration and forecast updates, the map
+    update (`learn`) and the reuse hint. Each query's map is the iteration's routing (its top k per layer).
+    Every selected expert is admitted (no cost hints): the most prefetch requests a search can make."""
+    from fmoe_jax.offload.events import IterationStart, LayerRouted, needed_experts
+    from fmoe_jax.offload.policies import FMoE, PolicyContext
+
+    layers, experts = store.num_layers, store.num_experts
+    ctx = PolicyContext(
+        num_layers=layers,
+        num_experts=experts,
+        top_k=top_k,
+        embed_dim=store.embed_dim,
+        prefetch_distance=prefetch_distance,
+        capacity=layers * experts // 4,
+    )
+    policy = FMoE(store=store, asynchronous=False)
+    policy.bind(ctx, _NullCache(ctx.capacity))
+    valid = np.ones((1, 1), bool)
+
+    def iteration(embeds: np.ndarray, maps: np.ndarray) -> None:
+        policy.on_iteration_start(IterationStart(valid, embeds))
+        for layer in range(layers):
+            ids = np.argsort(-maps[:, layer], axis=-1, kind="stable")[:, :top_k]
+            needed = needed_experts(ids, valid.reshape(-1))
+            policy.on_layer_routed(LayerRouted(layer, ids, valid, needed, maps[:, layer]))
+        policy.on_iteration_end()
+
+    times = _time_ms(iteration, queries)
+    counts = policy.stats()
+    iterations = len(queries) + 1  # `_time_ms` runs the first once more, untimed
+    return {
+        "policy_iteration": _stats(times),
+        "searches_per_iteration": counts.get("trajectory_matches", 0) / iterations,
+        "skipped_per_iteration": counts.get("confirmed_layers", 0) / iterations,
+    }
+
+
 def partial_searches(store: ExpertMapStore):
     """A function running one iteration's trajectory searches of a map `[1, L, J]`: `searches` of them, on
     prefixes of 1, 2, ... layers, with one running `PrefixDots`."""
@@ -111,7 +164,10 @@ def measure(
     repeats: int,
     flush: np.ndarray,
     prefetch_distance: int = PREFETCH_DISTANCE,
+    top_k: int | None = None,
 ) -> dict:
+    """Times the store's searches and updates at `dims`; with `top_k` (the model's experts per token), also
+    the whole fmoe policy's decode iteration (`policy_iteration`)."""
     contexts = Contexts(seed=0, **dims)
     rng = np.random.default_rng(2)
     queries = [contexts.draw(rng, 1) for _ in range(repeats)]
@@ -145,6 +201,8 @@ def measure(
                 part = slots[start : start + FILL_CHUNK]
                 store.add_future(part, contexts.draw(rng, len(part))[1])
             row["future_of_b1"] = _stats(_time_ms(store.future_of, [(m,) for _, m in queries]))
+            if top_k is not None:
+                row |= policy_iteration(store, queries, top_k, prefetch_distance)
         del store
 
     same = [np.array_equal(s[1], e[1]) for s, e in zip(results["sketch"], results["exact"], strict=True)]

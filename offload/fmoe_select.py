@@ -78,27 +78,26 @@ def select_mask(probs: np.ndarray, score: float | np.ndarray, top_k: int) -> np.
     if rows.ndim != 2:
         raise ValueError(f"probs must be [B, J], got shape {rows.shape}.")
     order, count = _selection(rows, score, top_k)
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(rows.shape[1])[None, :], axis=1)  # each expert's position
-    return rank < count[:, None]
+    mask = np.empty(rows.shape, bool)
+    mask[np.arange(rows.shape[0])[:, None], order] = np.arange(rows.shape[1]) < count[:, None]
+    return mask
 
 
 def _selection(rows: np.ndarray, score: float | np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     """Each row's experts by descending probability (ties: lower id first) `[B, J]`, and how many of them
-    are selected `[B]`."""
+    are selected `[B]`. (The matcher calls this after every layer: a few array operations, no more.)"""
     num_experts = rows.shape[1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, J={num_experts}], got {top_k}.")
-    if not np.all(np.isfinite(rows)) or np.any(rows < 0):
+    if not (np.isfinite(rows).all() and rows.min(initial=0.0) >= 0):
         raise ValueError("probs must be finite and non-negative (router probabilities).")
-    delta = np.broadcast_to(selection_threshold(score), (rows.shape[0],))  # [B]
-
+    delta = selection_threshold(score)  # scalar or [B]
     order = np.argsort(-rows, axis=1, kind="stable")  # [B, J]; stable: ties keep the lower id first
-    csum = np.cumsum(np.take_along_axis(rows, order, axis=1), axis=1)  # [B, J]
-    reached = csum >= (delta - MASS_TOLERANCE)[:, None]
-    # First position where the mass reaches delta; a row that never reaches it takes all J.
-    count = np.where(reached.any(axis=1), reached.argmax(axis=1) + 1, num_experts)
-    count = np.maximum(count, top_k)
+    csum = np.cumsum(rows[np.arange(rows.shape[0])[:, None], order], axis=1)  # [B, J], non-decreasing
+    # The positions short of delta are a prefix: the first to reach it is the next one (a row that never
+    # reaches it takes all J).
+    short = csum < np.reshape(delta - MASS_TOLERANCE, (-1, 1))
+    count = np.clip(short.sum(axis=1) + 1, top_k, num_experts)
     return order, np.where(rows.any(axis=1), count, 0)
 
 

@@ -16,12 +16,12 @@ import fmoe_jax as fj
 
 
 def bound_policy(
-    store: ExpertMapStore, execution: str = "copy", copy_chunks: int = 1, **options
+    store: ExpertMapStore, execution: str = "copy", copy_chunks: int = 1, top_k: int = 1, **options
 ) -> tuple[FMoE, RecordingCache]:
     ctx = PolicyContext(
         num_layers=store.num_layers,
         num_experts=store.num_experts,
-        top_k=1,
+        top_k=top_k,
         embed_dim=store.embed_dim,
         prefetch_distance=store.prefetch_distance,
         capacity=4,
@@ -70,6 +70,36 @@ def test_trajectory_match_guides_layers_d_ahead_and_low_scores_take_more_experts
         ((3, 3), pytest.approx(0.7 / 3)),
     ]
     assert kwargs["stale_before"] == 1
+
+
+def test_a_search_the_last_match_foresaw_is_skipped_where_a_chance_match_is_rare():
+    def searches(num_experts, top_k, depart=None, **options):
+        """Trajectory searches and skips over one decode iteration (L = 6, d = 1) whose routing follows
+        stored map 0 at every layer but `depart`, where it follows map 1."""
+        rng = np.random.default_rng(0)
+        store = ExpertMapStore(
+            capacity=4, num_layers=6, num_experts=num_experts, embed_dim=3, prefetch_distance=1
+        )
+        maps = rng.dirichlet(np.ones(num_experts), size=(4, 6)).astype(np.float32)
+        store.add(rng.standard_normal((4, 3)).astype(np.float32), maps)
+        policy, cache = bound_policy(store, top_k=top_k, **options)
+        valid = np.ones((1, 1), bool)
+        iteration_start(policy, np.ones((1, 3), np.float32), valid)
+        for layer in range(6):
+            probs = maps[1 if layer == depart else 0, layer]
+            top = np.argsort(-probs)[:top_k]
+            assert layer != depart or set(top) != set(np.argsort(-maps[0, layer])[:top_k])
+            layer_routed(policy, layer, probs[None], top[None], valid)
+        stats = policy.stats()
+        return stats.get("trajectory_matches", 0), stats.get("confirmed_layers", 0)
+
+    # 4 of 16 experts (log2 C(16, 4) = 10.8 bits): after the search at layer 0 finds map 0, layers 1-4
+    # confirm it (layer 5, the last, is searched after by no one).
+    assert searches(16, 4) == (1, 4)
+    assert searches(16, 4, depart=2) == (2, 3)  # layer 2 departs: searched again, and confirmed after
+    assert searches(16, 4, skip_confirmed=False) == (5, 0)
+    assert searches(8, 2) == (5, 0)  # 2 of 8 (4.8 bits) agree by chance too often to confirm anything
+    assert searches(16, 4, traj_target="single") == (5, 0)  # each search guides one layer: none is skipped
 
 
 def test_single_target_mode_and_fixed_top_k():

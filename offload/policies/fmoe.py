@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 import queue
 import threading
@@ -48,6 +49,10 @@ from .fiddler import expert_usage
 
 # Requests whose last tokens the matcher remembers for follower links (`FMoE._learn`).
 _RECENT_REQUESTS = 1024
+# `skip_confirmed` trusts a layer's routing as confirming a match only where a stored map's top k would match
+# it by chance less than once in 2 ** this many (log2 C(J, k)): the Qwen and DeepSeek presets, not Mixtral's 2
+# of 8 experts (4.8 bits) or Phi-3.5's 2 of 16 (6.9).
+_CONFIRMATION_BITS = 10
 
 
 @dataclasses.dataclass
@@ -102,6 +107,14 @@ class FMoE(Policy):
       link: how "cost" admission prices a copy (see the module docstring): "stalls" (lands in time and q
         pays for the misses its pieces delay), "free" (as if the link were free when asked), "queue" (after
         the copies and misses queued ahead).
+      skip_confirmed: in decode, skip the trajectory search after a layer whose routing the iteration's
+        last match foresaw exactly (each row's best map has the routed experts as its top k there): that
+        match's guides for the layers ahead stand (`traj_target="band"` only, and only where such a
+        confirmation is rare by chance, `_CONFIRMATION_BITS`). On the validation split this left out
+        45 % of the searches at fmoe-tiny-qwen-moe's and -qwen3-moe's routing at the same simulated TPOT
+        (0.999x in geometric mean over 12 points, 0.97-1.04x each), and 61 % at fmoe-tiny-mixtral's,
+        where it was 1-7 % slower at 5 of 6 points: its top 2 of 8 experts agree by chance too often to
+        confirm a match.
     """
 
     name = "fmoe"
@@ -137,6 +150,7 @@ class FMoE(Policy):
         copy_s: float | None = None,
         layer_s: float | None = None,
         link: Literal["stalls", "free", "queue"] = "stalls",
+        skip_confirmed: bool = True,
     ):
         if eviction not in ("reuse", "fmoe", "lfu", "lru"):
             raise ValueError(f"eviction must be 'reuse', 'fmoe', 'lfu' or 'lru', got {eviction!r}")
@@ -164,6 +178,8 @@ class FMoE(Policy):
         self.admission = admission
         self.copy_s, self.layer_s = copy_s, layer_s
         self.link = link
+        self.skip_confirmed = skip_confirmed and traj_target == "band"
+        self._foreseen: tuple[int, np.ndarray] | None = None  # (iteration, [B, L, k] sorted top-k of a match)
         self._free_link = False  # hybrid execution (set by `bind`)
         self._clock: tuple[float, float, int] | None = None  # (time, on-demand wait, misses), last layer
         self.timers = {"matching": 0.0, "store_update": 0.0}
@@ -199,6 +215,9 @@ class FMoE(Policy):
         # Hybrid execution: a miss is computed on the host rather than waiting for the link, so a wasted
         # prefetch only delays other prefetches, and "cost" admission lets every selected expert go.
         self._free_link = ctx.execution == "hybrid"
+        self._skipping = self.skip_confirmed and math.log2(math.comb(ctx.num_experts, ctx.top_k)) >= (
+            _CONFIRMATION_BITS
+        )
         self._measure = (
             self.admission == "cost" and not self._free_link and (self.copy_s is None or self.layer_s is None)
         )
@@ -357,9 +376,25 @@ class FMoE(Policy):
         if not self.trajectory or layer + self.ctx.prefetch_distance >= self.ctx.num_layers:
             return
         active = self._last[valid.any(1)]
-        if active.size:
+        if active.size and self._confirmed(layer, event.ids, active):
+            self.counts["confirmed_layers"] += 1
+            # What a search would drop: waiting requests for this layer and those before it.
+            self.cache.request_prefetch((), replace=False, stale_before=layer + 1)
+        elif active.size:
             data = self._maps[active, : layer + 1].copy()
             self._publish(_Context("trajectory", layer=layer, data=data, iteration=self._iteration))
+
+    def _confirmed(self, layer: int, ids: np.ndarray, active: np.ndarray) -> bool:
+        """Whether the iteration's last trajectory match foresaw this layer's routing: in decode, each active
+        row's best map has the routed experts as its top k at `layer` (`skip_confirmed`). Read on the engine
+        thread while the matcher may replace it: a stale read only costs a search or skips one."""
+        foreseen = self._foreseen
+        if not (self._skipping and self._decoding) or foreseen is None or foreseen[0] != self._iteration:
+            return False
+        expected = foreseen[1]
+        if expected.shape[0] != len(active):
+            return False
+        return bool(np.array_equal(np.sort(np.asarray(ids)[active], axis=1), expected[:, layer]))
 
     def _measure_costs(self) -> None:
         """Live estimates of T and of one layer's compute (exponential averages), from the cache's on-demand
@@ -504,6 +539,11 @@ class FMoE(Policy):
         else:
             scores, maps = self.store.match_traj(context.data, self._prefix_dots)
             current = context.layer
+            if self._skipping and context.iteration == self._iteration and len(self.store):
+                top = np.argsort(-maps[:, current + 1 :], axis=-1, kind="stable")[..., : self.ctx.top_k]
+                expected = np.zeros((*maps.shape[:2], self.ctx.top_k), np.int64)  # layers <= current: unused
+                expected[:, current + 1 :] = np.sort(top, axis=-1)
+                self._foreseen = (context.iteration, expected)
             first = current + self.ctx.prefetch_distance
             targets = (
                 range(first, self.ctx.num_layers) if self.traj_target == "band" else range(first, first + 1)
@@ -569,9 +609,8 @@ class FMoE(Policy):
             keep = self._after_queue(q[pos, experts], layers[pos], current, priority)
             self.counts["not_admitted"] += int(len(keep) - keep.sum())
             pos, experts, priority = pos[keep], experts[keep], priority[keep]
-        return [
-            ((int(layers[p]), int(e)), float(pri)) for p, e, pri in zip(pos, experts, priority, strict=True)
-        ]
+        keys = zip(layers[pos].tolist(), experts.tolist(), strict=True)
+        return list(zip(keys, priority.tolist(), strict=True))
 
     def _after_queue(
         self, q: np.ndarray, layers: np.ndarray, current: int, priority: np.ndarray
