@@ -279,3 +279,20 @@ def test_conclusion_counts_where_fmoe_hybrid_wins_and_loses():
     assert "at 1 of 2 (model, system, budget) points" in text
     assert "at budget 0.5 to on_demand_lru+hybrid, by up to 11 %" in text
     assert "0.75–0.80x Fiddler's" in text
+
+
+def test_exp7_times_the_whole_fmoe_policy_per_iteration():
+    """Experiment 7's host cost at real sizes is the policy's whole decode iteration (`policy_iteration`):
+    every layer before L - d is either searched after or confirmed (`skip_confirmed`), as the engine would
+    run it, not the store's searches alone."""
+    from benchmarks import matcher_overhead as mo
+
+    dims = dict(num_layers=6, num_experts=16, embed_dim=8)
+    contexts = mo.Contexts(seed=0, **dims)
+    rng = np.random.default_rng(0)
+    store = mo._filled_store(contexts, 64, dims, None)
+    queries = [contexts.draw(rng, 1) for _ in range(5)]
+    row = mo.policy_iteration(store, queries, top_k=4, prefetch_distance=2)
+    assert row["policy_iteration"]["p50_ms"] > 0
+    assert row["searches_per_iteration"] >= 1  # the first layer's search always runs
+    assert row["searches_per_iteration"] + row["skipped_per_iteration"] == pytest.approx(6 - 2)
