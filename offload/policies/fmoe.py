@@ -585,16 +585,19 @@ class FMoE(Policy):
             return []
         j = self.ctx.num_experts
         layers = np.asarray(targets)
-        distance = layers - current  # [n]
+        dist = (layers - current)[:, None]  # [n, 1]
         probs = maps[:, layers, :]  # [B, n, J]
         score = scores if self.dynamic_delta else np.ones_like(scores)  # [B]
         chosen = select_mask(probs.reshape(-1, j), np.repeat(score, len(layers)), self.ctx.top_k)
         chosen = chosen.reshape(probs.shape)
-        best = np.where(chosen, probs, 0.0).max(axis=0)  # [n, J] selected experts' best probability
-        guide = probs.max(axis=0)  # [n, J] every expert's best probability in the matched maps
-        match = np.full(guide.shape, float(np.max(scores)) if len(scores) else 0.0)
-        dist = np.broadcast_to(distance[:, None], guide.shape)
-        need = self.calibration.predict(guide, match, dist) if self.calibrate else guide
+        selected = np.where(chosen, probs, 0.0)
+        if len(probs) == 1:  # decode at batch 1: one map, nothing to merge
+            best, guide = selected[0], probs[0]
+        else:
+            best = selected.max(axis=0)  # [n, J] selected experts' best probability
+            guide = probs.max(axis=0)  # [n, J] every expert's best probability in the matched maps
+        match = float(np.max(scores)) if len(scores) else 0.0  # the guides' similarity
+        need = self.calibration.predict(guide, match, dist) if self.calibrate else guide  # [n, J]
         if fresh:
             self._guide_p[layers], self._guide_s[layers], self._guide_d[layers] = guide, match, dist
             self._guided[layers] = True
