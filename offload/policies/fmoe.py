@@ -2,7 +2,8 @@
 
 The engine publishes contexts; a matcher thread subscribes to them, searches the `ExpertMapStore`
 (semantic search at iteration start for layers [0, d), trajectory search after each layer for the layers
-d ahead), picks experts by similarity-aware selection, and queues prefetches by priority p / (l - l_now).
+d ahead, except after a layer the last match foresaw, `skip_confirmed`), picks experts by similarity-aware
+selection, and queues prefetches by priority p / (l - l_now).
 The paper's eviction keeps the experts with the highest p * freq; ours by default ("reuse") keeps those most
 likely needed soon (see `keep_score`). The engine never waits for matching.
 
