@@ -122,6 +122,7 @@ def policy_iteration(store: ExpertMapStore, queries: list, top_k: int, prefetch_
         embed_dim=store.embed_dim,
         prefetch_distance=prefetch_distance,
         capacity=layers * experts // 4,
+        matcher_s=0.0,  # every search and update is done (`pay_for_matching` leaves none out)
     )
     policy = FMoE(store=store, asynchronous=False)
     policy.bind(ctx, _NullCache(ctx.capacity))

@@ -92,9 +92,7 @@ class ReuseForecast:
         self.last_use = np.full(self.shape, -1, np.int64)  # -1: not used by this request yet
         self.share = np.zeros(self.shape)
         self.pending: collections.deque[tuple[tuple[np.ndarray, ...], list[np.ndarray]]] = collections.deque()
-        bins = self._bins(None)
-        self._hint_bins = bins[2]
-        self.scores = self._predict(bins)
+        self._score(self._bins(None))
 
     def _bins(self, hint: np.ndarray | None) -> tuple[np.ndarray, ...]:
         gap = np.where(
@@ -106,6 +104,13 @@ class ReuseForecast:
         p = np.zeros(self.shape, np.int64) if hint is None else np.searchsorted(P_EDGES, hint)
         return gap, share, p
 
+    def _score(self, bins: tuple[np.ndarray, ...]) -> None:
+        """`scores` for the iteration, and `_if_used`: each expert's score once the iteration uses it
+        (gap 0, its share counting this iteration), which `mark_used` copies in."""
+        self.scores = self._predict(bins)
+        share = np.searchsorted(SHARE_EDGES, self.decay * self.share + (1 - self.decay))
+        self._if_used = self._predict((np.zeros(self.shape, np.int64), share, bins[2]))
+
     def _predict(self, bins: tuple[np.ndarray, ...]) -> np.ndarray:
         # Laplace-smoothed; an unseen bin falls back to a weak prior of "recently used is likely reused".
         prior = np.where(bins[0] == 0, 0.6, 0.2)
@@ -115,18 +120,13 @@ class ReuseForecast:
         """A new iteration of the request: scores for it from the routing so far (and the map's `hint`
         `[L, J]` for this token, if any)."""
         bins = self._bins(hint)
-        self._hint_bins = bins[2]
-        self.scores = self._predict(bins)
+        self._score(bins)
         self.pending.append((bins, []))
 
     def mark_used(self, layer: int, experts: np.ndarray) -> None:
         """Experts of `layer` needed in the current iteration: from now on they score as experts the
         request used in its previous iteration, which is what they will be at the next one."""
-        if not len(experts):
-            return
-        gap = np.zeros(len(experts), np.int64)
-        share = np.searchsorted(SHARE_EDGES, self.decay * self.share[layer, experts] + (1 - self.decay))
-        self.scores[layer, experts] = self._predict((gap, share, self._hint_bins[layer, experts]))
+        self.scores[layer, experts] = self._if_used[layer, experts]
 
     def end_iteration(self, used: np.ndarray) -> None:
         """The iteration's experts `[L, J]` bool: features update, and the snapshot `horizon` iterations back

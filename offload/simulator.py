@@ -258,6 +258,7 @@ class Replay:
             else (),
             copy_s=model.expert_bytes / hardware.link_effective,
             layer_s=decode_layer_s,
+            matcher_s=0.0,
             copy_chunks=chunks,
             execution=offload.execution,
         )

@@ -16,9 +16,15 @@ import fmoe_jax as fj
 
 
 def bound_policy(
-    store: ExpertMapStore, execution: str = "copy", copy_chunks: int = 1, top_k: int = 1, **options
+    store: ExpertMapStore,
+    execution: str = "copy",
+    copy_chunks: int = 1,
+    top_k: int = 1,
+    matcher_s: float | None = None,
+    **options,
 ) -> tuple[FMoE, RecordingCache]:
     ctx = PolicyContext(
+        matcher_s=matcher_s,
         num_layers=store.num_layers,
         num_experts=store.num_experts,
         top_k=top_k,
@@ -100,6 +106,41 @@ def test_a_search_the_last_match_foresaw_is_skipped_where_a_chance_match_is_rare
     assert searches(16, 4, skip_confirmed=False) == (5, 0)
     assert searches(8, 2) == (5, 0)  # 2 of 8 (4.8 bits) agree by chance too often to confirm anything
     assert searches(16, 4, traj_target="single") == (5, 0)  # each search guides one layer: none is skipped
+
+
+def test_the_matcher_works_only_while_the_link_time_it_could_save_pays_for_it():
+    def counts(**options):
+        """One decode iteration (L = 4, d = 1, one expert a layer, T = 1 ms): what the matcher did."""
+        policy, _ = bound_policy(one_map_store(), copy_s=1e-3, layer_s=1e-3, **options)
+        valid = np.ones((1, 1), bool)
+        iteration_start(policy, np.ones((1, 3), np.float32), valid)
+        for layer in range(4):
+            layer_routed(policy, layer, np.full((1, 4), 0.25, np.float32), np.array([[layer]]), valid)
+        policy.on_iteration_end()
+        stats = policy.stats()
+        kinds = (
+            "semantic_matches",
+            "trajectory_matches",
+            "unpaid_semantic",
+            "unpaid_trajectory",
+            "unpaid_update",
+        )
+        return tuple(stats.get(kind, 0) for kind in kinds)
+
+    # Each routed layer could have cost one 1 ms copy; a search costs 2.5 ms of host time. Nothing is banked
+    # at the start (no semantic search); after layers 0 and 1 the credit (1, 2 ms) is short; after layer 2
+    # (3 ms) one search is paid; the update at the end finds 1.5 ms. Layer 3, the last, has no search.
+    assert counts(matcher_s=2.5e-3) == (0, 1, 1, 2, 1)
+    assert counts(matcher_s=0.0) == (1, 3, 0, 0, 0)  # the simulator's hint: the matcher costs nothing
+    assert counts(matcher_s=2.5e-3, pay_for_matching=False) == (1, 3, 0, 0, 0)
+    # Unmeasured costs: everything goes, and each kind's host time is measured from the work itself.
+    assert counts() == (1, 3, 0, 0, 0)
+    policy, _ = bound_policy(one_map_store(), copy_s=1e-3, layer_s=1e-3)
+    valid = np.ones((1, 1), bool)
+    iteration_start(policy, np.ones((1, 3), np.float32), valid)
+    layer_routed(policy, 0, np.full((1, 4), 0.25, np.float32), np.array([[0]]), valid)
+    stats = policy.stats()
+    assert stats["semantic_host_ms"] > 0 and stats["trajectory_host_ms"] > 0
 
 
 def test_single_target_mode_and_fixed_top_k():

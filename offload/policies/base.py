@@ -36,6 +36,10 @@ class PolicyContext:
     # simulator passes its cost model's; the live engine leaves them None (such a policy measures them).
     copy_s: float | None = None
     layer_s: float | None = None
+    # Host seconds a predicting policy's matcher spends per search or update (fmoe's `pay_for_matching`
+    # weighs them against the link time they could save). The simulator passes 0: it does not model the
+    # matcher's host time. None: measured as the policy runs (the live engine).
+    matcher_s: float | None = None
     # The pieces a copy goes over the link in: an on-demand load waits behind at most the one piece under
     # way (the simulator's `SimulatedLink`, the live `ChunkedJaxMover`); 1: whole copies.
     copy_chunks: int = 1

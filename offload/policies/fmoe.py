@@ -3,7 +3,8 @@
 The engine publishes contexts; a matcher thread subscribes to them, searches the `ExpertMapStore`
 (semantic search at iteration start for layers [0, d), trajectory search after each layer for the layers
 d ahead, except after a layer the last match foresaw, `skip_confirmed`), picks experts by similarity-aware
-selection, and queues prefetches by priority p / (l - l_now).
+selection, and queues prefetches by priority p / (l - l_now). It searches only while the copy time its work
+could save covers the host time the work takes (`pay_for_matching`).
 The paper's eviction keeps the experts with the highest p * freq; ours by default ("reuse") keeps those most
 likely needed soon (see `keep_score`). The engine never waits for matching.
 
@@ -116,6 +117,14 @@ class FMoE(Policy):
         (0.999x in geometric mean over 12 points, 0.97-1.04x each), and 61 % at fmoe-tiny-mixtral's,
         where it was 1-7 % slower at 5 of 6 points: its top 2 of 8 experts agree by chance too often to
         confirm a match.
+      pay_for_matching: the matcher searches (and updates the store) only while the link time its work
+        could save covers the host time it takes: each routed layer adds (experts it needs) x T to a credit
+        (every one of them could have been a miss: the most prediction can save there), each search or
+        update spends its measured host time (`PolicyContext.matcher_s`, else the matcher thread's CPU time
+        per context), and work the credit cannot pay is left out (`stats()["unpaid_<kind>"]`). Where a
+        copy costs far more than a search (the GPUs the simulator models: 0.7-14 ms against ~0.3 ms) it
+        never bites; where copies are nearly free (the CPU, ~0.02 ms an expert for the shipped models)
+        the matcher mostly rests and fmoe serves from its cache and eviction.
     """
 
     name = "fmoe"
@@ -152,6 +161,7 @@ class FMoE(Policy):
         layer_s: float | None = None,
         link: Literal["stalls", "free", "queue"] = "stalls",
         skip_confirmed: bool = True,
+        pay_for_matching: bool = True,
     ):
         if eviction not in ("reuse", "fmoe", "lfu", "lru"):
             raise ValueError(f"eviction must be 'reuse', 'fmoe', 'lfu' or 'lru', got {eviction!r}")
@@ -181,6 +191,10 @@ class FMoE(Policy):
         self.link = link
         self.skip_confirmed = skip_confirmed and traj_target == "band"
         self._foreseen: tuple[int, np.ndarray] | None = None  # (iteration, [B, L, k] sorted top-k of a match)
+        self.pay_for_matching = pay_for_matching
+        self._credit = 0.0  # link seconds the matcher may still spend (`pay_for_matching`; engine thread)
+        # Host seconds per context of each kind: the context's hint, else measured (exponential averages).
+        self._matcher_s: dict[str, float | None] = {"semantic": None, "trajectory": None, "update": None}
         self._free_link = False  # hybrid execution (set by `bind`)
         self._clock: tuple[float, float, int] | None = None  # (time, on-demand wait, misses), last layer
         self.timers = {"matching": 0.0, "store_update": 0.0}
@@ -222,6 +236,8 @@ class FMoE(Policy):
         self._measure = (
             self.admission == "cost" and not self._free_link and (self.copy_s is None or self.layer_s is None)
         )
+        if ctx.matcher_s is not None:
+            self._matcher_s = dict.fromkeys(self._matcher_s, ctx.matcher_s)
         self.meta = {"model": ctx.model_id}
         path = self.store_path
         if path:  # refuse a location `close` could not save to now, not after serving
@@ -350,7 +366,7 @@ class FMoE(Policy):
         self._used[:] = False
         self._current = -1
         self.forecast.begin_iteration(self._hint if self.eviction == "reuse" else None)
-        if self.semantic and n_valid:
+        if self.semantic and n_valid and self._paid("semantic"):
             self._publish(_Context("semantic", data=self._embeds, iteration=self._iteration))
 
     def on_layer_routed(self, event: LayerRouted) -> None:
@@ -374,6 +390,9 @@ class FMoE(Policy):
             np.add.at(self._counts[layer], np.asarray(event.ids)[event.token_valid].ravel(), 1.0)
         self.forecast.mark_used(layer, needed)
         self._maps[:, layer] = event.probs
+        if self.pay_for_matching and self.copy_s is not None:  # what this layer's misses could have cost
+            cap = self.ctx.num_layers * self.ctx.top_k * self.copy_s  # a decode iteration's worth at most
+            self._credit = min(self._credit + len(needed) * self.copy_s, cap)
         if not self.trajectory or layer + self.ctx.prefetch_distance >= self.ctx.num_layers:
             return
         active = self._last[valid.any(1)]
@@ -381,7 +400,7 @@ class FMoE(Policy):
             self.counts["confirmed_layers"] += 1
             # What a search would drop: waiting requests for this layer and those before it.
             self.cache.request_prefetch((), replace=False, stale_before=layer + 1)
-        elif active.size:
+        elif active.size and self._paid("trajectory"):
             data = self._maps[active, : layer + 1].copy()
             self._publish(_Context("trajectory", layer=layer, data=data, iteration=self._iteration))
 
@@ -455,11 +474,23 @@ class FMoE(Policy):
         self.forecast.end_iteration(self._used)
         if self._counting:
             self._update_rate()
-        if self._embeds.shape[0] and (self.learn or self.eviction == "reuse"):
+        if self._embeds.shape[0] and (self.learn or self.eviction == "reuse") and self._paid("update"):
             context = _Context("update", data=self._embeds, extra=self._maps[self._valid])
             context.rows, context.requests = self._token_rows, self._requests
             context.request, context.iteration = self._request, self._iteration
             self._publish(context)
+
+    def _paid(self, kind: str) -> bool:
+        """Whether the credit covers a context of `kind` (`pay_for_matching`), which it then pays for.
+        Until both its cost and T are measured, every context goes."""
+        cost = self._matcher_s[kind]
+        if not self.pay_for_matching or cost is None or self.copy_s is None:
+            return True
+        if self._credit >= cost:
+            self._credit -= cost
+            return True
+        self.counts[f"unpaid_{kind}"] += 1
+        return False
 
     def _publish(self, context: _Context) -> None:
         if not self.asynchronous:
@@ -524,6 +555,15 @@ class FMoE(Policy):
             self.last_error = f"{context.kind}: {err!r}"
 
     def _process(self, context: _Context) -> None:
+        start = time.thread_time()
+        try:
+            self._process_kind(context)
+        finally:
+            if self.ctx.matcher_s is None:  # this thread's CPU time: what the work takes from the engine's
+                spent, last = time.thread_time() - start, self._matcher_s[context.kind]
+                self._matcher_s[context.kind] = spent if last is None else 0.9 * last + 0.1 * spent
+
+    def _process_kind(self, context: _Context) -> None:
         if context.kind == "update":
             start = time.perf_counter()
             if self.learn:
@@ -692,6 +732,9 @@ class FMoE(Policy):
             out["last_error"] = self.last_error
         if self.admission == "cost" and self.copy_s is not None and self.layer_s is not None:
             out |= {"copy_ms": 1e3 * self.copy_s, "layer_ms": 1e3 * self.layer_s}
+        for kind, seconds in self._matcher_s.items():  # host time per context (`pay_for_matching`)
+            if seconds is not None:
+                out[f"{kind}_host_ms"] = 1e3 * seconds
         for kind, values in self.scores.items():
             if values:
                 out[f"mean_{kind}_score"] = float(np.mean(values))
