@@ -195,6 +195,7 @@ class FMoE(Policy):
         self._credit = 0.0  # link seconds the matcher may still spend (`pay_for_matching`; engine thread)
         # Host seconds per context of each kind: the context's hint, else measured (exponential averages).
         self._matcher_s: dict[str, float | None] = {"semantic": None, "trajectory": None, "update": None}
+        self._timed = collections.Counter()  # contexts timed, by kind: the first of each (cold) is not used
         self._free_link = False  # hybrid execution (set by `bind`)
         self._clock: tuple[float, float, int] | None = None  # (time, on-demand wait, misses), last layer
         self.timers = {"matching": 0.0, "store_update": 0.0}
@@ -559,9 +560,11 @@ class FMoE(Policy):
         try:
             self._process_kind(context)
         finally:
-            if self.ctx.matcher_s is None:  # this thread's CPU time: what the work takes from the engine's
-                spent, last = time.thread_time() - start, self._matcher_s[context.kind]
-                self._matcher_s[context.kind] = spent if last is None else 0.9 * last + 0.1 * spent
+            kind = context.kind
+            self._timed[kind] += 1
+            if self.ctx.matcher_s is None and self._timed[kind] > 1:  # this thread's CPU time: what the work
+                spent, last = time.thread_time() - start, self._matcher_s[kind]  # takes from the engine's
+                self._matcher_s[kind] = spent if last is None else 0.9 * last + 0.1 * spent
 
     def _process_kind(self, context: _Context) -> None:
         if context.kind == "update":
