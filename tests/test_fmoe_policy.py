@@ -109,9 +109,11 @@ def test_a_search_the_last_match_foresaw_is_skipped_where_a_chance_match_is_rare
 
 
 def test_the_matcher_works_only_while_the_link_time_it_could_save_pays_for_it():
-    def counts(**options):
-        """One decode iteration (L = 4, d = 1, one expert a layer, T = 1 ms): what the matcher did."""
-        policy, _ = bound_policy(one_map_store(), copy_s=1e-3, layer_s=1e-3, **options)
+    def counts(hits=0, misses=0, **options):
+        """One decode iteration (L = 4, d = 1, one expert a layer, T = 1 ms), after a cache history of
+        `hits` and `misses`: what the matcher did."""
+        policy, cache = bound_policy(one_map_store(), copy_s=1e-3, layer_s=1e-3, **options)
+        cache.book.stats.hits, cache.book.stats.misses = hits, misses
         valid = np.ones((1, 1), bool)
         iteration_start(policy, np.ones((1, 3), np.float32), valid)
         for layer in range(4):
@@ -131,6 +133,9 @@ def test_the_matcher_works_only_while_the_link_time_it_could_save_pays_for_it():
     # at the start (no semantic search); after layers 0 and 1 the credit (1, 2 ms) is short; after layer 2
     # (3 ms) one search is paid; the update at the end finds 1.5 ms. Layer 3, the last, has no search.
     assert counts(matcher_s=2.5e-3) == (0, 1, 1, 2, 1)
+    # A cache that misses 1 access in 4 puts a quarter of that at stake: 0.25 ms a layer pays for a
+    # 0.5 ms search after layer 1 (not 0 or 2), and for the update at the end.
+    assert counts(hits=3, misses=1, matcher_s=0.5e-3) == (0, 1, 1, 2, 0)
     assert counts(matcher_s=0.0) == (1, 3, 0, 0, 0)  # the simulator's hint: the matcher costs nothing
     assert counts(matcher_s=2.5e-3, pay_for_matching=False) == (1, 3, 0, 0, 0)
     # Unmeasured costs: everything goes, and each kind's host time is measured from the work itself.

@@ -118,13 +118,16 @@ class FMoE(Policy):
         where it was 1-7 % slower at 5 of 6 points: its top 2 of 8 experts agree by chance too often to
         confirm a match.
       pay_for_matching: the matcher searches (and updates the store) only while the link time its work
-        could save covers the host time it takes: each routed layer adds (experts it needs) x T to a credit
-        (every one of them could have been a miss: the most prediction can save there), each search or
+        could save covers the host time it takes: each routed layer adds (experts it needs) x T x m to a
+        credit, m the share of needed experts that would miss without prediction (the cache's misses and
+        prefetched hits per access: the most prediction can save there), each search or
         update spends its measured host time (`PolicyContext.matcher_s`, else the matcher thread's CPU time
-        per context), and work the credit cannot pay is left out (`stats()["unpaid_<kind>"]`). Where a
-        copy costs far more than a search (the GPUs the simulator models: 0.7-14 ms against ~0.3 ms) it
-        never bites; where copies are nearly free (the CPU, ~0.02 ms an expert for the shipped models)
-        the matcher mostly rests and fmoe serves from its cache and eviction.
+        per context), and work the credit cannot pay is left out (`stats()["unpaid_<kind>"]`). Where copies
+        are nearly free (this CPU: ~0.02 ms an expert of the shipped models, against 0.5-2 ms a search)
+        the matcher rests and fmoe serves from its cache and eviction. At the real sizes of experiment 7
+        a layer's stake k x T x m is ~10 ms on Mixtral-8x7B and ~0.2-0.5 ms on the Qwen models on an H100,
+        about what one search and selection takes there: it would thin the searches out there. The
+        simulator does not model the matcher's host time (it passes 0, and nothing is left out).
     """
 
     name = "fmoe"
@@ -393,7 +396,7 @@ class FMoE(Policy):
         self._maps[:, layer] = event.probs
         if self.pay_for_matching and self.copy_s is not None:  # what this layer's misses could have cost
             cap = self.ctx.num_layers * self.ctx.top_k * self.copy_s  # a decode iteration's worth at most
-            self._credit = min(self._credit + len(needed) * self.copy_s, cap)
+            self._credit = min(self._credit + len(needed) * self.copy_s * self._at_stake(), cap)
         if not self.trajectory or layer + self.ctx.prefetch_distance >= self.ctx.num_layers:
             return
         active = self._last[valid.any(1)]
@@ -480,6 +483,15 @@ class FMoE(Policy):
             context.rows, context.requests = self._token_rows, self._requests
             context.request, context.iteration = self._request, self._iteration
             self._publish(context)
+
+    def _at_stake(self) -> float:
+        """The share of needed experts that would miss without prediction, as far as the cache can tell:
+        its misses and the hits prefetches made (prefetched, not evicted unused) per access; 1 before any."""
+        stats = self.cache.stats
+        accesses = stats.hits + stats.misses
+        if not accesses:
+            return 1.0
+        return min(1.0, (stats.misses + max(0, stats.prefetches - stats.wasted_prefetches)) / accesses)
 
     def _paid(self, kind: str) -> bool:
         """Whether the credit covers a context of `kind` (`pay_for_matching`), which it then pays for.
