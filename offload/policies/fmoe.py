@@ -571,11 +571,11 @@ class FMoE(Policy):
         start = time.thread_time()
         try:
             self._process_kind(context)
-        finally:
+        finally:  # `pay_for_matching`'s cost: this thread's CPU time, what the work takes from the engine's
             kind = context.kind
             self._timed[kind] += 1
-            if self.ctx.matcher_s is None and self._timed[kind] > 1:  # this thread's CPU time: what the work
-                spent, last = time.thread_time() - start, self._matcher_s[kind]  # takes from the engine's
+            if self.ctx.matcher_s is None and self._timed[kind] > 1:
+                spent, last = time.thread_time() - start, self._matcher_s[kind]
                 self._matcher_s[kind] = spent if last is None else 0.9 * last + 0.1 * spent
 
     def _process_kind(self, context: _Context) -> None:
