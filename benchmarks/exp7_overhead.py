@@ -79,6 +79,7 @@ def real_size_rows(hardware: list[str], repeats: int, prefetch_distance: int) ->
         host = m["policy_iteration"]["p50_ms"]
         for hw in hardware:
             costs = CostModel(preset, HARDWARE[hw], preset.num_experts)
+            copy_ms = 1e3 * preset.expert_bytes / HARDWARE[hw].link_effective
             layer = costs.attention_s(np.array([1]), np.array([64])) + costs.experts_s([1] * preset.top_k)
             layer += costs.shared_s(1)
             compute_ms = 1e3 * (preset.num_layers * layer + costs.head_s(1))
@@ -87,14 +88,10 @@ def real_size_rows(hardware: list[str], repeats: int, prefetch_distance: int) ->
                     model=preset.name,
                     hardware=hw,
                     compute_ms=compute_ms,
-                    expert_copy_ms=1e3 * preset.expert_bytes / HARDWARE[hw].link_effective,
-                    # `pay_for_matching`'s credit per decode iteration: L x k copies (what the misses could
-                    # cost); the matcher works while its host time stays below it.
-                    link_at_stake_ms=1e3
-                    * preset.num_layers
-                    * preset.top_k
-                    * preset.expert_bytes
-                    / HARDWARE[hw].link_effective,
+                    expert_copy_ms=copy_ms,
+                    # The most `pay_for_matching` credits per decode iteration (L x k copies, every needed
+                    # expert a miss; it scales this by the share that would miss): the matcher's budget.
+                    link_at_stake_ms=preset.num_layers * preset.top_k * copy_ms,
                     semantic_search_ms=m["sem_sketch"]["p50_ms"],
                     trajectory_searches_ms=m["traj_iteration"]["p50_ms"],
                     map_update_ms=m["add_full_b1"]["p50_ms"],

@@ -155,12 +155,11 @@ def conclusion(results: Path = RESULTS) -> str:
             live_ratio.append(live["fmoe"]["median_tpot_s"] / live["on_demand_lru"]["median_tpot_s"])
             live_hits.append((live["fmoe"]["hit_rate"], live["on_demand_lru"]["hit_rate"]))
             extra = live["fmoe"].get("extra", {})
-            searches = [
-                extra.get(f"{k}_matches", 0) + extra.get(f"unpaid_{k}", 0) for k in ("semantic", "trajectory")
-            ]
-            if sum(searches):
-                unpaid = extra.get("unpaid_semantic", 0) + extra.get("unpaid_trajectory", 0)
-                live_unpaid.append(unpaid / sum(searches))
+            kinds = ("semantic", "trajectory")
+            unpaid = sum(extra.get(f"unpaid_{k}", 0) for k in kinds)
+            searches = unpaid + sum(extra.get(f"{k}_matches", 0) for k in kinds)
+            if searches:
+                live_unpaid.append(unpaid / searches)
     models = sorted({simulated_sizes(payload, m) for m in payload["models"]})
     hardware = sorted({HARDWARE_NAMES.get(hw, hw) for r in payload["models"].values() for hw in r["sim"]})
     cache = float(payload["args"].get("budget", "nan"))
