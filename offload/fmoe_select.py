@@ -28,7 +28,7 @@ def selection_threshold(score: float | np.ndarray) -> np.ndarray:
     score = np.asarray(score, dtype=np.float64)
     if not np.all(np.isfinite(score)):
         raise ValueError(f"match score must be finite, got {score}; an empty store reports 0, not NaN.")
-    return np.clip(1.0 - score, 0.0, 1.0)
+    return np.minimum(np.maximum(1.0 - score, 0.0), 1.0)  # np.clip's, at a third of its overhead
 
 
 def select_experts(
@@ -78,27 +78,96 @@ def select_mask(probs: np.ndarray, score: float | np.ndarray, top_k: int) -> np.
     if rows.ndim != 2:
         raise ValueError(f"probs must be [B, J], got shape {rows.shape}.")
     order, count = _selection(rows, score, top_k)
-    mask = np.empty(rows.shape, bool)
-    mask[np.arange(rows.shape[0])[:, None], order] = np.arange(rows.shape[1]) < count[:, None]
-    return mask
+    return _mask(order, count)
+
+
+class SortedMaps:
+    """Expert maps sorted once for selection, so that selecting from a map the matcher has met before is a
+    comparison and a sum per layer (`select_mask` gives the same masks, sorting every time).
+
+    The matcher meets the same few stored maps search after search (a store keeps a map unchanged until its
+    slot is overwritten), so each map's experts by descending probability per layer, their running mass, each
+    expert's rank in that order and which layers carry any mass are kept, keyed by the map's bytes, for the
+    `capacity` maps used last.
+    """
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self._sorted: dict[bytes, tuple[np.ndarray, ...]] = {}
+
+    def sorted(self, expert_map: np.ndarray) -> tuple[np.ndarray, ...]:
+        """`(order, mass, rank [L, J], nonzero [L])` of one map `[L, J]`: each layer's experts by descending
+        probability (ties: lower id first), the cumulative probability in that order (float64), each expert's
+        position in it, and whether the layer has any mass. Read-only arrays, shared between callers."""
+        key = expert_map.tobytes()
+        found = self._sorted.pop(key, None)
+        if found is None:
+            rows = np.asarray(expert_map, dtype=np.float64)
+            _check_rows(rows)
+            order = np.argsort(-rows, axis=1, kind="stable")
+            mass = np.cumsum(np.take_along_axis(rows, order, axis=1), axis=1)
+            rank = np.empty_like(order)
+            np.put_along_axis(rank, order, np.arange(order.shape[1]), axis=1)
+            found = tuple(_frozen(a) for a in (order, mass, rank, rows.any(axis=1)))
+            if len(self._sorted) >= self.capacity:
+                del self._sorted[next(iter(self._sorted))]  # the least recently used
+        self._sorted[key] = found
+        return found
+
+    def select_mask(
+        self, maps: np.ndarray, layers: np.ndarray, score: np.ndarray, top_k: int
+    ) -> np.ndarray:  # [B, n, J] bool
+        """`select_mask` of the rows `maps[b, layers]` with `score[b]` for every map `[B, L, J]`."""
+        batch, _, num_experts = maps.shape
+        _check_top_k(top_k, num_experts)
+        delta = selection_threshold(score)  # [B]
+        out = np.empty((batch, len(layers), num_experts), bool)
+        for b in range(batch):
+            _, mass, rank, nonzero = self.sorted(maps[b])
+            count = _count(mass[layers], nonzero[layers], delta[b], top_k)
+            np.less(rank[layers], count[:, None], out=out[b])
+        return out
+
+
+def _check_top_k(top_k: int, num_experts: int) -> None:
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, J={num_experts}], got {top_k}.")
+
+
+def _check_rows(rows: np.ndarray) -> None:
+    if not (np.isfinite(rows).all() and rows.min(initial=0.0) >= 0):
+        raise ValueError("probs must be finite and non-negative (router probabilities).")
 
 
 def _selection(rows: np.ndarray, score: float | np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     """Each row's experts by descending probability (ties: lower id first) `[B, J]`, and how many of them
     are selected `[B]`. (The matcher calls this after every layer: a few array operations, no more.)"""
-    num_experts = rows.shape[1]
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, J={num_experts}], got {top_k}.")
-    if not (np.isfinite(rows).all() and rows.min(initial=0.0) >= 0):
-        raise ValueError("probs must be finite and non-negative (router probabilities).")
+    _check_top_k(top_k, rows.shape[1])
+    _check_rows(rows)
     delta = selection_threshold(score)  # scalar or [B]
     order = np.argsort(-rows, axis=1, kind="stable")  # [B, J]; stable: ties keep the lower id first
-    csum = np.cumsum(rows[np.arange(rows.shape[0])[:, None], order], axis=1)  # [B, J], non-decreasing
-    # The positions short of delta are a prefix: the first to reach it is the next one (a row that never
-    # reaches it takes all J).
-    short = csum < np.reshape(delta - MASS_TOLERANCE, (-1, 1))
-    count = np.clip(short.sum(axis=1) + 1, top_k, num_experts)
-    return order, np.where(rows.any(axis=1), count, 0)
+    mass = np.cumsum(np.take_along_axis(rows, order, axis=1), axis=1)  # [B, J], non-decreasing
+    return order, _count(mass, rows.any(axis=1), delta, top_k)
+
+
+def _count(mass: np.ndarray, nonzero: np.ndarray, delta: float | np.ndarray, top_k: int) -> np.ndarray:
+    """How many of each row's experts are selected `[B]`, from the cumulative mass in descending order
+    `[B, J]`: the positions short of delta are a prefix, and the first to reach it is the next one (a row
+    that never reaches it takes all J); at least top_k; none from a row with no mass."""
+    short = mass < np.reshape(delta - MASS_TOLERANCE, (-1, 1))
+    count = np.minimum(np.maximum(short.sum(axis=1) + 1, top_k), mass.shape[1])
+    return np.where(nonzero, count, 0)
+
+
+def _mask(order: np.ndarray, count: np.ndarray) -> np.ndarray:  # [B, J], [B] -> [B, J] bool
+    mask = np.empty(order.shape, bool)
+    mask[np.arange(order.shape[0])[:, None], order] = np.arange(order.shape[1]) < count[:, None]
+    return mask
+
+
+def _frozen(x: np.ndarray) -> np.ndarray:
+    x.flags.writeable = False
+    return x
 
 
 def prefetch_priority(

@@ -7,6 +7,7 @@ import pytest
 from fmoe_jax.offload.expert_map_store import ExpertMapStore, PrefixDots
 from fmoe_jax.offload.fmoe_select import (
     MASS_TOLERANCE,
+    SortedMaps,
     keep_priority,
     prefetch_priority,
     select_experts,
@@ -365,6 +366,28 @@ def test_select_mask_marks_what_select_experts_returns():
         mask = select_mask(probs, scores, top_k)
         for row, ids in enumerate(select_experts(probs, scores, top_k)):
             assert np.flatnonzero(mask[row]).tolist() == sorted(ids.tolist()), (row, top_k)
+
+
+def test_sorted_maps_select_what_select_mask_selects():
+    """The matcher's cached form: any layers of any maps at any scores, the same masks as sorting each time,
+    also once its cache has dropped maps and sorts them again."""
+    rng = np.random.default_rng(1)
+    maps = np.round(rng.dirichlet(np.ones(8), size=(5, 6)), 1).astype(np.float32)  # [B, L, J], many ties
+    maps[1, 2] = 0.0  # a layer with no mass selects nothing
+    sorted_maps = SortedMaps(capacity=2)
+    for _ in range(3):
+        for top_k in (1, 2, 8):
+            layers = np.sort(rng.choice(6, size=int(rng.integers(1, 7)), replace=False))
+            scores = rng.uniform(-1.0, 1.0, 5).astype(np.float32)
+            got = sorted_maps.select_mask(maps, layers, scores, top_k)
+            rows = maps[:, layers].reshape(-1, 8)
+            want = select_mask(rows, np.repeat(scores, len(layers)), top_k).reshape(got.shape)
+            np.testing.assert_array_equal(got, want)
+    assert len(sorted_maps._sorted) == 2
+    with pytest.raises(ValueError, match="non-negative"):
+        sorted_maps.select_mask(-maps, np.arange(6), np.ones(5), 1)
+    with pytest.raises(ValueError, match="top_k"):
+        sorted_maps.select_mask(maps, np.arange(6), np.ones(5), 9)
 
 
 def test_selection_refuses_bad_arguments():

@@ -26,6 +26,20 @@ def test_calibration_starts_as_the_raw_probability_and_learns_outcomes():
     assert restored.predict(np.array([0.9]), np.array([0.6]), np.array([2]))[0] == pytest.approx(q)
 
 
+def test_calibration_bins_index_the_tables_by_probability_similarity_and_distance():
+    """The flat bins `observe_binned` and `predict_binned` take (the fmoe policy keeps its guides' bins)."""
+    from fmoe_jax.offload.forecast import MAX_DISTANCE, P_EDGES, S_EDGES
+
+    cal = Calibration()
+    p, s, d = np.array([0.0, 0.07, 0.99, 0.5]), np.array([0.2, 0.9, 1.0, 0.7]), np.array([1, 3, 9, 2])
+    bins = cal.bins(p, s, d)
+    want = (np.searchsorted(P_EDGES, p), np.searchsorted(S_EDGES, s), np.minimum(d, MAX_DISTANCE) - 1)
+    np.testing.assert_array_equal(np.unravel_index(bins, cal.seen.shape), want)
+    cal.observe_binned(p, bins, np.array([True, False, True, False]))
+    assert cal.seen[want].tolist() == [1.0] * 4 and cal.needed[want].tolist() == [1.0, 0.0, 1.0, 0.0]
+    np.testing.assert_array_equal(cal.predict_binned(p, bins), cal.predict(p, s, d))
+
+
 def test_reuse_forecast_learns_that_recent_experts_come_back():
     """A request whose every iteration reuses expert 0 of layer 0 and picks expert 1 or 2 at random: after
     some iterations expert 0 scores far above an expert unused for long."""

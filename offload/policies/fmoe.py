@@ -44,7 +44,7 @@ import numpy as np
 from ..cache import CacheView, Entry, Key
 from ..events import IterationStart, LayerRouted, RequestStart
 from ..expert_map_store import ExpertMapStore, PrefixDots
-from ..fmoe_select import keep_priority, prefetch_priority, select_mask
+from ..fmoe_select import SortedMaps, keep_priority
 from ..forecast import Calibration, ReuseForecast
 from .base import Policy, PolicyContext
 from .fiddler import expert_usage
@@ -287,11 +287,11 @@ class FMoE(Policy):
         self.forecast = ReuseForecast(*shape, horizon=self.reuse_horizon)
         self.calibration.load(self.store.attachments)  # what an earlier run learned, saved with the store
         self.forecast.load(self.store.attachments)
-        # The guides of the current iteration, per expert [L, J]: the raw map probability, the match's
-        # similarity and distance in layers when the guide was made, whether a guide exists, and the need
+        # The guides of the current iteration, per expert [L, J]: the raw map probability, its calibration bin
+        # (map probability, the match's similarity, distance in layers), whether a guide exists, and the need
         # probability (calibrated p) that admission, priority and eviction use. Written by the matcher.
-        self._guide_p, self._guide_s = np.zeros(shape), np.zeros(shape)
-        self._guide_d, self._guided = np.ones(shape, np.int64), np.zeros(shape, bool)
+        self._guide_p, self._guide_bin = np.zeros(shape), np.zeros(shape, np.int64)
+        self._guided = np.zeros(shape, bool)
         self._need = np.zeros(shape)
         self._used = np.zeros(shape, bool)  # the experts this iteration has needed so far
         self._current = -1  # the MoE layer that routed last in this iteration
@@ -303,6 +303,7 @@ class FMoE(Policy):
         self._recent: collections.OrderedDict[tuple, collections.deque] = collections.OrderedDict()
         self._requests: tuple[int, ...] | None = None  # the current iteration's rows' requests
         self._prefix_dots = PrefixDots()  # matcher: an iteration's trajectory searches, layer after layer
+        self._sorted = SortedMaps()  # matcher: the maps it matched lately, sorted for selection
         if self.asynchronous:
             self._thread = threading.Thread(target=self._run, name="fmoe-matcher", daemon=True)
             self._thread.start()
@@ -382,11 +383,8 @@ class FMoE(Policy):
         if guided.any():  # what this layer's guides were worth: the calibration learns it
             outcome = np.zeros(self.ctx.num_experts, bool)
             outcome[needed] = True
-            self.calibration.observe(
-                self._guide_p[layer, guided],
-                self._guide_s[layer, guided],
-                self._guide_d[layer, guided],
-                outcome[guided],
+            self.calibration.observe_binned(
+                self._guide_p[layer, guided], self._guide_bin[layer, guided], outcome[guided]
             )
         self._current = layer
         self._used[layer, needed] = True
@@ -596,9 +594,10 @@ class FMoE(Policy):
             scores, maps = self.store.match_traj(context.data, self._prefix_dots)
             current = context.layer
             if self._skipping and context.iteration == self._iteration and len(self.store):
-                top = np.argsort(-maps[:, current + 1 :], axis=-1, kind="stable")[..., : self.ctx.top_k]
                 expected = np.zeros((*maps.shape[:2], self.ctx.top_k), np.int64)  # layers <= current: unused
-                expected[:, current + 1 :] = np.sort(top, axis=-1)
+                for row, expert_map in enumerate(maps):
+                    order = self._sorted.sorted(expert_map)[0]  # [L, J]
+                    expected[row, current + 1 :] = np.sort(order[current + 1 :, : self.ctx.top_k], axis=-1)
                 self._foreseen = (context.iteration, expected)
             first = current + self.ctx.prefetch_distance
             targets = (
@@ -639,23 +638,22 @@ class FMoE(Policy):
         probability (calibrated p), for the selected experts whose q pays for their copy."""
         if not len(targets):
             return []
-        j = self.ctx.num_experts
         layers = np.asarray(targets)
         dist = (layers - current)[:, None]  # [n, 1]
         probs = maps[:, layers, :]  # [B, n, J]
         score = scores if self.dynamic_delta else np.ones_like(scores)  # [B]
-        chosen = select_mask(probs.reshape(-1, j), np.repeat(score, len(layers)), self.ctx.top_k)
-        chosen = chosen.reshape(probs.shape)
+        chosen = self._sorted.select_mask(maps, layers, score, self.ctx.top_k)  # [B, n, J]
         selected = np.where(chosen, probs, 0.0)
         if len(probs) == 1:  # decode at batch 1: one map, nothing to merge
             best, guide = selected[0], probs[0]
         else:
             best = selected.max(axis=0)  # [n, J] selected experts' best probability
             guide = probs.max(axis=0)  # [n, J] every expert's best probability in the matched maps
-        match = float(np.max(scores)) if len(scores) else 0.0  # the guides' similarity
-        need = self.calibration.predict(guide, match, dist) if self.calibrate else guide  # [n, J]
+        match = float(scores.max()) if len(scores) else 0.0  # the guides' similarity
+        bins = self.calibration.bins(guide, match, dist)  # [n, J]
+        need = self.calibration.predict_binned(guide, bins) if self.calibrate else guide  # [n, J]
         if fresh:
-            self._guide_p[layers], self._guide_s[layers], self._guide_d[layers] = guide, match, dist
+            self._guide_p[layers], self._guide_bin[layers] = guide, bins
             self._guided[layers] = True
             self._need[layers] = need
         q = np.where(best > 0, need, 0.0)
@@ -663,7 +661,7 @@ class FMoE(Policy):
         admitted = (q > 0) & (q >= thresholds[:, None])
         self.counts["not_admitted"] += int(((best > 0) & ~admitted).sum())
         pos, experts = np.nonzero(admitted)
-        priority = prefetch_priority(q[pos, experts], layers[pos], current)
+        priority = q[pos, experts] / (layers[pos] - current)  # `prefetch_priority`, checks left out
         if self.link == "queue" and self.admission == "cost" and len(pos) and thresholds.max() > 0:
             keep = self._after_queue(q[pos, experts], layers[pos], current, priority)
             self.counts["not_admitted"] += int(len(keep) - keep.sum())
