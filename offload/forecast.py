@@ -12,6 +12,7 @@ Letters: L MoE layers, J experts per layer, H the reuse horizon in iterations.
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Any
 
 import numpy as np
@@ -99,30 +100,32 @@ class ReuseForecast:
         self.iteration = 0
         self.last_use = np.full(self.shape, -1, np.int64)  # -1: not used by this request yet
         self.share = np.zeros(self.shape)
-        self.pending: collections.deque[tuple[tuple[np.ndarray, ...], list[np.ndarray]]] = collections.deque()
+        self.pending: collections.deque[tuple[np.ndarray, list[np.ndarray]]] = collections.deque()
         self._score(self._bins(None))
 
-    def _bins(self, hint: np.ndarray | None) -> tuple[np.ndarray, ...]:
+    def _bins(self, hint: np.ndarray | None) -> np.ndarray:
+        """Each expert's bin `[L, J]` (gap, share, hint probability), as an index into the flattened tables."""
         gap = np.where(
             self.last_use < 0,
             len(GAP_EDGES) + 1,
             np.searchsorted(GAP_EDGES, self.iteration - 1 - self.last_use, side="right"),
         )
         share = np.searchsorted(SHARE_EDGES, self.share)
-        p = np.zeros(self.shape, np.int64) if hint is None else np.searchsorted(P_EDGES, hint)
-        return gap, share, p
+        if hint is None:
+            return (gap * (len(SHARE_EDGES) + 1) + share) * (len(P_EDGES) + 1)
+        return (gap * (len(SHARE_EDGES) + 1) + share) * (len(P_EDGES) + 1) + np.searchsorted(P_EDGES, hint)
 
-    def _score(self, bins: tuple[np.ndarray, ...]) -> None:
+    def _score(self, bins: np.ndarray) -> None:
         """`scores` for the iteration, and `_if_used`: each expert's score once the iteration uses it
         (gap 0, its share counting this iteration), which `mark_used` copies in."""
         self.scores = self._predict(bins)
         share = np.searchsorted(SHARE_EDGES, self.decay * self.share + (1 - self.decay))
-        self._if_used = self._predict((np.zeros(self.shape, np.int64), share, bins[2]))
+        self._if_used = self._predict(share * (len(P_EDGES) + 1) + bins % (len(P_EDGES) + 1))  # gap 0
 
-    def _predict(self, bins: tuple[np.ndarray, ...]) -> np.ndarray:
+    def _predict(self, bins: np.ndarray) -> np.ndarray:
         # Laplace-smoothed; an unseen bin falls back to a weak prior of "recently used is likely reused".
-        prior = np.where(bins[0] == 0, 0.6, 0.2)
-        return (self.reused[bins] + prior) / (self.seen[bins] + 1.0)
+        prior = np.where(bins < (len(SHARE_EDGES) + 1) * (len(P_EDGES) + 1), 0.6, 0.2)  # gap 0 or more
+        return (self.reused.take(bins) + prior) / (self.seen.take(bins) + 1.0)
 
     def begin_iteration(self, hint: np.ndarray | None = None) -> None:
         """A new iteration of the request: scores for it from the routing so far (and the map's `hint`
@@ -143,9 +146,11 @@ class ReuseForecast:
             later.append(used)
         if len(self.pending) > self.horizon:  # the oldest snapshot has seen its whole horizon
             bins, later = self.pending.popleft()
-            outcome = np.any(np.stack(later[1 : self.horizon + 1]), axis=0)  # the iterations after it
-            np.add.at(self.seen, bins, 1.0)
-            np.add.at(self.reused, bins, outcome.astype(np.float64))
+            outcome = functools.reduce(np.logical_or, later[1 : self.horizon + 1])  # the iterations after it
+            # Counts of whole numbers: one bincount adds them exactly, as np.add.at one by one would.
+            size = self.seen.size
+            self.seen += np.bincount(bins.ravel(), minlength=size).reshape(self.seen.shape)
+            self.reused += np.bincount(bins.ravel(), outcome.ravel(), minlength=size).reshape(self.seen.shape)
         self.last_use = np.where(used, self.iteration, self.last_use)
         self.share = self.decay * self.share + (1 - self.decay) * used
         self.iteration += 1
@@ -155,5 +160,5 @@ class ReuseForecast:
 
     def load(self, state: dict[str, Any]) -> None:
         if np.shape(state.get("reused")) == self.reused.shape:
-            self.reused = np.asarray(state["reused"], np.float64)
-            self.seen = np.asarray(state["reuse_seen"], np.float64)
+            self.reused = np.array(state["reused"], np.float64)  # contiguous copies: `_predict` takes from them
+            self.seen = np.array(state["reuse_seen"], np.float64)

@@ -288,10 +288,11 @@ class FMoE(Policy):
         self.calibration.load(self.store.attachments)  # what an earlier run learned, saved with the store
         self.forecast.load(self.store.attachments)
         # The guides of the current iteration, per expert [L, J]: the raw map probability, its calibration bin
-        # (map probability, the match's similarity, distance in layers), whether a guide exists, and the need
-        # probability (calibrated p) that admission, priority and eviction use. Written by the matcher.
+        # (map probability, the match's similarity, distance in layers) and the need probability (calibrated
+        # p) that admission, priority and eviction use; and per layer [L], whether a match has guided it.
+        # Written by the matcher (a search guides every expert of its target layers).
         self._guide_p, self._guide_bin = np.zeros(shape), np.zeros(shape, np.int64)
-        self._guided = np.zeros(shape, bool)
+        self._guided = np.zeros(ctx.num_layers, bool)
         self._need = np.zeros(shape)
         self._used = np.zeros(shape, bool)  # the experts this iteration has needed so far
         self._current = -1  # the MoE layer that routed last in this iteration
@@ -352,6 +353,7 @@ class FMoE(Policy):
         valid = event.valid
         rows, tokens = valid.shape
         self._valid = valid.reshape(-1)
+        self._active = (None, None)  # (the valid mask, the rows it leaves active), for `on_layer_routed`
         self._last = (
             np.where(valid.any(1), tokens - 1, -1) + np.arange(rows) * tokens
         )  # each row's last token
@@ -379,13 +381,10 @@ class FMoE(Policy):
         if self._measure:
             self._measure_costs()
         needed = np.asarray(event.needed, np.int64)
-        guided = self._guided[layer].copy()  # the matcher may be writing later layers' guides meanwhile
-        if guided.any():  # what this layer's guides were worth: the calibration learns it
+        if self._guided[layer]:  # what this layer's guides were worth: the calibration learns it
             outcome = np.zeros(self.ctx.num_experts, bool)
             outcome[needed] = True
-            self.calibration.observe_binned(
-                self._guide_p[layer, guided], self._guide_bin[layer, guided], outcome[guided]
-            )
+            self.calibration.observe_binned(self._guide_p[layer], self._guide_bin[layer], outcome)
         self._current = layer
         self._used[layer, needed] = True
         if self._counting:  # the popularity profile grows with every token served
@@ -397,7 +396,9 @@ class FMoE(Policy):
             self._credit = min(self._credit + len(needed) * self.copy_s * self._at_stake(), cap)
         if not self.trajectory or layer + self.ctx.prefetch_distance >= self.ctx.num_layers:
             return
-        active = self._last[valid.any(1)]
+        if valid is not self._active[0]:  # the engine passes one mask for every layer of an iteration
+            self._active = (valid, self._last[valid.any(1)])
+        active = self._active[1]
         if active.size and self._confirmed(layer, event.ids, active):
             self.counts["confirmed_layers"] += 1
             # What a search would drop: waiting requests for this layer and those before it.
@@ -424,7 +425,7 @@ class FMoE(Policy):
         the engine computed one layer and waited for that layer's misses."""
         now = (time.perf_counter(), self.cache.on_demand_wait_s, self.cache.stats.misses)
         if self._clock is not None and self._decoding:
-            elapsed, waited, misses = (a - b for a, b in zip(now, self._clock, strict=True))
+            elapsed, waited, misses = now[0] - self._clock[0], now[1] - self._clock[1], now[2] - self._clock[2]
             compute = max(elapsed - waited, 0.0)
             self.layer_s = compute if self.layer_s is None else 0.9 * self.layer_s + 0.1 * compute
             if misses > 0:
@@ -704,7 +705,7 @@ class FMoE(Policy):
             return float(self.cache.freq(key))
         layer, expert = key
         if self.eviction == "fmoe":
-            p = self._guide_p[layer, expert] if self._guided[layer, expert] else 0.0
+            p = self._guide_p[layer, expert] if self._guided[layer] else 0.0
             return float(keep_priority(p, self.cache.freq(key)))
         return self._reuse_score(layer, expert)
 
@@ -733,7 +734,7 @@ class FMoE(Policy):
             return True
         layer, expert = key
         if self.eviction == "fmoe":
-            p = self._guide_p[layer, expert] if self._guided[layer, expert] else 0.0
+            p = self._guide_p[layer, expert] if self._guided[layer] else 0.0
             incoming = float(keep_priority(p, self.cache.freq(key)))
         else:  # scored as it would be once resident, like the victim
             incoming = self._reuse_score(layer, expert)
