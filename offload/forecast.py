@@ -104,7 +104,7 @@ class ReuseForecast:
         self._score(self._bins(None))
 
     def _bins(self, hint: np.ndarray | None) -> np.ndarray:
-        """Each expert's bin `[L, J]` (gap, share, hint probability), as an index into the flattened tables."""
+        """Each expert's bin `[L, J]` (gap, share, hint probability): an index into the flattened tables."""
         gap = np.where(
             self.last_use < 0,
             len(GAP_EDGES) + 1,
@@ -141,7 +141,8 @@ class ReuseForecast:
 
     def end_iteration(self, used: np.ndarray) -> None:
         """The iteration's experts `[L, J]` bool: features update, and the snapshot `horizon` iterations back
-        learns what followed it."""
+        learns what followed it. (`used` is copied: the caller may refill the same array next iteration.)"""
+        used = np.array(used, bool)
         for _, later in self.pending:
             later.append(used)
         if len(self.pending) > self.horizon:  # the oldest snapshot has seen its whole horizon
@@ -160,5 +161,5 @@ class ReuseForecast:
 
     def load(self, state: dict[str, Any]) -> None:
         if np.shape(state.get("reused")) == self.reused.shape:
-            self.reused = np.array(state["reused"], np.float64)  # contiguous copies: `_predict` takes from them
+            self.reused = np.array(state["reused"], np.float64)  # contiguous copies: `_predict` takes
             self.seen = np.array(state["reuse_seen"], np.float64)

@@ -259,8 +259,8 @@ def test_cost_admission_measures_copy_and_layer_time_live(hf_dirs):
 
 def test_paper_eviction_keeps_highest_p_times_freq():
     policy, cache = bound_policy(one_map_store(), eviction="fmoe")
-    policy._guide_p[1, :3] = [0.9, 0.1, 0.5]  # the guides of layer 1 in this iteration
-    policy._guided[1, :3] = True
+    policy._guide_p[1, :3] = [0.9, 0.1, 0.5]  # the guides of layer 1 in this iteration (p 0 for expert 3)
+    policy._guided[1] = True
     cache.book.freq.update({(1, 0): 1, (1, 1): 10, (1, 2): 0})
     scores = {key: policy.keep_score(key, Entry()) for key in [(1, 0), (1, 1), (1, 2), (1, 3)]}
     assert scores[(1, 3)] == 0.0  # not in any map: evicted first

@@ -59,6 +59,26 @@ def test_reuse_forecast_learns_that_recent_experts_come_back():
     assert scores[0] >= max(scores[1], scores[2]) > scores[3]  # (an expert just used shares expert 0's bin)
 
 
+def test_reuse_forecast_learns_from_each_iteration_not_from_the_callers_array():
+    """The fmoe policy refills one `used` array every iteration: the forecast must learn reuse within its
+    horizon from what each iteration used, as if handed a fresh array each time (it once kept the caller's
+    array, so every snapshot learned from the latest iteration alone)."""
+    rng = np.random.default_rng(1)
+    fresh, shared = ReuseForecast(2, 5, horizon=2), ReuseForecast(2, 5, horizon=2)
+    used = np.zeros((2, 5), bool)
+    for _ in range(50):
+        routing = rng.random((2, 5)) < 0.3
+        fresh.begin_iteration()
+        fresh.end_iteration(routing.copy())
+        shared.begin_iteration()
+        used[:] = routing
+        shared.end_iteration(used)
+        used[:] = False  # the policy's next iteration starts from nothing
+    np.testing.assert_array_equal(shared.reused, fresh.reused)
+    np.testing.assert_array_equal(shared.seen, fresh.seen)
+    assert fresh.reused.sum() > 0
+
+
 def test_reuse_forecast_marks_experts_used_in_the_current_iteration():
     forecast = ReuseForecast(2, 3, horizon=1)
     for _ in range(20):

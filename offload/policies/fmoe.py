@@ -425,7 +425,8 @@ class FMoE(Policy):
         the engine computed one layer and waited for that layer's misses."""
         now = (time.perf_counter(), self.cache.on_demand_wait_s, self.cache.stats.misses)
         if self._clock is not None and self._decoding:
-            elapsed, waited, misses = now[0] - self._clock[0], now[1] - self._clock[1], now[2] - self._clock[2]
+            (t0, w0, m0), (t1, w1, m1) = self._clock, now
+            elapsed, waited, misses = t1 - t0, w1 - w0, m1 - m0
             compute = max(elapsed - waited, 0.0)
             self.layer_s = compute if self.layer_s is None else 0.9 * self.layer_s + 0.1 * compute
             if misses > 0:
