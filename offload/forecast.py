@@ -74,7 +74,7 @@ class Calibration:
     def load(self, state: dict[str, Any]) -> None:
         for name in ("needed", "seen", "p_sum"):
             if name in state and np.shape(state[name]) == getattr(self, name).shape:
-                setattr(self, name, np.array(state[name], np.float64))  # a contiguous copy: `_bins` flattens
+                setattr(self, name, np.array(state[name], np.float64))  # contiguous: `bins` index it flat
 
 
 class ReuseForecast:
