@@ -111,9 +111,8 @@ class ReuseForecast:
             np.searchsorted(GAP_EDGES, self.iteration - 1 - self.last_use, side="right"),
         )
         share = np.searchsorted(SHARE_EDGES, self.share)
-        if hint is None:
-            return (gap * (len(SHARE_EDGES) + 1) + share) * (len(P_EDGES) + 1)
-        return (gap * (len(SHARE_EDGES) + 1) + share) * (len(P_EDGES) + 1) + np.searchsorted(P_EDGES, hint)
+        bins = (gap * (len(SHARE_EDGES) + 1) + share) * (len(P_EDGES) + 1)  # hint bin 0
+        return bins if hint is None else bins + np.searchsorted(P_EDGES, hint)
 
     def _score(self, bins: np.ndarray) -> None:
         """`scores` for the iteration, and `_if_used`: each expert's score once the iteration uses it
