@@ -516,11 +516,12 @@ def run_sim(
     warmup: Sequence[Sequence[Request]] | None = None,
     host: str | None = None,
     model: Any = None,
+    matcher_s: float = 0.0,
     **config: Any,
 ) -> Any:
     """Replays the warm-up batches, then the measured ones, at the preset's sizes (or `model`'s, a
     `ModelPreset`) on `hardware`, with the `host` CPU preset beside it (`cost_model.HOSTS`; for hybrid
-    execution)."""
+    execution); fmoe's matcher takes `matcher_s` host seconds per context (`simulate`; 0: free)."""
     from fmoe_jax.offload.cost_model import HARDWARE, HOSTS
     from fmoe_jax.offload.simulator import simulate
 
@@ -537,6 +538,7 @@ def run_sim(
         warmup=[batch_trace(b) for b in warmup],
         **({} if variant.chunks is None else {"chunks": variant.chunks}),
         **({} if variant.finish_started else {"finish_started": False}),
+        matcher_s=matcher_s,
     )
 
 

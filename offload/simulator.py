@@ -123,6 +123,7 @@ def simulate(
     warmup: Sequence[RoutingTrace] = (),
     chunks: int = 3,
     finish_started: bool = True,
+    matcher_s: float = 0.0,
 ) -> SimResult:
     """Replays routing traces through an offload policy and expert cache on a simulated clock.
 
@@ -132,7 +133,9 @@ def simulate(
     (the others finished and are invalid rows). Invalid rows of the arrays handed to the policy are zeros.
     Batches run one after another on one cache and one policy, as consecutive `generate` calls on a model.
     Time advances only by the cost model's compute and by waits for copies: the policy's own host work
-    (matching, predictors) takes no simulated time.
+    (matching, predictors) takes no simulated time on the engine's path. With `matcher_s` > 0, fmoe's
+    matcher (a thread beside the engine live) takes that long per search or update on the simulated clock,
+    so its prefetches are requested that much later, behind its earlier work.
 
     Args:
       traces: one trace or a list, replayed in order; all of the same layer, expert and top-k counts.
@@ -150,6 +153,8 @@ def simulate(
       chunks: pieces each expert's copy goes over the link in (`SimulatedLink`); 1: whole experts.
       finish_started: a prefetch no longer wanted is cancelled only before its first piece (the default,
         as the live `ChunkedJaxMover`); False: also between pieces.
+      matcher_s: host seconds a predicting policy's matcher spends per context (fmoe: a search or a map
+        update; `PolicyContext.matcher_s` and `.clock`); 0: free and instantaneous (the default).
 
     Returns:
       a `SimResult` of `traces`. The policy is bound to a fresh cache and closed at the end.
@@ -168,6 +173,7 @@ def simulate(
         check=everything,
         chunks=chunks,
         finish_started=finish_started,
+        matcher_s=matcher_s,
     )
     try:
         for trace in everything[: len(everything) - len(traces)]:
@@ -202,8 +208,11 @@ class Replay:
         check: Sequence[RoutingTrace] = (),
         chunks: int = 3,
         finish_started: bool = True,
+        matcher_s: float = 0.0,
     ):
         offload = offload or OffloadConfig()
+        if not matcher_s >= 0:
+            raise ValueError(f"matcher_s must be >= 0 seconds, got {matcher_s!r}")
         if offload.execution == "hybrid" and host is None:
             raise ValueError(
                 "execution='hybrid' computes misses on the host: pass host=, a HostPreset such as "
@@ -258,7 +267,8 @@ class Replay:
             else (),
             copy_s=model.expert_bytes / hardware.link_effective,
             layer_s=decode_layer_s,
-            matcher_s=0.0,
+            matcher_s=matcher_s,
+            clock=(lambda: self.link.clock) if matcher_s > 0 else None,
             copy_chunks=chunks,
             execution=offload.execution,
         )

@@ -11,6 +11,7 @@ from fmoe_jax.offload.cache import Entry
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.expert_map_store import ExpertMapStore
 from fmoe_jax.offload.policies import FMoE, PolicyContext, store_from_traces
+from fmoe_jax.offload.policies.fmoe import _Context
 
 import fmoe_jax as fj
 
@@ -391,6 +392,43 @@ def test_a_failing_context_is_dropped_and_reported_not_fatal():
     iteration_start(healthy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
     healthy.close()
     assert healthy._thread is None
+
+
+def test_the_simulators_matcher_takes_its_host_time_in_order_and_skips_as_the_thread():
+    """With `PolicyContext.clock` and `matcher_s` (the simulator's model of the matcher thread), each context
+    finishes `matcher_s` after it could start, behind the earlier ones; a prediction that a newer one waits
+    behind is skipped, as `_run` skips it; an update never is, and `close` finishes the updates left."""
+    now = [0.0]
+    ctx = PolicyContext(
+        num_layers=4,
+        num_experts=4,
+        top_k=1,
+        embed_dim=3,
+        prefetch_distance=1,
+        capacity=4,
+        matcher_s=0.5,
+        clock=lambda: now[0],
+    )
+    policy = FMoE(asynchronous=False, pay_for_matching=False)
+    policy.bind(ctx, RecordingCache())
+    done = []
+    policy._process_or_drop = lambda context: done.append((context.layer, now[0]))
+    for t, layer in ((0.0, 0), (0.1, 1), (0.2, 2)):
+        now[0] = t
+        policy._publish(_Context("trajectory", layer=layer))
+    now[0] = 0.45
+    policy._catch_up()
+    assert done == []  # the first finishes at 0.5
+    now[0] = 0.6
+    policy._catch_up()
+    # layer 0's search ran 0 -> 0.5; by then layers 1 and 2 had come, so layer 1's is skipped.
+    assert done == [(0, 0.6)] and policy.counts["skipped_contexts"] == 1
+    policy._publish(_Context("update", layer=-7))  # at 0.6: behind layer 2's search (0.5 -> 1.0)
+    now[0] = 1.2
+    policy._publish(_Context("trajectory", layer=3))  # behind the update (1.0 -> 1.5)
+    assert done == [(0, 0.6), (2, 1.2)]
+    policy.close()
+    assert done[-1] == (-7, 1.2) and policy.counts["skipped_contexts"] == 1
 
 
 def test_lossless_and_learns_online(hf_dirs):

@@ -457,6 +457,32 @@ def test_replay_gives_policies_the_cost_model_hints():
     assert 10 < extra["copy_ms"] / extra["layer_ms"] < 30
 
 
+def test_a_slow_matcher_requests_its_prefetches_later_and_a_stalled_one_none():
+    """`simulate(matcher_s=...)`: fmoe's searches take simulated host time. A matcher slower than the whole
+    replay finishes no search in it (no prefetch), and `pay_for_matching` sees it cannot pay for one; a
+    free matcher is the default's replay exactly. (A trace without embeddings: semantic=False.)"""
+    trace = random_trace(3)
+
+    def run(matcher_s=None, **options):
+        offload = OffloadConfig(
+            policy="fmoe",
+            policy_options={"asynchronous": False, "semantic": False, "admission": "all", **options},
+            cache_experts=8,
+            prefetch_distance=1,
+        )
+        kwargs = {} if matcher_s is None else {"matcher_s": matcher_s}
+        return simulate(trace, offload, model=MIXTRAL_8X7B, hardware=HARDWARE["h100_sxm"], **kwargs)
+
+    free, default = run(0.0), run()
+    assert (free.tpot_s, free.hits, free.prefetches) == (default.tpot_s, default.hits, default.prefetches)
+    assert free.prefetches > 0 and free.extra["trajectory_matches"] > 0
+    stalled = run(1e6, pay_for_matching=False)
+    assert stalled.prefetches == 0 and "unpaid_trajectory" not in stalled.extra
+    assert run(1e6).extra["unpaid_trajectory"] > 0
+    with pytest.raises(ValueError, match="matcher_s must be >= 0"):
+        run(-1.0)
+
+
 def test_actionable_errors():
     trace = hand_trace()
     with pytest.raises(ValueError, match="asynchronous.: False"):

@@ -37,9 +37,13 @@ class PolicyContext:
     copy_s: float | None = None
     layer_s: float | None = None
     # Host seconds a predicting policy's matcher spends per search or update (fmoe's `pay_for_matching`
-    # weighs them against the link time they could save). The simulator passes 0: it does not model the
-    # matcher's host time. None: measured as the policy runs (the live engine).
+    # weighs them against the link time they could save). The simulator passes its `matcher_s` (default 0:
+    # a free, instantaneous matcher). None: measured as the policy runs (the live engine).
     matcher_s: float | None = None
+    # The simulated clock (seconds), when the simulator models the matcher's host time (`matcher_s` > 0): an
+    # inline matcher then finishes each context that long after it was published, behind its earlier ones
+    # (fmoe's `_catch_up`). None: the live engine (a matcher thread takes real time) or a free matcher.
+    clock: Callable[[], float] | None = None
     # The pieces a copy goes over the link in: an on-demand load waits behind at most the one piece under
     # way (the simulator's `SimulatedLink`, the live `ChunkedJaxMover`); 1: whole copies.
     copy_chunks: int = 1

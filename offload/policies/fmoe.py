@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import os
 import queue
@@ -67,6 +68,7 @@ class _Context:
     request: int = 0  # the policy's request count when published
     rows: Any = None  # update: each token's batch row
     requests: Any = None  # update: each row's request id (`IterationStart.requests`), or None
+    published: float = 0.0  # on the simulated clock (`PolicyContext.clock`), when the simulator times it
 
 
 class FMoE(Policy):
@@ -127,7 +129,8 @@ class FMoE(Policy):
         the matcher rests and fmoe serves from its cache and eviction. At the real sizes of experiment 7
         a layer's stake k x T x m is ~10 ms on Mixtral-8x7B and ~0.2-0.5 ms on the Qwen models on an H100,
         about what one search and selection takes there: it would thin the searches out there. The
-        simulator does not model the matcher's host time (it passes 0, and nothing is left out).
+        simulator passes its `matcher_s` (by default 0: nothing is left out, and every search's
+        prefetches are requested at once; above 0, they come that long later, `_catch_up`).
     """
 
     name = "fmoe"
@@ -243,6 +246,9 @@ class FMoE(Policy):
         if ctx.matcher_s is not None:
             self._matcher_s = dict.fromkeys(self._matcher_s, ctx.matcher_s)
         self.meta = {"model": ctx.model_id}
+        # Routing without embeddings (a trace from elsewhere, semantic=False) has width 0: the store then
+        # keeps one zero column, which its redundancy rule ignores like any other zero embedding.
+        self._embed_dim = ctx.embed_dim or 1
         path = self.store_path
         if path:  # refuse a location `close` could not save to now, not after serving
             ExpertMapStore.check_writable(path)
@@ -253,18 +259,18 @@ class FMoE(Policy):
                 capacity=self.store_capacity,
                 num_layers=ctx.num_layers,
                 num_experts=ctx.num_experts,
-                embed_dim=ctx.embed_dim,
+                embed_dim=self._embed_dim,
                 prefetch_distance=min(ctx.prefetch_distance, ctx.num_layers),
             )
         if (self.store.num_layers, self.store.num_experts, self.store.embed_dim) != (
             ctx.num_layers,
             ctx.num_experts,
-            ctx.embed_dim,
+            self._embed_dim,
         ):
             raise ValueError(
                 f"expert-map store has L={self.store.num_layers}, J={self.store.num_experts}, "
                 f"H={self.store.embed_dim}; the model needs L={ctx.num_layers}, J={ctx.num_experts}, "
-                f"H={ctx.embed_dim}"
+                f"H={self._embed_dim}"
             )
         shape = (ctx.num_layers, ctx.num_experts)
         # Tokens routed to each expert [L, J]: the given profile, or else what a loaded store saved plus every
@@ -305,6 +311,10 @@ class FMoE(Policy):
         self._requests: tuple[int, ...] | None = None  # the current iteration's rows' requests
         self._prefix_dots = PrefixDots()  # matcher: an iteration's trajectory searches, layer after layer
         self._sorted = SortedMaps()  # matcher: the maps it matched lately, sorted for selection
+        # The simulator's clocked matcher (`_catch_up`): contexts waiting, and when it is next free.
+        self._clocked = not self.asynchronous and ctx.clock is not None and (ctx.matcher_s or 0.0) > 0
+        self._backlog: collections.deque[_Context] = collections.deque()
+        self._free_at = 0.0
         if self.asynchronous:
             self._thread = threading.Thread(target=self._run, name="fmoe-matcher", daemon=True)
             self._thread.start()
@@ -315,7 +325,7 @@ class FMoE(Policy):
             "model": ctx.model_id,
             "num_layers": ctx.num_layers,
             "num_experts": ctx.num_experts,
-            "embed_dim": ctx.embed_dim,
+            "embed_dim": self._embed_dim,
             "prefetch_distance": min(ctx.prefetch_distance, ctx.num_layers),
         }
 
@@ -337,6 +347,10 @@ class FMoE(Policy):
             self._inbox.put(None)  # after the contexts already published
             self._thread.join()
             self._thread = None
+        for context in self._backlog:  # the simulated matcher's unfinished work: what it learns is kept,
+            if context.kind == "update":  # predictions made after the replay would prefetch for nothing
+                self._process_or_drop(context)
+        self._backlog.clear()
         if self.store_path and self.store is not None and hasattr(self, "ctx"):
             self.store.attachments = {**self.calibration.state(), **self.forecast.state()}
             if self._counts is not None:
@@ -350,6 +364,8 @@ class FMoE(Policy):
         self._hint = None
 
     def on_iteration_start(self, event: IterationStart) -> None:
+        if self._clocked:
+            self._catch_up()
         valid = event.valid
         rows, tokens = valid.shape
         self._valid = valid.reshape(-1)
@@ -361,7 +377,7 @@ class FMoE(Policy):
         if event.embeds is not None:
             self._embeds = event.embeds[self._valid]
         else:  # no semantic search: the store keeps zero embeddings (its redundancy rule uses maps alone)
-            self._embeds = np.zeros((n_valid, self.ctx.embed_dim), np.float32)
+            self._embeds = np.zeros((n_valid, self._embed_dim), np.float32)
         self._maps = np.zeros((rows * tokens, self.ctx.num_layers, self.ctx.num_experts), np.float32)
         self._token_rows = np.repeat(np.arange(rows), tokens)[self._valid]  # each valid token's row
         self._requests = event.requests
@@ -378,6 +394,8 @@ class FMoE(Policy):
 
     def on_layer_routed(self, event: LayerRouted) -> None:
         layer, valid = event.layer, event.valid
+        if self._clocked:
+            self._catch_up()
         if self._measure:
             self._measure_costs()
         needed = np.asarray(event.needed, np.int64)
@@ -506,11 +524,47 @@ class FMoE(Policy):
         return False
 
     def _publish(self, context: _Context) -> None:
-        if not self.asynchronous:
+        if self._clocked:
+            context.published = self.ctx.clock()
+            self._backlog.append(context)
+            self._catch_up()
+        elif not self.asynchronous:
             self._process_or_drop(context)
-            return
-        self._published += 1
-        self._inbox.put(context)
+        else:
+            self._published += 1
+            self._inbox.put(context)
+
+    def _catch_up(self) -> None:
+        """The simulator's matcher thread (`PolicyContext.clock` and `.matcher_s`): finishes the contexts
+        whose host time has run by now on the simulated clock, as `_run` does on a real thread: one at a
+        time, the oldest first, dropping the oldest beyond `queue_size` and skipping a prediction that a
+        newer one waits behind. Each takes `matcher_s`; its prefetches are requested at the first event
+        after it finished (the next layer's routing or iteration's start)."""
+        now, backlog = self.ctx.clock(), self._backlog
+        while backlog:
+            start = max(self._free_at, backlog[0].published)
+            if start > now:
+                return
+            waiting = sum(1 for c in backlog if c.published <= start)  # what the thread has seen by then
+            if waiting > self.queue_size:
+                backlog.popleft()
+                self.counts["dropped_contexts"] += 1
+                continue
+            context = backlog[0]
+            if (
+                self.traj_target == "band"
+                and context.kind != "update"
+                and any(c.kind != "update" for c in itertools.islice(backlog, 1, waiting))
+            ):
+                backlog.popleft()
+                self.counts["skipped_contexts"] += 1
+                continue
+            finish = start + self._matcher_s[context.kind]
+            if finish > now:
+                return
+            backlog.popleft()
+            self._free_at = finish
+            self._process_or_drop(context)
 
     # -- the matcher -------------------------------------------------------------------------------------
     def _run(self) -> None:
