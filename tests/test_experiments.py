@@ -151,6 +151,24 @@ def test_conclusion_is_computed_from_the_results(tmp_path):
     assert "not the highest (promoe 0.70)" in faster and "Mixtral-8x7B" in faster and "RTX 3090" in faster
     slower = write(0.11)
     assert "in 0 of 1 settings" in slower and "10 % above on-demand LRU (ratio 1.10x)" in slower
+    assert "matcher as free" not in slower  # no experiment 7 yet
+
+    def overhead(charged_ms):  # experiment 7's simulated rows: fmoe's matcher free and charged, and LRU
+        tpot = {
+            "fmoe, matcher free": 8.0,
+            "fmoe, matcher at this CPU's speed": charged_ms,
+            "on_demand_lru": 10.0,
+        }
+        rows = [{"policy": p, "hardware": "h100_sxm", "median_tpot_ms": t} for p, t in tpot.items()]
+        payload = {"machine": {"backend": "cpu", "cpus": 2}, "args": {"budget": "0.25"}, "models": {}}
+        payload["models"]["m"] = {"live": [], "sim": rows}
+        (tmp_path / "exp7_overhead.json").write_text(json.dumps(payload))
+        return conclusion(tmp_path)
+
+    cheap = overhead(9.0)
+    assert "charged the host time it takes on a 2-core CPU at real sizes (experiment 7, 25% cached)" in cheap
+    assert "rises by 12 % and stays 10 % below on-demand LRU (ratio 0.90x)" in cheap
+    assert "rises by 50 % and stays 20 % above on-demand LRU (ratio 1.20x)" in overhead(12.0)
 
 
 def test_main_readme_hybrid_table_is_written_from_the_results(tmp_path):
