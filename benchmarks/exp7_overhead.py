@@ -12,10 +12,11 @@ one expert copy), next to fMoE's host work at those shapes, measured here with
 `benchmarks/matcher_overhead.py`'s `measure` (store of 1,024 maps): its parts (one semantic search, the L - d
 trajectory searches, one map update and one reuse hint (`future_of`) per iteration) and the whole policy's
 iteration (`fmoe_host_ms`: the same plus selection, admission, the calibration and forecast updates, with the
-searches `skip_confirmed` leaves out left out; `matcher_share` is it over the compute), and the simulated
-iteration of the workload's own routing at its preset's sizes (compute, stall), with fmoe's matcher free (as
-the other experiments simulate it) and taking the host time measured here (`simulate(matcher_s=...)`), beside
-on_demand_lru. (c) The expert-map store's host memory by capacity for each real model.
+searches `skip_confirmed` leaves out left out; `matcher_share` is it over the compute; `no_search_ms` the
+same without searches), and the simulated iteration of the workload's own routing at its preset's sizes
+(compute, stall), with fmoe's matcher free (as the other experiments simulate it) and taking the host time
+measured here (`simulate(matcher_s=...)`), beside on_demand_lru. (c) The expert-map store's host memory
+by capacity for each real model.
 Writes `exp7_overhead.{json,md,png}` to --out.
 """
 
@@ -99,6 +100,7 @@ def real_size_rows(hardware: list[str], repeats: int, prefetch_distance: int) ->
                     reuse_hint_ms=m["future_of_b1"]["p50_ms"],
                     searches=m["searches_per_iteration"],
                     fmoe_host_ms=host,
+                    no_search_ms=m["policy_iteration_no_search"]["p50_ms"],
                     matcher_share=host / compute_ms,
                 )
             )
@@ -232,7 +234,10 @@ def main(argv: list[str] | None = None) -> dict:
     tables["expert-map store memory (MiB) by capacity"] = memory
     notes += [
         "real-size compute: batch 1, 64 tokens in the KV cache, all experts resident (the floor); a miss "
-        "adds expert_copy_ms unless hidden; fMoE's host work runs on its matcher thread, beside it",
+        "adds expert_copy_ms unless hidden; fMoE's host work runs on its matcher thread, beside it; "
+        "no_search_ms: the same policy iteration with its searches off (engine-thread bookkeeping per layer, "
+        "the reuse forecast, the map update and the reuse hint), a floor under fmoe_host_ms that faster "
+        "searching cannot lower",
         "simulated: fmoe with its matcher free (every search's prefetches requested at once, the other "
         "experiments' assumption) and at this CPU's speed (`simulate(matcher_s=...)`: each search or update "
         "takes fmoe_host_ms / (searches + 2) of the real-size table, the whole policy's host time per "

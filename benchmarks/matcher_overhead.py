@@ -23,6 +23,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import numpy as np
@@ -105,12 +106,15 @@ class _NullCache(BookView):
         list(items)
 
 
-def policy_iteration(store: ExpertMapStore, queries: list, top_k: int, prefetch_distance: int) -> dict:
+def policy_iteration(
+    store: ExpertMapStore, queries: list, top_k: int, prefetch_distance: int, **options: Any
+) -> dict:
     """The whole fmoe policy's host work per decode iteration (batch 1), as the matcher thread and the engine
     thread do it together: semantic search, the trajectory searches (less those `skip_confirmed` leaves
     out), selection and admission of the selected experts, the calibration and forecast updates, the map
     update (`learn`) and the reuse hint. Each query's map is the iteration's routing (its top k per layer).
-    Every selected expert is admitted (no cost hints): the most prefetch requests a search can make."""
+    Every selected expert is admitted (no cost hints): the most prefetch requests a search can make.
+    `options` go to `FMoE` (`semantic=False, trajectory=False`: the same iteration without searches)."""
     from fmoe_jax.offload.events import IterationStart, LayerRouted, needed_experts
     from fmoe_jax.offload.policies import FMoE, PolicyContext
 
@@ -124,7 +128,7 @@ def policy_iteration(store: ExpertMapStore, queries: list, top_k: int, prefetch_
         capacity=layers * experts // 4,
         matcher_s=0.0,  # every search and update is done (`pay_for_matching` leaves none out)
     )
-    policy = FMoE(store=store, asynchronous=False)
+    policy = FMoE(store=store, asynchronous=False, **options)
     policy.bind(ctx, _NullCache(ctx.capacity))
     valid = np.ones((1, 1), bool)
 
@@ -204,6 +208,12 @@ def measure(
             row["future_of_b1"] = _stats(_time_ms(store.future_of, [(m,) for _, m in queries]))
             if top_k is not None:
                 row |= policy_iteration(store, queries, top_k, prefetch_distance)
+                # The same iteration with no searches: the engine thread's bookkeeping, the reuse forecast,
+                # the map update and the hint, which no faster search removes (run after: it adds maps too).
+                bare = policy_iteration(
+                    store, queries, top_k, prefetch_distance, semantic=False, trajectory=False
+                )
+                row["policy_iteration_no_search"] = bare["policy_iteration"]
         del store
 
     same = [np.array_equal(s[1], e[1]) for s, e in zip(results["sketch"], results["exact"], strict=True)]

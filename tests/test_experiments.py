@@ -314,3 +314,7 @@ def test_exp7_times_the_whole_fmoe_policy_per_iteration():
     assert row["policy_iteration"]["p50_ms"] > 0
     assert row["searches_per_iteration"] >= 1  # the first layer's search always runs
     assert row["searches_per_iteration"] + row["skipped_per_iteration"] == pytest.approx(6 - 2)
+    # Its floor: the same iteration with the searches off (exp7's no_search_ms) searches nothing.
+    bare = mo.policy_iteration(store, queries, top_k=4, prefetch_distance=2, semantic=False, trajectory=False)
+    assert bare["policy_iteration"]["p50_ms"] > 0
+    assert bare["searches_per_iteration"] == 0 and bare["skipped_per_iteration"] == 0
