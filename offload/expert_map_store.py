@@ -113,7 +113,7 @@ class ExpertMapStore:
         # 1.6-1.8 (this 2-core machine, beside other work), with bit-identical results.
         self._by_layer = np.zeros((num_layers, capacity, num_experts), np.float32)  # [L, C, J]
         # What followed each map in its request: the sum of the next tokens' maps, and how many were added
-        # (`add_future`); `future_of` answers with the mean of the best-matching map's followers.
+        # (`add_future`); `future_of` answers with the mean followers of the best-matching maps.
         self._future = np.zeros((capacity, width), np.float32)  # [C, L*J]
         self._future_count = np.zeros((capacity,), np.float32)  # [C]
         self._inv_prefix_norm = np.zeros((num_layers, capacity), np.float32)  # [L, C]
@@ -241,20 +241,32 @@ class ExpertMapStore:
         np.add.at(self._future, slots, flat)
         np.add.at(self._future_count, slots, 1.0)
 
-    def future_of(self, maps: np.ndarray) -> np.ndarray:  # [B, L, J] -> [B, L, J]
-        """What followed the stored map most like each of `maps` (cosine over whole maps, among maps with
-        followers): the mean of its followers' maps, zeros when none has any."""
+    def future_of(self, maps: np.ndarray, neighbours: int = 1) -> np.ndarray:  # [B, L, J] -> [B, L, J]
+        """What followed the stored maps most like each of `maps` (cosine over whole maps, among maps with
+        followers): the mean of each one's followers, averaged over the `neighbours` most similar weighted by
+        their similarity (equal weights when every similarity is 0); zeros when no map has a follower."""
+        if neighbours < 1:
+            raise ValueError(f"neighbours must be >= 1, got {neighbours}")
         maps = self._rows(maps, (self.num_layers, self.num_experts), "maps")
         out = np.zeros(maps.shape, np.float32)
         n = self._size
-        has = self._future_count[:n] > 0
-        if not has.any():
+        has = np.flatnonzero(self._future_count[:n] > 0)  # the maps with followers
+        if not has.size:
             return out
         flat = maps.reshape(len(maps), -1)
         sims = _scores(self._maps[:n], flat * _inv_norm(flat)[:, None]) * self._inv_prefix_norm[-1, :n]
-        best = np.argmax(np.where(has[None, :], sims, -np.inf), axis=1)  # [B]
-        mean = self._future[best] / self._future_count[best, None]
-        return mean.reshape(maps.shape)
+        sims = sims[:, has]  # [B, m]
+        k = min(neighbours, has.size)
+        if k == 1:
+            best = has[np.argmax(sims, axis=1)]  # [B]
+            return (self._future[best] / self._future_count[best, None]).reshape(maps.shape)
+        top = np.argpartition(-sims, k - 1, axis=1)[:, :k]  # [B, k]
+        weights = np.maximum(np.take_along_axis(sims, top, axis=1), 0.0)  # maps are >= 0: so are cosines
+        total = weights.sum(axis=1, keepdims=True)
+        weights = np.where(total > 0, weights / np.where(total > 0, total, 1.0), 1.0 / k)
+        slots = has[top]  # [B, k]
+        followers = self._future[slots] / self._future_count[slots][..., None]  # [B, k, L*J]
+        return np.einsum("bk,bkf->bf", weights, followers).astype(np.float32).reshape(maps.shape)
 
     def match_embed(
         self,

@@ -445,3 +445,32 @@ def test_keep_priority_evicts_lowest_p_times_visits_first():
     np.testing.assert_array_equal(np.argsort(keep, kind="stable"), [3, 4, 2, 1, 0])
     with pytest.raises(ValueError, match=">= 0"):
         keep_priority(-0.1, 1.0)
+
+
+def test_future_of_averages_the_followers_of_the_most_similar_maps():
+    """The reuse hint: the followers of the best-matching stored map (one neighbour), or of the `neighbours`
+    best weighted by cosine similarity; maps without followers are never chosen; zeros while none has any."""
+    embeds, maps = _data(0, 6)
+    store = _store(capacity=6)
+    slots = store.add(embeds, maps)
+    query = maps[:1]
+    np.testing.assert_array_equal(store.future_of(query, 3), np.zeros_like(query))
+    _, followers = _data(1, 6)
+    with_followers = slots[1:]  # the query's own map (slot of row 0) has none
+    store.add_future(with_followers, followers[1:])
+    store.add_future(with_followers[:1], followers[:1])  # slot of row 1: the mean of two followers
+    means = {int(s): f for s, f in zip(with_followers, followers[1:], strict=True)}
+    means[int(with_followers[0])] = (followers[1] + followers[0]) / 2
+
+    sims = _cos(query.reshape(1, -1), maps[1:].reshape(5, -1))[0]  # rows 1..5, float64
+    order = np.argsort(-sims)
+    np.testing.assert_allclose(store.future_of(query)[0], means[int(with_followers[order[0]])], atol=1e-6)
+    top = order[:3]
+    weights = sims[top] / sims[top].sum()
+    expected = sum(w * means[int(with_followers[i])] for w, i in zip(weights, top, strict=True))
+    np.testing.assert_allclose(store.future_of(query, 3)[0], expected, atol=1e-5)
+    # More neighbours than maps with followers: all five, by similarity.
+    expected = sum(w * means[int(s)] for w, s in zip(sims / sims.sum(), with_followers, strict=True))
+    np.testing.assert_allclose(store.future_of(query, 50)[0], expected, atol=1e-5)
+    with pytest.raises(ValueError, match="neighbours must be >= 1"):
+        store.future_of(query, 0)
