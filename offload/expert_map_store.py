@@ -248,11 +248,10 @@ class ExpertMapStore:
         if neighbours < 1:
             raise ValueError(f"neighbours must be >= 1, got {neighbours}")
         maps = self._rows(maps, (self.num_layers, self.num_experts), "maps")
-        out = np.zeros(maps.shape, np.float32)
         n = self._size
         has = np.flatnonzero(self._future_count[:n] > 0)  # the maps with followers
         if not has.size:
-            return out
+            return np.zeros(maps.shape, np.float32)
         flat = maps.reshape(len(maps), -1)
         sims = _scores(self._maps[:n], flat * _inv_norm(flat)[:, None]) * self._inv_prefix_norm[-1, :n]
         sims = sims[:, has]  # [B, m]

@@ -37,7 +37,7 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -558,11 +558,7 @@ class FMoE(Policy):
                 self.counts["dropped_contexts"] += 1
                 continue
             context = backlog[0]
-            if (
-                self.traj_target == "band"
-                and context.kind != "update"
-                and any(c.kind != "update" for c in itertools.islice(backlog, 1, waiting))
-            ):
+            if self._superseded(context, itertools.islice(backlog, 1, waiting)):
                 backlog.popleft()
                 self.counts["skipped_contexts"] += 1
                 continue
@@ -572,6 +568,13 @@ class FMoE(Policy):
             backlog.popleft()
             self._free_at = finish
             self._process_or_drop(context)
+
+    def _superseded(self, context: _Context, newer: Iterable[_Context]) -> bool:
+        """Whether a newer prediction waiting behind `context` replaces its prefetches anyway (band
+        targets only: each prediction there covers every later layer), so the matcher may skip it."""
+        return (
+            self.traj_target == "band" and context.kind != "update" and any(c.kind != "update" for c in newer)
+        )
 
     # -- the matcher -------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -592,14 +595,8 @@ class FMoE(Policy):
             context = backlog.popleft()
             if context is None:  # close(): every context published before it is done
                 return
-            # A newer prediction in the backlog replaces this one's prefetches anyway.
-            superseded = (
-                self.traj_target == "band"
-                and context.kind != "update"
-                and any(c is not None and c.kind != "update" for c in backlog)
-            )
             try:
-                if superseded:
+                if self._superseded(context, (c for c in backlog if c is not None)):
                     self.counts["skipped_contexts"] += 1
                 else:
                     self._process_or_drop(context)
