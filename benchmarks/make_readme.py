@@ -38,6 +38,7 @@ BENCHMARKS = [
     ("decode_speed", "resident TTFT/TPOT against transformers and a bandwidth floor"),
     ("offload_overhead", "offloaded decoding against resident; the policy's share of TPOT"),
     ("matcher_overhead", "expert-map matcher latency by store size"),
+    ("reuse_forecast", "how well each reuse forecast fMoE could use predicts the next tokens' experts"),
     ("convert_speed", "checkpoint conversion throughput and peak memory"),
     ("multi_device", "expert-parallel decoding over several devices"),
     ("quantization", "int8 / int4 experts: bytes, held-out NLL, expert-kernel speed, simulated TPOT"),
