@@ -11,6 +11,7 @@ from fmoe_jax.offload.cache import Entry
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.expert_map_store import ExpertMapStore
 from fmoe_jax.offload.policies import FMoE, PolicyContext, store_from_traces
+from fmoe_jax.offload.policies import fmoe as fmoe_module
 from fmoe_jax.offload.policies.fmoe import _Context
 
 import fmoe_jax as fj
@@ -141,17 +142,35 @@ def test_the_matcher_works_only_while_the_link_time_it_could_save_pays_for_it():
     assert counts(matcher_s=2.5e-3, pay_for_matching=False) == (1, 3, 0, 0, 0)
     # Unmeasured costs: everything goes, and each kind's host time is measured from the work itself.
     assert counts() == (1, 3, 0, 0, 0)
-    # (the first context of each kind is not timed: it pays for warming up, which later ones do not)
+    # Each kind's host time is known once the first context (cold: not timed) and `_COST_WARMUP` more are.
     policy, _ = bound_policy(one_map_store(), copy_s=1e-3, layer_s=1e-3)
     valid = np.ones((1, 1), bool)
     timed = []
-    for _ in range(2):
+    for _ in range(1 + fmoe_module._COST_WARMUP):
         iteration_start(policy, np.ones((1, 3), np.float32), valid)
         layer_routed(policy, 0, np.full((1, 4), 0.25, np.float32), np.array([[0]]), valid)
         timed.append("semantic_host_ms" in policy.stats())
-    assert timed == [False, True]
+    assert timed == [False] * fmoe_module._COST_WARMUP + [True]
     stats = policy.stats()
     assert stats["semantic_host_ms"] > 0 and stats["trajectory_host_ms"] > 0
+
+
+def test_slow_first_contexts_do_not_price_the_matcher_out(monkeypatch):
+    """A context's host time is the median of the recent ones: the slow first few (cold caches, first
+    allocations) do not stick. With an average from the first, an estimate 10x too high made every later
+    context unpaid, and unpaid contexts are never timed again."""
+    spent_ms = [20.0, 9.0, 7.0, 0.5, 0.6, 0.4]  # one semantic search per iteration, the first not timed
+    clock = []
+    for ms in spent_ms:  # each context reads the thread's CPU time as it starts and as it ends
+        start = clock[-1] if clock else 0.0
+        clock += [start, start + ms / 1e3]
+    readings = iter(clock)
+    monkeypatch.setattr(fmoe_module.time, "thread_time", lambda: next(readings))
+    policy, _ = bound_policy(one_map_store(), copy_s=1e-3, layer_s=1e-3)
+    for _ in spent_ms:
+        iteration_start(policy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
+    assert fmoe_module._COST_WARMUP == len(spent_ms) - 1
+    assert policy.stats()["semantic_host_ms"] == pytest.approx(0.6)
 
 
 def test_single_target_mode_and_fixed_top_k():

@@ -63,6 +63,9 @@ _CONFIRMATION_BITS = 10
 # (2, 4 and 16 neighbours: 0.996x, 0.989x, 0.996x). On the evaluation prompts (experiment 4) it was 0.996x
 # overall but 0.99-1.01x at 25 %: most of its gain there was at 50 %.
 HINT_NEIGHBOURS = 8
+# `pay_for_matching` prices a context at the median host time of the last `_COST_SAMPLES` of its kind, once
+# `_COST_WARMUP` are measured.
+_COST_SAMPLES, _COST_WARMUP = 15, 5
 
 
 @dataclasses.dataclass
@@ -206,9 +209,13 @@ class FMoE(Policy):
         self._foreseen: tuple[int, np.ndarray] | None = None  # (iteration, [B, L, k] sorted top-k of a match)
         self.pay_for_matching = pay_for_matching
         self._credit = 0.0  # link seconds the matcher may still spend (`pay_for_matching`; engine thread)
-        # Host seconds per context of each kind: the context's hint, else measured (exponential averages).
+        # Host seconds per context of each kind: the context's hint, else the median of the last
+        # `_COST_SAMPLES` measured, once `_COST_WARMUP` are (the first of each kind, cold, is not). An
+        # exponential average from the first measured kept early contexts' times, up to 15x a warm one's:
+        # they priced every later context of the kind out, and an unpaid context is never timed.
         self._matcher_s: dict[str, float | None] = {"semantic": None, "trajectory": None, "update": None}
-        self._timed = collections.Counter()  # contexts timed, by kind: the first of each (cold) is not used
+        self._spent = {kind: collections.deque(maxlen=_COST_SAMPLES) for kind in self._matcher_s}
+        self._timed = collections.Counter()  # contexts timed, by kind
         self._free_link = False  # hybrid execution (set by `bind`)
         self._clock: tuple[float, float, int] | None = None  # (time, on-demand wait, misses), last layer
         self.timers = {"matching": 0.0, "store_update": 0.0}
@@ -630,11 +637,12 @@ class FMoE(Policy):
         try:
             self._process_kind(context)
         finally:  # `pay_for_matching`'s cost: this thread's CPU time, what the work takes from the engine's
-            kind = context.kind
+            spent, kind = time.thread_time() - start, context.kind
             self._timed[kind] += 1
             if self.ctx.matcher_s is None and self._timed[kind] > 1:
-                spent, last = time.thread_time() - start, self._matcher_s[kind]
-                self._matcher_s[kind] = spent if last is None else 0.9 * last + 0.1 * spent
+                self._spent[kind].append(spent)
+                if len(self._spent[kind]) >= _COST_WARMUP:
+                    self._matcher_s[kind] = float(np.median(self._spent[kind]))
 
     def _process_kind(self, context: _Context) -> None:
         if context.kind == "update":
