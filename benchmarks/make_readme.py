@@ -39,6 +39,7 @@ BENCHMARKS = [
     ("offload_overhead", "offloaded decoding against resident; the policy's share of TPOT"),
     ("matcher_overhead", "expert-map matcher latency by store size"),
     ("reuse_forecast", "how well each reuse forecast fMoE could use predicts the next tokens' experts"),
+    ("foresight", "fMoE's share of the gap to the oracle, beside oracles limited to n tokens of foresight"),
     ("convert_speed", "checkpoint conversion throughput and peak memory"),
     ("multi_device", "expert-parallel decoding over several devices"),
     ("quantization", "int8 / int4 experts: bytes, held-out NLL, expert-kernel speed, simulated TPOT"),
@@ -207,6 +208,9 @@ def conclusion(results: Path = RESULTS) -> str:
                 f"{points - len(losses)} of {points} (model, preset, budget) points"
                 + (f"; it loses {detail}." if losses else ".")
             )
+    foresight = results / "foresight.json"
+    if foresight.exists():
+        text.append(_foresight_sentence(json.loads(foresight.read_text())))
     hybrid = results / "exp8_hybrid.json"
     if hybrid.exists():
         text.append(_hybrid_sentence(json.loads(hybrid.read_text())))
@@ -235,6 +239,38 @@ def conclusion(results: Path = RESULTS) -> str:
             "predictions pay, is only in the simulated results."
         )
     return " ".join(text)
+
+
+def _foresight_sentence(payload: dict, budget: float = 0.25) -> str:
+    """`benchmarks/foresight.py` at `budget` (the issue's point; the smallest budget run if absent): the share
+    of the gap between the best baseline and the oracle fMoE closes, and what the oracle limited to the
+    current token and to one more token closes."""
+    rows = payload.get("rows", [])
+    budgets = sorted({r["budget"] for r in rows})
+    if not budgets:
+        return ""
+    if budget not in budgets:
+        budget = budgets[0]
+    rows = [r for r in rows if r["budget"] == budget]
+    pct = [100 * r["fmoe_closure"] for r in rows]
+    split = payload["args"].get("split", "eval")
+    text = (
+        f"At {budget:.0%} cached (simulated, {split} split, `foresight`), fMoE "
+        f"closes {_span(pct, '{:.0f}')} % of the gap between the best baseline and the oracle"
+    )
+    limited = [
+        f"{_span([100 * r[f'closure_{n}_tokens'] for r in rows], '{:.0f}')} % when it sees "
+        + ("only the current token" if n == 0 else f"{n} more token{'s' * (n > 1)}")
+        for n in (0, 1, 2)
+        if all(f"closure_{n}_tokens" in r for r in rows)
+    ]
+    if limited:
+        text += f"; the oracle itself closes {', '.join(limited)}"
+    matched = [r["fmoe_matches"] for r in rows]
+    return (
+        text + f". fMoE is at least as fast as the oracle limited to {_span(matched, '{:d}')} token(s) of "
+        "foresight beyond the current one (-1: slower than the oracle seeing the current token alone)."
+    )
 
 
 FREE, CHARGED = "fmoe, matcher free", "fmoe, matcher at this CPU's speed"  # experiment 7's simulated rows

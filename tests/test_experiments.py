@@ -170,6 +170,20 @@ def test_conclusion_is_computed_from_the_results(tmp_path):
     assert "rises by 12 % and stays 10 % below on-demand LRU (ratio 0.90x)" in cheap
     assert "rises by 50 % and stays 20 % above on-demand LRU (ratio 1.20x)" in overhead(12.0)
 
+    def foresight(fmoe_closure, matches):  # benchmarks/foresight.py's rows; only 25 % is reported
+        row = dict(budget=0.25, fmoe_closure=fmoe_closure, fmoe_matches=matches)
+        row |= {"closure_0_tokens": -0.2, "closure_1_tokens": 0.5, "closure_2_tokens": 0.75}
+        other = row | {"budget": 0.5, "fmoe_closure": 0.9}
+        payload = {"args": {"split": "eval"}, "rows": [row, row | {"fmoe_closure": 0.4}, other]}
+        (tmp_path / "foresight.json").write_text(json.dumps(payload))
+        return conclusion(tmp_path)
+
+    text = foresight(0.45, 0)
+    assert "At 25% cached (simulated, eval split, `foresight`), fMoE closes 40–45 % of the gap" in text
+    assert "closes -20 % when it sees only the current token, 50 % when it sees 1 more token, 75 %" in text
+    assert "as fast as the oracle limited to 0 token(s) of foresight beyond" in text
+    assert "limited to -1 token(s)" in foresight(0.1, -1)
+
 
 def test_main_readme_hybrid_table_is_written_from_the_results(tmp_path):
     """The main README's hybrid-execution block is rewritten from exp8's JSON (and only that block): the
@@ -275,6 +289,43 @@ def test_exp5_ablates_the_default_fmoe_and_belady_foresight(hf_dirs, tmp_path):
     assert parts["whole copies"]["h100_sxm_tpot_s"] > 0
     assert "(c) the default fmoe's parts" in (out / "exp5_ablation.md").read_text()
     assert (out / "exp5_ablation.png").stat().st_size > 10_000
+
+
+def test_foresight_compares_fmoe_with_oracles_of_limited_foresight(hf_dirs, tmp_path):
+    prompts = tiny_sharegpt(tmp_path)
+    out = tmp_path / "results"
+    command = [sys.executable, "-m", "benchmarks.foresight", "--budgets", "0.25", "0.5"]
+    command += [
+        *("--model", str(hf_dirs["mixtral"]), "--prompts", str(prompts), "--n-prompts", "6"),
+        *("--prompt-tokens", "8", "--new-tokens", "4", "--warmup", "1", "--hardware", "h100_sxm"),
+        *("--horizons", "0", "8", "--out", str(out), "--cache-dir", str(tmp_path / "cache")),
+    ]
+    subprocess.run(command, cwd=ROOT, check=True, timeout=600)
+    rows = json.loads((out / "foresight.json").read_text())["rows"]
+    assert [r["budget"] for r in rows] == [0.25, 0.5]
+    for r in rows:
+        tpot = r["tpot_s"]
+        baselines = {p: t for p, t in tpot.items() if p != "fmoe" and not p.startswith("oracle")}
+        assert len(baselines) == 6 and r["best_tpot_s"] == min(baselines.values())
+        assert tpot[r["best_baseline"]] == r["best_tpot_s"]
+        # Eight tokens of foresight see every remaining token of a 4-token request: the whole oracle.
+        assert tpot["oracle, 8 token(s)"] == tpot["oracle"]
+        if r["best_tpot_s"] != r["oracle_tpot_s"]:
+            assert r["closure_8_tokens"] == 1.0
+    assert "fmoe_matches" in (out / "foresight.md").read_text()
+    assert (out / "foresight.png").stat().st_size > 10_000
+
+
+def test_foresight_summary_of_one_point():
+    from benchmarks import foresight
+
+    tpot = dict.fromkeys(foresight.BASELINES, 10.0) | {"promoe": 8.0, "oracle": 4.0, "fmoe": 6.0}
+    tpot |= {"oracle, 0 token(s)": 7.0, "oracle, 1 token(s)": 6.0, "oracle, 2 token(s)": 5.0}
+    row = foresight.summarise(tpot, [0, 1, 2])
+    assert (row["best_baseline"], row["best_tpot_s"], row["oracle_tpot_s"]) == ("promoe", 8.0, 4.0)
+    assert row["fmoe_closure"] == 0.5 and row["closure_0_tokens"] == 0.25 and row["closure_2_tokens"] == 0.75
+    assert row["fmoe_matches"] == 1  # as fast as the oracle seeing one token ahead, slower than two
+    assert foresight.summarise(tpot | {"fmoe": 7.5}, [0, 1, 2])["fmoe_matches"] == -1
 
 
 def test_conclusion_counts_where_fmoe_hybrid_wins_and_loses():

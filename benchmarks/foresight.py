@@ -1,0 +1,111 @@
+"""What fMoE's simulated TPOT is worth in tokens of foresight: its share of the gap between the best baseline
+and the oracle, beside the same oracle allowed to see only the rest of the current token and the next n.
+
+    python -m benchmarks.foresight [--split eval|validation] [--budgets 0.125 0.25 0.5] [--horizons 0 1 2 4]
+
+Issue 16 asks fMoE to close half of the gap between the fastest baseline and the oracle (`Oracle`: Belady
+eviction and perfect prefetch one layer ahead, knowing every future routing). A causal policy cannot know
+the next tokens' routing; the oracle limited to `horizon` = n tokens (`Oracle(horizon=n)`: it sees the rest
+of the current decode iteration and the next n, and ranks an expert it does not see again as never needed)
+measures what each token of foresight is worth under the same transfer engine. n = 0 is perfect knowledge
+of the current token alone (what within-token prediction could at best give); fMoE's reuse forecast tries
+to guess what n >= 1 knows.
+
+For every model, `--hardware` preset and budget, every policy is simulated at the preset's real sizes on
+the replayed prompts (each after warming on the first store prompts, as in experiment 4). Each row gives
+the best baseline (lowest median TPOT among the non-oracle policies other than fmoe), the oracle's TPOT and
+the closure of fmoe and of each limited oracle: (best - x) / (best - oracle); 1 is the oracle, 0 the best
+baseline, below 0 slower than it. `fmoe_matches` is the most tokens of foresight whose oracle fmoe is at
+least as fast as (-1: slower than the oracle that knows the current token). Simulated only.
+Writes `foresight.{json,md,png}` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from benchmarks import harness as h
+from benchmarks.common import HelpFormatter
+
+NAME = "foresight"
+BASELINES = tuple(p for p in h.POLICIES if p not in ("fmoe", "oracle"))
+
+
+def oracle_label(horizon: int | None) -> str:
+    return "oracle" if horizon is None else f"oracle, {horizon} token(s)"
+
+
+def variants(horizons: list[int]) -> list[h.Variant]:
+    limited = [h.Variant(oracle_label(n), "oracle", (("horizon", n),)) for n in horizons]
+    return [*h.variants(BASELINES), h.Variant("fmoe", "fmoe"), *limited, h.Variant("oracle", "oracle")]
+
+
+def closure(best: float, oracle: float, tpot: float) -> float:
+    """The share of the gap between the best baseline's TPOT and the oracle's that `tpot` closes."""
+    return (best - tpot) / (best - oracle) if best != oracle else float("nan")
+
+
+def summarise(tpot: dict[str, float], horizons: list[int]) -> dict[str, Any]:
+    """One row from the median TPOT (s) of every variant at one (model, preset, budget) point."""
+    best = min(BASELINES, key=lambda p: tpot[p])
+    oracle = tpot["oracle"]
+    row: dict[str, Any] = dict(best_baseline=best, best_tpot_s=tpot[best], oracle_tpot_s=oracle)
+    row["fmoe_tpot_s"] = tpot["fmoe"]
+    row["fmoe_closure"] = closure(tpot[best], oracle, tpot["fmoe"])
+    for n in horizons:
+        row[f"closure_{n}_tokens"] = closure(tpot[best], oracle, tpot[oracle_label(n)])
+    beaten = [n for n in sorted(horizons) if tpot["fmoe"] <= tpot[oracle_label(n)]]
+    row["fmoe_matches"] = max(beaten) if beaten else -1
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    h.add_arguments(parser)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.125, 0.25, 0.5])
+    parser.add_argument("--horizons", type=int, nargs="+", default=[0, 1, 2, 4], help="tokens of foresight")
+    args = parser.parse_args(argv)
+    group = variants(args.horizons)
+    rows, notes = [], []
+    for name in args.model:
+        w = h.load_workload(name, args)
+        notes.append(h.settings_note(w) + " (the budget varies here)")
+        for budget in args.budgets:
+            for hw in args.hardware:
+                tpot = {}
+                for v in group:
+                    print(f"[{w.name}] {budget:.3g} {hw}: {v.label}", flush=True)
+                    tpot[v.label] = h.run_sim(w, v, hw, budget=budget).median_tpot_s
+                point = dict(model=w.name, hardware=hw, budget=budget, slots=w.slots(budget))
+                rows.append(point | summarise(tpot, args.horizons) | {"tpot_s": tpot})
+        w.model.close()
+    table = [{k: v for k, v in r.items() if k != "tpot_s"} for r in rows]
+    notes.append(
+        "closure: (best baseline's TPOT - x) / (best baseline's - oracle's), x fmoe's or the oracle's "
+        "limited to n tokens of foresight (the rest of the current token and the next n); fmoe_matches: the "
+        "most tokens whose limited oracle fmoe is at least as fast as (-1: none); simulated at the presets' "
+        f"sizes, {args.split} split"
+    )
+    payload = {"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}
+    caption = f"fmoe and the oracle with limited foresight: the gap closed ({args.split} split, simulated)"
+    h.write_results(NAME, "Foresight: what fMoE's TPOT is worth", payload, {caption: table}, notes, args.out)
+    plot(h.saved(NAME, args.out), args.out / f"{NAME}.png")
+    return payload
+
+
+def plot(payload: dict, path) -> None:
+    """Per model and preset: the share of the gap closed at each budget, fmoe beside the limited oracles."""
+    split = payload["args"].get("split", "eval")
+    panels: dict[str, dict[str, dict[str, float]]] = {}
+    for r in payload["rows"]:
+        bars = {"fmoe": r["fmoe_closure"]}
+        bars |= {oracle_label(int(k.split("_")[1])): v for k, v in r.items() if k.startswith("closure_")}
+        panel = f"{r['model']}, {h.mode_title(r['hardware'])}"
+        panels.setdefault(panel, {})[f"{r['budget']:.3g} cached"] = bars
+    title = f"Share of the gap between the best baseline and the oracle closed ({split} split)"
+    h.grouped_bars(path, title, panels, ncols=2)
+
+
+if __name__ == "__main__":
+    main()
