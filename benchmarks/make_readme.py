@@ -267,9 +267,10 @@ def _foresight_sentence(payload: dict, budget: float = 0.25) -> str:
     if limited:
         text += f"; the oracle itself closes {', '.join(limited)}"
     matched = [r["fmoe_matches"] for r in rows]
+    current, more = sum(m >= 0 for m in matched), sum(m >= 1 for m in matched)
     return (
-        text + f". fMoE is at least as fast as the oracle limited to {_span(matched, '{:d}')} token(s) of "
-        "foresight beyond the current one (-1: slower than the oracle seeing the current token alone)."
+        text + f". fMoE is at least as fast as the oracle seeing the current token alone at {current} of "
+        f"{len(rows)} points, and as the one seeing one more token at {more}."
     )
 
 

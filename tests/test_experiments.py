@@ -181,8 +181,10 @@ def test_conclusion_is_computed_from_the_results(tmp_path):
     text = foresight(0.45, 0)
     assert "At 25% cached (simulated, eval split, `foresight`), fMoE closes 40–45 % of the gap" in text
     assert "closes -20 % when it sees only the current token, 50 % when it sees 1 more token, 75 %" in text
-    assert "as fast as the oracle limited to 0 token(s) of foresight beyond" in text
-    assert "limited to -1 token(s)" in foresight(0.1, -1)
+    assert "at least as fast as the oracle seeing the current token alone at 2 of 2 points, and as" in text
+    assert "the current token alone at 0 of 2 points, and as the one seeing one more token at 0." in (
+        foresight(0.1, -1)
+    )
 
 
 def test_main_readme_hybrid_table_is_written_from_the_results(tmp_path):
