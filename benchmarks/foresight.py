@@ -32,8 +32,8 @@ NAME = "foresight"
 BASELINES = tuple(p for p in h.POLICIES if p not in ("fmoe", "oracle"))
 
 
-def oracle_label(horizon: int | None) -> str:
-    return "oracle" if horizon is None else f"oracle, {horizon} token(s)"
+def oracle_label(horizon: int) -> str:
+    return f"oracle, {horizon} token(s)"
 
 
 def variants(horizons: list[int]) -> list[h.Variant]:
