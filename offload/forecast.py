@@ -133,6 +133,16 @@ class ReuseForecast:
         self._score(bins)
         self.pending.append((bins, []))
 
+    def refresh(self, hint: np.ndarray, used: np.ndarray) -> None:
+        """A newer `hint` `[L, J]` for the current iteration (the learned reuse predictor's, after a layer has
+        routed): scores from it, the experts the iteration has used so far (`used` `[L, J]` bool) scoring as
+        used, and the iteration learns its outcome under the newest hint."""
+        bins = self._bins(hint)
+        self._score(bins)
+        self.scores = np.where(used, self._if_used, self.scores)
+        if self.pending:
+            self.pending[-1] = (bins, self.pending[-1][1])
+
     def mark_used(self, layer: int, experts: np.ndarray) -> None:
         """Experts of `layer` needed in the current iteration: from now on they score as experts the
         request used in its previous iteration, which is what they will be at the next one."""

@@ -26,7 +26,7 @@ import numpy as np
 from fmoe_jax.files import write_atomically
 
 FORMAT_VERSION = 1
-Kind = Literal["promoe", "duoserve"]
+Kind = Literal["promoe", "duoserve", "reuse"]
 
 
 # -- the predictor ---------------------------------------------------------------------------------------

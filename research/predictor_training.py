@@ -1,6 +1,7 @@
-"""Training of the learned expert predictors of the `promoe` and `duoserve` baselines: datasets built from
-routing traces, offline training with optax, evaluation. Research code: `benchmarks/train_predictors.py` and
-the policies' `from_traces` call it; serving needs only `fmoe_jax.offload.predictors`.
+"""Training of the learned expert predictors of the `promoe` and `duoserve` baselines and of fmoe's reuse
+predictor: datasets built from routing traces, offline training with optax, evaluation. Research code:
+`benchmarks/train_predictors.py` and the policies' `from_traces` call it; serving needs only
+`fmoe_jax.offload.predictors`.
 
 Sources: ProMoE (Song et al. 2024, arXiv 2410.22134): per-layer predictors from intermediate hidden states,
 looking `stride` layers ahead. DuoServe-MoE (`seeds/002_*` section 4): popularity and inter-layer affinity
@@ -156,14 +157,16 @@ def _logits(layers: list[dict[str, jax.Array]], h: jax.Array, rng: jax.Array, dr
     return h
 
 
-@functools.partial(jax.jit, static_argnames=("dropout", "learning_rate"))
-def _train_step(layers, opt_state, xb, yb, seed, step, *, dropout: float, learning_rate: float):
-    """One Adam step on the mean binary cross-entropy of every group: xb `[G, B, F]`, yb `[G, B, J]`."""
+@functools.partial(jax.jit, static_argnames=("dropout", "learning_rate", "l2"))
+def _train_step(layers, opt_state, xb, yb, seed, step, *, dropout: float, learning_rate: float, l2: float):
+    """One Adam step on the mean binary cross-entropy of every group (plus `l2` times the sum of squared
+    weights): xb `[G, B, F]`, yb `[G, B, J]`."""
 
     def loss_fn(layers):
         rngs = jax.random.split(jax.random.fold_in(jax.random.key(seed), step), xb.shape[0])
         out = jax.vmap(functools.partial(_logits, dropout=dropout))(layers, xb, rngs)
-        return optax.sigmoid_binary_cross_entropy(out, yb).mean(-1).mean()
+        penalty = sum(jnp.sum(layer["w"] ** 2) for layer in layers) if l2 > 0.0 else 0.0
+        return optax.sigmoid_binary_cross_entropy(out, yb).mean(-1).mean() + l2 * penalty
 
     loss, grads = jax.value_and_grad(loss_fn)(layers)
     updates, opt_state = optax.adam(learning_rate).update(grads, opt_state, layers)
@@ -182,11 +185,13 @@ def _fit(
     seed: int,
     progress: bool,
     desc: str,
+    l2: float = 0.0,
 ) -> tuple[list[dict[str, np.ndarray]], np.ndarray, np.ndarray, list[float]]:
     """Trains G independent MLPs at once (vmapped) with Adam on binary cross-entropy (multi-label).
 
-    x `[G, N, F]`, y `[G, N, J]`. Returns the layers (leading G axis), mean and std `[G, F]`, and the mean
-    training loss of each epoch. Seeded: same data and settings give the same weights.
+    x `[G, N, F]`, y `[G, N, J]`; `hidden` the widths of the hidden layers (none: logistic regression).
+    Returns the layers (leading G axis), mean and std `[G, F]`, and the mean training loss of each epoch.
+    Seeded: same data and settings give the same weights.
     """
     from tqdm.auto import tqdm
 
@@ -225,6 +230,7 @@ def _fit(
                 epoch * steps + s,
                 dropout=dropout,
                 learning_rate=learning_rate,
+                l2=l2,
             )
             total += float(loss)
         losses.append(total / steps)
@@ -326,6 +332,94 @@ def train_duoserve(
         "train_loss": losses,
     }
     return Predictor("duoserve", meta, layers, mean, std, popularity, affinity)
+
+
+def reuse_dataset(
+    traces: Sequence[Any], *, horizon: int, max_samples: int | None = None, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """fmoe's reuse-predictor samples, one per iteration i of each request with `horizon` iterations after
+    it: x `[L, N, D]`, each MoE layer's router input for the iteration's last token, and y `[N, L * J]`,
+    whether each expert is used in iterations i + 1 .. i + horizon (a seeded sample of at most
+    `max_samples`, in trace order)."""
+    if horizon < 1:
+        raise ValueError(f"horizon must be >= 1, got {horizon}")
+    num_layers, num_experts, _ = _shape(traces)
+    xs, ys = [], []
+    for trace in traces:
+        for request in trace.requests:
+            its = request.iterations
+            if any(it.hidden is None for it in its):
+                raise ValueError(
+                    "the traces lack 'hidden'; record them with "
+                    "fj.generate(model, prompts, record_trace=True, record_hidden=True)"
+                )
+            used = [multi_hot(it.ids, num_experts).max(0) > 0 for it in its]  # [T][L, J]
+            for i in range(len(its) - horizon):
+                xs.append(its[i].hidden[-1])  # [L, D]
+                ys.append(np.logical_or.reduce(used[i + 1 : i + 1 + horizon]).reshape(-1))
+    if not xs:
+        raise ValueError(f"no request of the traces has {1 + horizon} iterations: nothing to learn from")
+    x, y = np.stack(xs, axis=1).astype(np.float32), np.stack(ys).astype(np.float32)
+    if max_samples is not None and y.shape[0] > max_samples:
+        keep = np.sort(np.random.default_rng(seed).choice(y.shape[0], max_samples, replace=False))
+        x, y = x[:, keep], y[keep]
+    return x, y
+
+
+def _groups(y: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The same targets `[N, F]` for each of x's groups: `[G, N, F]` (a view, no copy)."""
+    return np.broadcast_to(y, (x.shape[0], *y.shape))
+
+
+def train_reuse(
+    traces: Sequence[Any],
+    *,
+    horizon: int = 2,
+    model_id: str | None = None,
+    l2: Sequence[float] = (1e-4, 1e-3, 1e-2),
+    epochs: int = 60,
+    batch_size: int = 256,
+    learning_rate: float = 1e-2,
+    max_samples: int | None = 100_000,
+    seed: int = 0,
+    progress: bool = True,
+) -> Predictor:
+    """fmoe's reuse predictor: per MoE layer m, a logistic regression from layer m's router input of a token
+    to the experts (of every layer) used in the `horizon` iterations after it. The residual stream already
+    says much of what the next token will be, and so of how it will route, the more the later the layer.
+    The ridge strength is the one of `l2` with the lowest loss on a fifth of the training requests held
+    out (`split_requests`); the predictor is then refit on them all."""
+    traces = list(traces)
+    if traces:  # one trace of every request: the held-out fifth is of requests, however the traces hold them
+        traces = [type(traces[0])(traces[0].meta, [r for t in traces for r in t.requests])]
+    x, y = reuse_dataset(traces, horizon=horizon, max_samples=max_samples, seed=seed)
+    common = dict(dropout=0.0, epochs=epochs, batch_size=batch_size, learning_rate=learning_rate, seed=seed)
+    common["desc"] = "reuse"
+    held_loss: dict[float, float] = {}
+    if len(l2) > 1:
+        inner, held = split_requests(traces, 0.2, seed)
+        xi, yi = reuse_dataset(inner, horizon=horizon, max_samples=max_samples, seed=seed)
+        xh, yh = reuse_dataset(held, horizon=horizon)
+        for strength in l2:
+            layers, mean, std, _ = _fit(xi, _groups(yi, xi), (), l2=strength, progress=False, **common)
+            fitted = Predictor("reuse", {}, layers, mean, std, np.zeros(0), np.zeros(0))
+            p = np.stack([fitted.probs(xh[m], m) for m in range(len(xh))])
+            p = np.clip(p, 1e-6, 1 - 1e-6)
+            held_loss[strength] = float(-np.mean(yh * np.log(p) + (1 - yh) * np.log(1 - p)))
+    strength = min(held_loss, key=held_loss.get) if held_loss else l2[0]
+    layers, mean, std, losses = _fit(x, _groups(y, x), (), l2=strength, progress=progress, **common)
+    popularity, _ = routing_statistics(traces)
+    meta = _base_meta(traces, model_id) | {
+        "input_dim": int(x.shape[-1]),
+        "horizon": horizon,
+        "l2": strength,
+        "held_out_loss": {str(k): v for k, v in held_loss.items()},
+        "epochs": epochs,
+        "samples": int(y.shape[0]),
+        "seed": seed,
+        "train_loss": losses,
+    }
+    return Predictor("reuse", meta, layers, mean, std, popularity, np.zeros((0, 0, 0), np.float32))
 
 
 # -- evaluation ------------------------------------------------------------------------------------------

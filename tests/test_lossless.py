@@ -20,7 +20,7 @@ import pytest
 from fmoe_jax.models import Layout
 from fmoe_jax.offload import predictors
 from fmoe_jax.offload.config import OffloadConfig
-from fmoe_jax.offload.policies import POLICIES, DuoServe, Oracle, ProMoE
+from fmoe_jax.offload.policies import POLICIES, DuoServe, FMoE, Oracle, ProMoE
 from fmoe_jax.research import predictor_training
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -49,18 +49,22 @@ class Subject:
     references: dict = dataclasses.field(default_factory=dict)  # copy-only results of `reference`
 
     def predictor(self, kind: str, traces=None) -> predictors.Predictor:
-        """ProMoE's or DuoServe's predictor, trained on first use from `traces` (by default the resident
-        model's routing of WARMUP_PROMPTS): a few seconds of training is enough to make them prefetch (their
-        accuracy is not under test here)."""
+        """ProMoE's, DuoServe's or fmoe's reuse predictor, trained on first use from `traces` (by default
+        the resident model's routing of WARMUP_PROMPTS): a few seconds of training is enough to make them
+        act (their accuracy is not under test here)."""
         if self._predictors is None:
+            self._predictors = {}
+        if kind not in self._predictors:
             if traces is None:
                 record = dict(stop_at_eos=False, record_trace=True, record_hidden=True)
                 traces = [fj.generate(self.resident, [p], 4, **record).trace for p in WARMUP_PROMPTS]
             quick = dict(epochs=2, batch_size=32, progress=False)
-            self._predictors = {
-                "promoe": predictor_training.train_promoe(traces, stride=1, hidden=(16,), **quick),
-                "duoserve": predictor_training.train_duoserve(traces, hidden=(16,), **quick),
+            train = {
+                "promoe": lambda: predictor_training.train_promoe(traces, stride=1, hidden=(16,), **quick),
+                "duoserve": lambda: predictor_training.train_duoserve(traces, hidden=(16,), **quick),
+                "reuse": lambda: predictor_training.train_reuse(traces, horizon=1, l2=(1e-3,), **quick),
             }
+            self._predictors[kind] = train[kind]()
         return self._predictors[kind]
 
 
@@ -101,6 +105,8 @@ def serve(subject: Subject, policy: str, slots: int, reference_trace=None, host_
         policy_obj = ProMoE(predictor=subject.predictor("promoe", traces))
     elif policy == "duoserve":
         policy_obj = DuoServe(predictor=subject.predictor("duoserve", traces))
+    elif policy == "fmoe+reuse":  # fmoe with its learned reuse predictor (the engine passes router inputs)
+        policy_obj = FMoE(reuse_predictor=subject.predictor("reuse", traces))
     else:
         policy_obj = policy
     execution = "copy" if host_cost is None else "hybrid"
@@ -251,6 +257,15 @@ def test_shipped_models_chunked_budgets(name, policy, subjects):
         assert fj.generate(model, ["def fibonacci(n):"], 24, stop_at_eos=False).tokens == reference.tokens
     finally:
         model.close()
+
+
+@pytest.mark.parametrize("name", SHIPPED[:2])
+def test_fmoe_with_its_reuse_predictor_is_lossless(name, subjects):
+    """fmoe reading router inputs for its learned reuse predictor, at 1 and 4 slots and every expert."""
+    subject = subjects(name)
+    cfg = subject.resident.config
+    for slots in (1, 4, cfg.num_moe_layers * cfg.num_experts):
+        check_lossless(subject, "fmoe+reuse", slots, [[5, 100, 200, 300, 400, 17, 9], [44, 3, 81]], 5)
 
 
 @pytest.mark.xfail(
