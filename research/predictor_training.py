@@ -393,8 +393,14 @@ def train_reuse(
     if traces:  # one trace of every request: the held-out fifth is of requests, however the traces hold them
         traces = [type(traces[0])(traces[0].meta, [r for t in traces for r in t.requests])]
     x, y = reuse_dataset(traces, horizon=horizon, max_samples=max_samples, seed=seed)
-    common = dict(dropout=0.0, epochs=epochs, batch_size=batch_size, learning_rate=learning_rate, seed=seed)
-    common["desc"] = "reuse"
+    common = dict(
+        dropout=0.0,
+        epochs=epochs,
+        batch_size=batch_size,
+        learning_rate=learning_rate,
+        seed=seed,
+        desc="reuse",
+    )
     held_loss: dict[float, float] = {}
     if len(l2) > 1:
         inner, held = split_requests(traces, 0.2, seed)

@@ -45,15 +45,13 @@ WARMUP_PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79], [26, 53, 58, 97, 93], list(ra
 class Subject:
     resident: fj.Model
     offloaded: fj.Model  # its experts in pinned host memory; each test serves it with a fresh engine
-    _predictors: dict[str, predictors.Predictor] | None = None
+    _predictors: dict[str, predictors.Predictor] = dataclasses.field(default_factory=dict)
     references: dict = dataclasses.field(default_factory=dict)  # copy-only results of `reference`
 
     def predictor(self, kind: str, traces=None) -> predictors.Predictor:
         """ProMoE's, DuoServe's or fmoe's reuse predictor, trained on first use from `traces` (by default
         the resident model's routing of WARMUP_PROMPTS): a few seconds of training is enough to make them
         act (their accuracy is not under test here)."""
-        if self._predictors is None:
-            self._predictors = {}
         if kind not in self._predictors:
             if traces is None:
                 record = dict(stop_at_eos=False, record_trace=True, record_hidden=True)

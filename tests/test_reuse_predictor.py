@@ -109,6 +109,8 @@ def test_fmoe_refreshes_its_reuse_hint_after_each_layer(trained):
 def test_fmoe_refuses_a_reuse_predictor_of_another_model(trained):
     with pytest.raises(ValueError, match=r"fmoe's reuse predictor does not fit this model: num_experts=4"):
         FMoE(reuse_predictor=trained, asynchronous=False).bind(context(num_experts=6), RecordingCache())
+    with pytest.raises(ValueError, match="serves eviction 'reuse' only, not 'lru'"):
+        FMoE(reuse_predictor=trained, eviction="lru")
     with pytest.raises(ValueError, match="trained for model 'next-token'"):
         FMoE(reuse_predictor=trained, asynchronous=False).bind(
             PolicyContext(LAYERS, EXPERTS, 1, DIM, 1, 4, model_id="other"), RecordingCache()
