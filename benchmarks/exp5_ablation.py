@@ -10,12 +10,13 @@ default fmoe: prefetch only what pays for its copy). Unlike the paper, which por
 into fMoE's matcher, the first two rows are the complete baselines with their own cache rules. (b) Caching:
 full fMoE prediction (every selected expert prefetched) with LRU, LFU, fMoE's p * freq or our reuse eviction.
 Hit rates live, simulated with synchronous copies (prediction and caching alone) and asynchronous ones (with
-TPOT), on each `--hardware` preset. (c) What the default fmoe is made of (issue 16), simulated only: each
-eviction rule with its cost admission, calibration and the popularity prior off, the two earlier admission
-rules (as if the link were free; after the copies and misses queued ahead), no prefetch at all, whole copies
-instead of one chunk per matrix, started prefetches cancelled between chunks, and Belady's eviction with 1, 2
-or 4 tokens of foresight or the whole future (on-demand loads, no prefetch) beside the oracle (Belady plus
-perfect prefetch one layer ahead).
+TPOT), on each `--hardware` preset. (c) What the default fmoe is made of (issue 16), simulated only: the reuse
+forecast without the learned reuse predictor (the store's hint instead), each eviction rule with its cost
+admission, calibration and the popularity prior off, the two earlier admission rules (as if the link were
+free; after the copies and misses queued ahead), no prefetch at all, whole copies instead of one chunk per
+matrix, started prefetches cancelled between chunks, and Belady's eviction with 1, 2 or 4 tokens of foresight
+or the whole future (on-demand loads, no prefetch) beside the oracle (Belady plus perfect prefetch one layer
+ahead).
 Writes `exp5_ablation.{json,md,png}` to --out.
 """
 
@@ -44,6 +45,7 @@ CACHING = [
 ]
 PARTS = [
     h.Variant("fmoe (default: reuse eviction)", "fmoe"),
+    h.Variant("no reuse predictor", "fmoe", (("reuse_predictor", None),)),
     h.Variant("eviction fMoE (p * freq)", "fmoe", (("eviction", "fmoe"),)),
     h.Variant("eviction LFU", "fmoe", (("eviction", "lfu"),)),
     h.Variant("eviction LRU", "fmoe", (("eviction", "lru"),)),

@@ -1,16 +1,16 @@
 """The shared harness of the paper-figure experiments (`benchmarks/exp*.py`): workloads, fair policy setups,
 live and simulated runs, and the result files (JSON, PNG, markdown) each experiment writes.
 
-A `Workload` is a model plus prompts split 7:3 into a store set and an evaluation set (disjoint, by uid
-hash: `workloads.split_store_eval`), token ids cut to `--prompt-tokens`, and the routing trace of every
-request recorded once (batch 1, greedy, `--new-tokens` tokens, no EOS stop; cached on disk). Policies learn
-only from the store set: fmoe's expert-map store (`store_from_traces`), MoE-Infinity's activation-matrix
-collection (`eamc_from_traces`), ProMoE's and DuoServe's predictors (trained on the store traces); the
+A `Workload` is a model plus prompts split 7:3 into a store set and an evaluation set (disjoint, by uid hash:
+`workloads.split_store_eval`), token ids cut to `--prompt-tokens`, and the routing trace of every request
+recorded once (batch 1, greedy, `--new-tokens` tokens, no EOS stop; cached on disk). Policies learn only from
+the store set: fmoe's expert-map store (`store_from_traces`) and reuse predictor, MoE-Infinity's activation-
+matrix collection (`eamc_from_traces`), ProMoE's and DuoServe's predictors (trained on the store traces); the
 oracle gets the recorded routing of the very calls it serves. Live runs serve the evaluation prompts on
 whatever JAX backend is present, after `--warmup` store prompts that compile and warm the cache; simulated
 runs replay the same traces after the same warm-up through `fmoe_jax.offload.simulator` at a real model's
-sizes on a hardware preset. `--split validation` splits the store set 7:3 again and replays its 30 % in
-place of the evaluation set: designs are tried there, and the evaluation prompts only report.
+sizes on a hardware preset. `--split validation` splits the store set 7:3 again and replays its 30 % in place
+of the evaluation set: designs are tried there, and the evaluation prompts only report.
 """
 
 from __future__ import annotations
@@ -369,12 +369,14 @@ def variants(names: Sequence[str]) -> list[Variant]:
 
 
 def predictor(workload: Workload, kind: str, stride: int) -> Any:
-    """ProMoE's (per stride) or DuoServe's predictor, trained on the store traces only; cached on disk."""
+    """ProMoE's (per stride), DuoServe's or fmoe's reuse predictor, trained on the store traces only; cached
+    on disk."""
     from fmoe_jax.models import model_identity
     from fmoe_jax.offload import predictors
     from fmoe_jax.research import predictor_training
 
-    path = workload.cache_dir / (f"promoe-d{stride}" if kind == "promoe" else "duoserve")
+    name = {"promoe": f"promoe-d{stride}", "duoserve": "duoserve", "reuse": "reuse"}[kind]
+    path = workload.cache_dir / name
     if path.with_suffix(".json").exists():
         return predictors.Predictor.load(path)
     traces = [r.trace for r in workload.store]
@@ -382,6 +384,8 @@ def predictor(workload: Workload, kind: str, stride: int) -> Any:
     print(f"  training the {kind} predictor on {len(traces)} store requests", flush=True)
     if kind == "promoe":
         trained = predictor_training.train_promoe(traces, stride=stride, **common)
+    elif kind == "reuse":
+        trained = predictor_training.train_reuse(traces, **common)
     else:
         trained = predictor_training.train_duoserve(traces, **common)
     trained.save(path)
@@ -412,6 +416,8 @@ def offload_config(
     options: dict[str, Any] = dict(variant.options)
     if variant.policy == "fmoe":
         options.setdefault("asynchronous", not simulated)
+        if options.get("eviction", "reuse") == "reuse":  # its reuse forecast reads the router inputs
+            options.setdefault("reuse_predictor", predictor(workload, "reuse", d))
     elif variant.policy in ("promoe", "duoserve"):
         options["predictor"] = predictor(workload, variant.policy, d)  # trained once, cached on disk
     elif variant.policy == "oracle":

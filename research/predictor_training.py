@@ -376,7 +376,7 @@ def train_reuse(
     *,
     horizon: int = 2,
     model_id: str | None = None,
-    l2: Sequence[float] = (1e-4, 1e-3, 1e-2),
+    l2: Sequence[float] = (1e-6, 1e-5, 1e-4, 1e-3),
     epochs: int = 60,
     batch_size: int = 256,
     learning_rate: float = 1e-2,
@@ -402,6 +402,7 @@ def train_reuse(
         desc="reuse",
     )
     held_loss: dict[float, float] = {}
+    layer_loss: dict[float, list[float]] = {}  # per MoE layer's router input
     if len(l2) > 1:
         inner, held = split_requests(traces, 0.2, seed)
         xi, yi = reuse_dataset(inner, horizon=horizon, max_samples=max_samples, seed=seed)
@@ -411,7 +412,8 @@ def train_reuse(
             fitted = Predictor("reuse", {}, layers, mean, std, np.zeros(0), np.zeros(0))
             p = np.stack([fitted.probs(xh[m], m) for m in range(len(xh))])
             p = np.clip(p, 1e-6, 1 - 1e-6)
-            held_loss[strength] = float(-np.mean(yh * np.log(p) + (1 - yh) * np.log(1 - p)))
+            loss = -(yh * np.log(p) + (1 - yh) * np.log(1 - p)).mean(axis=(1, 2))  # [L]
+            held_loss[strength], layer_loss[strength] = float(loss.mean()), loss.tolist()
     strength = min(held_loss, key=held_loss.get) if held_loss else l2[0]
     layers, mean, std, losses = _fit(x, _groups(y, x), (), l2=strength, progress=progress, **common)
     popularity, _ = routing_statistics(traces)
@@ -420,6 +422,7 @@ def train_reuse(
         "horizon": horizon,
         "l2": strength,
         "held_out_loss": {str(k): v for k, v in held_loss.items()},
+        "held_out_loss_by_layer": layer_loss.get(strength, []),
         "epochs": epochs,
         "samples": int(y.shape[0]),
         "seed": seed,

@@ -72,6 +72,10 @@ def trained() -> Predictor:
 def test_reuse_predictor_reads_the_next_tokens_experts_from_the_router_input(trained):
     assert trained.kind == "reuse" and trained.meta["horizon"] == 1
     assert trained.meta["l2"] in (1e-4, 1e-2) and set(trained.meta["held_out_loss"]) == {"0.0001", "0.01"}
+    by_layer = trained.meta["held_out_loss_by_layer"]  # the chosen strength's, per layer's router input
+    assert len(by_layer) == LAYERS and np.isclose(
+        np.mean(by_layer), trained.meta["held_out_loss"][str(trained.meta["l2"])]
+    )
     x, y = predictor_training.reuse_dataset([next_token_trace(20, seed=2)], horizon=1)  # unseen requests
     for layer in range(LAYERS):
         p = trained.probs(x[layer], layer)  # [N, L * J]
@@ -95,11 +99,15 @@ def test_fmoe_refreshes_its_reuse_hint_after_each_layer(trained):
     valid = np.ones((1, 1), bool)
     for it in trace.requests[0].iterations[:3]:
         iteration_start(policy, None, valid)
+        logits = []
         for layer in range(LAYERS):
             probs, hidden = it.probs[:, layer], it.hidden[:, layer]
             layer_routed(policy, layer, probs, it.ids[:, layer], valid, hidden=hidden)
-            hint = trained.probs(hidden, layer)[0].reshape(LAYERS, EXPERTS)
-            np.testing.assert_allclose(policy._hint, hint, rtol=1e-6)
+            p = trained.probs(hidden, layer)[0].astype(np.float64)
+            logits.append(np.log(p) - np.log1p(-p))
+            # The hint: the mean log-odds of the iteration's layers so far (one row: no union over rows).
+            hint = 1.0 / (1.0 + np.exp(-np.mean(logits, axis=0)))
+            np.testing.assert_allclose(policy._hint, hint.reshape(LAYERS, EXPERTS), rtol=1e-5)
             # The iteration's forecast snapshot is rebinned with the newest hint (what the table learns from).
             np.testing.assert_array_equal(policy.forecast.pending[-1][0], policy.forecast._bins(policy._hint))
             assert np.all(policy.forecast.scores[policy._used] == policy.forecast._if_used[policy._used])
