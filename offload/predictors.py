@@ -55,12 +55,17 @@ class Predictor:
     def probs(self, x: np.ndarray, group: int = 0) -> np.ndarray:
         """Per-expert probabilities `[N, J]` for features `x` `[N, F]` of predictor `group` (ProMoE: the
         target layer). Float32 NumPy: microseconds for a decode batch, no device round trip."""
+        h = self.logits(x, group)
+        return 0.5 * (np.tanh(0.5 * h) + 1.0)  # the sigmoid, without overflow for large |h|
+
+    def logits(self, x: np.ndarray, group: int = 0) -> np.ndarray:
+        """The log-odds behind `probs`."""
         h = (np.asarray(x, np.float32) - self.mean[group]) / self.std[group]
         for i, layer in enumerate(self.layers):
             h = h @ layer["w"][group] + layer["b"][group]
             if i < len(self.layers) - 1:
                 h = np.maximum(h, 0.0)
-        return 0.5 * (np.tanh(0.5 * h) + 1.0)  # the sigmoid, without overflow for large |h|
+        return h
 
     def duoserve_probs(self, history: np.ndarray, target: int) -> np.ndarray:
         """DuoServe: probabilities `[N, J]` of layer `target`'s experts from the history `[N, L, J]` of the

@@ -146,3 +146,26 @@ def test_reuse_predictor_round_trips_and_from_traces_trains_one(trained, tmp_pat
         router_weights=[np.zeros((DIM, EXPERTS), np.float32)] * LAYERS,
     )
     assert result.hit_rate > 0
+
+
+@pytest.mark.parametrize(("copy_s", "rests"), [(1e-9, True), (1.0, False)])
+def test_fmoe_reuse_predictor_pays_for_itself_like_the_matcher(trained, copy_s, rests):
+    """Live (no simulated `matcher_s`), the predictor's measured host time per layer is paid from
+    `pay_for_matching`'s credit: where a copy costs next to nothing it rests, and the engine stops copying
+    router inputs out (`needs_hidden`); where copies are dear it runs at every layer."""
+    policy = FMoE(reuse_predictor=trained, asynchronous=False, trajectory=False, semantic=False)
+    policy.bind(context(copy_s=copy_s, layer_s=1e-3), RecordingCache())
+    valid = np.ones((1, 1), bool)
+    its = next_token_trace(1, seed=4, tokens=10).requests[0].iterations
+    for it in its:
+        iteration_start(policy, None, valid)
+        for layer in range(LAYERS):
+            hidden = it.hidden[:, layer] if policy.needs_hidden else None  # as the engine gives it
+            layer_routed(policy, layer, it.probs[:, layer], it.ids[:, layer], valid, hidden=hidden)
+        policy.on_iteration_end()
+    stats = policy.stats()
+    assert stats["reuse_predictor_ms"] > 0  # priced once warm
+    if rests:
+        assert stats["unpaid_reuse"] > 0 and not policy.needs_hidden
+    else:
+        assert "unpaid_reuse" not in stats and policy.needs_hidden

@@ -292,7 +292,6 @@ class OffloadEngine:
             timers["context_collection"] += time.perf_counter() - start
         kv = list(kv)
         want_probs = policy.needs_probs or record
-        want_hidden = policy.needs_hidden or record_hidden
         state = {"x": x, "next": 0}  # the residual stream and the next layer to run
         routed_layers: list[Routed] = []
         layer_of = self.config.moe_layer_ids
@@ -317,7 +316,8 @@ class OffloadEngine:
             routed = Routed(
                 devices.host(routing.ids),  # [N, k]
                 devices.host(routing.probs) if want_probs else None,
-                devices.host(z).astype(np.float32) if want_hidden else None,  # [N, D] router input
+                # [N, D] router input; the policy may stop wanting it (see `Policy.needs_hidden`)
+                devices.host(z).astype(np.float32) if record_hidden or policy.needs_hidden else None,
             )
             timers["context_collection"] += time.perf_counter() - start
             state.update(h=h, z=z, routing=routing, acc=[None] * len(devices), next=layer_id + 1)

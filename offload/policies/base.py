@@ -64,7 +64,9 @@ class Policy:
     name = "base"
     needs_semantic = False  # the engine copies the embeddings to the host only for policies that use them
     needs_probs = False  # likewise for the full router probabilities (ids are always given)
-    needs_hidden = False  # likewise for each MoE layer's router input (speculative / learned predictors)
+    # Likewise for each MoE layer's router input (speculative / learned predictors); read at every layer, so
+    # a policy may stop (and resume) wanting it as it goes.
+    needs_hidden = False
     preload_all = False  # the cache starts with every expert (the resident policy)
     # Hybrid execution: an expert the host computed is also copied to the cache in the background, behind
     # every prefetch (True), so that a cache without prediction still follows what is used (on_demand_lru);

@@ -100,9 +100,12 @@ class FMoE(Policy):
         expert is used in the iterations after it. After every layer it replaces the store's hint in the
         reuse forecast (eviction "reuse" only) with the mean, in log-odds, of the predictions of every layer
         routed so far in the iteration (an early layer alone says little); the engine then passes router
-        inputs to the policy (`needs_hidden`). On the validation split (3 models x 12.5 / 25 / 50 % x RTX
-        3090 / H100, simulated, trained on the store prompts) it gave 0.88-0.99x the TPOT of fmoe without it
-        at all 18 points (the latest layer's prediction alone: 0.90-1.001x).
+        inputs to the policy (`needs_hidden`). Live, its host time per layer is paid from
+        `pay_for_matching`'s credit like a search: where a copy costs less than a prediction it rests, and
+        the engine stops copying router inputs out until the credit covers one again. On the validation
+        split (3 models x 12.5 / 25 / 50 % x RTX 3090 / H100, simulated, trained on the store prompts) it
+        gave 0.88-0.99x the TPOT of fmoe without it at all 18 points (the latest layer's prediction alone:
+        0.90-1.001x).
       popularity: `[L, J]` tokens routed to each expert in earlier requests (`from_traces` counts them in the
         store traces, as Fiddler profiles); eviction "reuse" also keeps an expert for its share of every
         token's routing, a chance of reuse the request's own short history cannot see yet. None: the policy
@@ -232,6 +235,10 @@ class FMoE(Policy):
         self._matcher_s: dict[str, float | None] = {"semantic": None, "trajectory": None, "update": None}
         self._spent = {kind: collections.deque(maxlen=_COST_SAMPLES) for kind in self._matcher_s}
         self._timed = collections.Counter()  # contexts timed, by kind
+        # The reuse predictor's host seconds per layer (engine thread), priced like a context: measured live,
+        # free in the simulator (which charges no policy its event handlers' host time).
+        self._predictor_s: float | None = None
+        self._predictor_spent: collections.deque[float] = collections.deque(maxlen=_COST_SAMPLES)
         self._free_link = False  # hybrid execution (set by `bind`)
         self._clock: tuple[float, float, int] | None = None  # (time, on-demand wait, misses), last layer
         self.timers = {"matching": 0.0, "store_update": 0.0}
@@ -460,11 +467,16 @@ class FMoE(Policy):
             np.add.at(self._counts[layer], np.asarray(event.ids)[event.token_valid].ravel(), 1.0)
         self.forecast.mark_used(layer, needed)
         self._maps[:, layer] = event.probs
-        if self.reuse_predictor is not None and event.hidden is not None:
+        if self.reuse_predictor is not None and event.hidden is not None and self._paid_prediction():
             self._predict_reuse(event)
         if self.pay_for_matching and self.copy_s is not None:  # what this layer's misses could have cost
             cap = self.ctx.num_layers * self.ctx.top_k * self.copy_s  # a decode iteration's worth at most
             self._credit = min(self._credit + len(needed) * self.copy_s * self._at_stake(), cap)
+        if self.reuse_predictor is not None:  # the engine copies the next router input only for a paid use
+            cost = self._predictor_s
+            self.needs_hidden = cost is None or not self._priced() or self._credit >= cost
+            if not self.needs_hidden:  # the next layer's prediction is left out
+                self.counts["unpaid_reuse"] += 1
         if not self.trajectory or layer + self.ctx.prefetch_distance >= self.ctx.num_layers:
             return
         if valid is not self._active[0]:  # the engine passes one mask for every layer of an iteration
@@ -478,6 +490,22 @@ class FMoE(Policy):
             data = self._maps[active, : layer + 1].copy()
             self._publish(_Context("trajectory", layer=layer, data=data, iteration=self._iteration))
 
+    def _priced(self) -> bool:
+        return self.pay_for_matching and self.copy_s is not None
+
+    def _paid_prediction(self) -> bool:
+        """Whether the credit covers the reuse predictor's work at this layer (`pay_for_matching`, priced at
+        its measured host time), which it then pays for; where copies cost less than the prediction (this
+        CPU) it rests and the forecast goes on from the request's own routing."""
+        cost = self._predictor_s
+        if cost is None or not self._priced():
+            return True
+        if self._credit >= cost:
+            self._credit -= cost
+            return True
+        self.counts["unpaid_reuse"] += 1
+        return False
+
     def _predict_reuse(self, event: LayerRouted) -> None:
         """The reuse hint from the learned predictor, after each layer: the chance each expert is used by
         any active row in the iterations after this one, from each row's last token's router input at the
@@ -486,18 +514,21 @@ class FMoE(Policy):
         rows = self._last[event.valid.any(1)]
         if not rows.size:
             return
-        p = self.reuse_predictor.probs(np.asarray(event.hidden)[rows], event.layer)  # [rows, L * J]
-        p = np.clip(p.astype(np.float64), 1e-6, 1.0 - 1e-6)
-        logits = np.log(p) - np.log1p(-p)
+        start = time.perf_counter()
+        logits = self.reuse_predictor.logits(np.asarray(event.hidden)[rows], event.layer)  # [rows, L * J]
         if self._predicted and self._logits is not None and self._logits.shape == logits.shape:
             self._logits += logits
             self._predicted += 1
         else:  # the iteration's first prediction
             self._logits, self._predicted = logits, 1
-        p = 1.0 / (1.0 + np.exp(-self._logits / self._predicted))
-        hint = 1.0 - np.prod(1.0 - p, axis=0)
+        p = 0.5 * (np.tanh(0.5 / self._predicted * self._logits) + 1.0)  # the sigmoid of the mean
+        hint = 1.0 - np.prod(1.0 - p.astype(np.float64), axis=0)
         self._hint = hint.reshape(self.ctx.num_layers, self.ctx.num_experts)
         self.forecast.refresh(self._hint, self._used)
+        if self.ctx.matcher_s is None:  # live: its price, the median of recent calls after a warm-up
+            self._predictor_spent.append(time.perf_counter() - start)
+            if len(self._predictor_spent) >= _COST_WARMUP:
+                self._predictor_s = float(np.median(self._predictor_spent))
 
     def _confirmed(self, layer: int, ids: np.ndarray, active: np.ndarray) -> bool:
         """Whether the iteration's last trajectory match foresaw this layer's routing: in decode, each active
@@ -874,6 +905,8 @@ class FMoE(Policy):
             out["last_error"] = self.last_error
         if self.admission == "cost" and self.copy_s is not None and self.layer_s is not None:
             out |= {"copy_ms": 1e3 * self.copy_s, "layer_ms": 1e3 * self.layer_s}
+        if self._predictor_s is not None:
+            out["reuse_predictor_ms"] = 1e3 * self._predictor_s
         for kind, seconds in self._matcher_s.items():  # host time per context (`pay_for_matching`)
             if seconds is not None:
                 out[f"{kind}_host_ms"] = 1e3 * seconds
