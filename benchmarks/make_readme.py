@@ -234,8 +234,9 @@ def conclusion(results: Path = RESULTS) -> str:
         text.append(
             f"Live on this machine's {payload['machine']['backend'].upper()}, where a miss is a memcpy of "
             f"a few hundred KB, fMoE decodes {_span(live_ratio, '{:.2f}')}x as slow as LRU although it hits "
-            f"more ({'/'.join(hits[0])} against {'/'.join(hits[1])}, per model): its host-side matching "
-            "costs more than the copies it saves. Live TPOT ranks host overhead; the link, where fMoE's "
+            f"more ({'/'.join(hits[0])} against {'/'.join(hits[1])}, per model): its host-side work per "
+            "layer (the reuse forecast and predictor, the matching it pays for) costs more than the copies "
+            "it saves. Live TPOT ranks host overhead; the link, where fMoE's "
             "predictions pay, is only in the simulated results."
         )
     return " ".join(text)
