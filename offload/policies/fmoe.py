@@ -497,14 +497,7 @@ class FMoE(Policy):
         """Whether the credit covers the reuse predictor's work at this layer (`pay_for_matching`, priced at
         its measured host time), which it then pays for; where copies cost less than the prediction (this
         CPU) it rests and the forecast goes on from the request's own routing."""
-        cost = self._predictor_s
-        if cost is None or not self._priced():
-            return True
-        if self._credit >= cost:
-            self._credit -= cost
-            return True
-        self.counts["unpaid_reuse"] += 1
-        return False
+        return self._pay(self._predictor_s, "reuse")
 
     def _predict_reuse(self, event: LayerRouted) -> None:
         """The reuse hint from the learned predictor, after each layer: the chance each expert is used by
@@ -619,8 +612,12 @@ class FMoE(Policy):
     def _paid(self, kind: str) -> bool:
         """Whether the credit covers a context of `kind` (`pay_for_matching`), which it then pays for.
         Until both its cost and T are measured, every context goes."""
-        cost = self._matcher_s[kind]
-        if not self.pay_for_matching or cost is None or self.copy_s is None:
+        return self._pay(self._matcher_s[kind], kind)
+
+    def _pay(self, cost: float | None, kind: str) -> bool:
+        """Spends `cost` host seconds of the credit on work of `kind`, if the credit covers them (or the
+        work is not priced yet); counts the work left out otherwise."""
+        if cost is None or not self._priced():
             return True
         if self._credit >= cost:
             self._credit -= cost
