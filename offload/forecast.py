@@ -101,44 +101,51 @@ class ReuseForecast:
         self.last_use = np.full(self.shape, -1, np.int64)  # -1: not used by this request yet
         self.share = np.zeros(self.shape)
         self.pending: collections.deque[tuple[np.ndarray, list[np.ndarray]]] = collections.deque()
-        self._score(self._bins(None))
+        self._prepare()
+        self._score(None)
 
-    def _bins(self, hint: np.ndarray | None) -> np.ndarray:
-        """Each expert's bin `[L, J]` (gap, share, hint probability): an index into the flattened tables."""
+    def _prepare(self) -> None:
+        """What stays fixed until `end_iteration`: each bin's probability (`_table`, flat), each expert's bin
+        without the hint (`_base` `[L, J]`: gap and share) and once used in this iteration (`_base_used`:
+        gap 0, its share counting this iteration). A new hint then costs a search and two takes: the reuse
+        predictor refreshes the hint after every layer, on the engine thread."""
+        # Laplace-smoothed; an unseen bin falls back to a weak prior of "recently used is likely reused".
+        flat = np.arange(self.seen.size)
+        prior = np.where(flat < (len(SHARE_EDGES) + 1) * (len(P_EDGES) + 1), 0.6, 0.2)  # gap 0 or more
+        self._table = (self.reused.ravel() + prior) / (self.seen.ravel() + 1.0)
         gap = np.where(
             self.last_use < 0,
             len(GAP_EDGES) + 1,
             np.searchsorted(GAP_EDGES, self.iteration - 1 - self.last_use, side="right"),
         )
         share = np.searchsorted(SHARE_EDGES, self.share)
-        bins = (gap * (len(SHARE_EDGES) + 1) + share) * (len(P_EDGES) + 1)  # hint bin 0
-        return bins if hint is None else bins + np.searchsorted(P_EDGES, hint)
+        self._base = (gap * (len(SHARE_EDGES) + 1) + share) * (len(P_EDGES) + 1)  # hint bin 0
+        share_used = np.searchsorted(SHARE_EDGES, self.decay * self.share + (1 - self.decay))
+        self._base_used = share_used * (len(P_EDGES) + 1)  # gap 0
 
-    def _score(self, bins: np.ndarray) -> None:
-        """`scores` for the iteration, and `_if_used`: each expert's score once the iteration uses it
-        (gap 0, its share counting this iteration), which `mark_used` copies in."""
-        self.scores = self._predict(bins)
-        share = np.searchsorted(SHARE_EDGES, self.decay * self.share + (1 - self.decay))
-        self._if_used = self._predict(share * (len(P_EDGES) + 1) + bins % (len(P_EDGES) + 1))  # gap 0
+    def bins(self, hint: np.ndarray | None = None) -> np.ndarray:
+        """Each expert's bin `[L, J]` (gap, share, hint probability): an index into the flattened tables."""
+        return self._base if hint is None else self._base + np.searchsorted(P_EDGES, hint)
 
-    def _predict(self, bins: np.ndarray) -> np.ndarray:
-        # Laplace-smoothed; an unseen bin falls back to a weak prior of "recently used is likely reused".
-        prior = np.where(bins < (len(SHARE_EDGES) + 1) * (len(P_EDGES) + 1), 0.6, 0.2)  # gap 0 or more
-        return (self.reused.take(bins) + prior) / (self.seen.take(bins) + 1.0)
+    def _score(self, hint: np.ndarray | None) -> np.ndarray:
+        """`scores` for the iteration, and `_if_used`: each expert's score once the iteration uses it, which
+        `mark_used` copies in. Returns each expert's bin."""
+        hint_bins = 0 if hint is None else np.searchsorted(P_EDGES, hint)
+        bins = self._base + hint_bins
+        self.scores = self._table.take(bins)
+        self._if_used = self._table.take(self._base_used + hint_bins)
+        return bins
 
     def begin_iteration(self, hint: np.ndarray | None = None) -> None:
         """A new iteration of the request: scores for it from the routing so far (and the map's `hint`
         `[L, J]` for this token, if any)."""
-        bins = self._bins(hint)
-        self._score(bins)
-        self.pending.append((bins, []))
+        self.pending.append((self._score(hint), []))
 
     def refresh(self, hint: np.ndarray, used: np.ndarray) -> None:
         """A newer `hint` `[L, J]` for the current iteration (the learned reuse predictor's, after a layer has
         routed): scores from it, the experts the iteration has used so far (`used` `[L, J]` bool) scoring as
         used, and the iteration learns its outcome under the newest hint."""
-        bins = self._bins(hint)
-        self._score(bins)
+        bins = self._score(hint)
         self.scores = np.where(used, self._if_used, self.scores)
         if self.pending:
             self.pending[-1] = (bins, self.pending[-1][1])
@@ -164,11 +171,13 @@ class ReuseForecast:
         self.last_use = np.where(used, self.iteration, self.last_use)
         self.share = self.decay * self.share + (1 - self.decay) * used
         self.iteration += 1
+        self._prepare()
 
     def state(self) -> dict[str, np.ndarray]:
         return {"reused": self.reused, "reuse_seen": self.seen}
 
     def load(self, state: dict[str, Any]) -> None:
         if np.shape(state.get("reused")) == self.reused.shape:
-            self.reused = np.array(state["reused"], np.float64)  # contiguous copies: `_predict` takes
+            self.reused = np.array(state["reused"], np.float64)  # contiguous copies
             self.seen = np.array(state["reuse_seen"], np.float64)
+            self._prepare()

@@ -109,7 +109,7 @@ def test_fmoe_refreshes_its_reuse_hint_after_each_layer(trained):
             hint = 1.0 / (1.0 + np.exp(-np.mean(logits, axis=0)))
             np.testing.assert_allclose(policy._hint, hint.reshape(LAYERS, EXPERTS), rtol=1e-5)
             # The iteration's forecast snapshot is rebinned with the newest hint (what the table learns from).
-            np.testing.assert_array_equal(policy.forecast.pending[-1][0], policy.forecast._bins(policy._hint))
+            np.testing.assert_array_equal(policy.forecast.pending[-1][0], policy.forecast.bins(policy._hint))
             assert np.all(policy.forecast.scores[policy._used] == policy.forecast._if_used[policy._used])
         policy.on_iteration_end()
 
