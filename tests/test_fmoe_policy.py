@@ -155,6 +155,31 @@ def test_the_matcher_works_only_while_the_link_time_it_could_save_pays_for_it():
     assert stats["semantic_host_ms"] > 0 and stats["trajectory_host_ms"] > 0
 
 
+@pytest.mark.parametrize(("copy_s", "records"), [(1e-9, False), (1.0, True)])
+def test_live_fmoe_wants_maps_copied_out_only_when_a_paid_context_can_use_them(copy_s, records):
+    """Live, once every kind of context is priced, an iteration's embeddings and router probabilities are
+    wanted (`needs_semantic`, `needs_probs`) only while the credit covers a context that would use them;
+    the iterations without them search nothing and add nothing to the store."""
+    policy, _ = bound_policy(one_map_store(), copy_s=copy_s, layer_s=1e-3)
+    valid = np.ones((1, 1), bool)
+    wanted, matches = [], []
+    for _ in range(4 + fmoe_module._COST_WARMUP):
+        wanted.append((policy.needs_semantic, policy.needs_probs))
+        iteration_start(policy, np.ones((1, 3), np.float32) if policy.needs_semantic else None, valid)
+        for layer in range(4):
+            probs = np.full((1, 4), 0.25, np.float32) if wanted[-1][1] else None  # as the engine gives them
+            layer_routed(policy, layer, probs, np.array([[layer]]), valid)
+        policy.on_iteration_end()
+        stats = policy.stats()
+        matches.append(stats.get("semantic_matches", 0) + stats.get("trajectory_matches", 0))
+    assert wanted[0] == (True, True)  # unpriced: everything goes
+    assert wanted[-1] == (records, records)
+    if not records:  # resting: the last iterations came without maps, and did no work
+        assert matches[-1] == matches[-3] and stats["unrecorded_iterations"] >= 2
+    else:
+        assert "unrecorded_iterations" not in stats and matches[-1] == matches[-2] + 4
+
+
 def test_slow_first_contexts_do_not_price_the_matcher_out(monkeypatch):
     """A context's host time is the median of the recent ones: the slow first few (cold caches, first
     allocations) do not stick. With an average from the first, an estimate 10x too high made every later

@@ -34,6 +34,7 @@ import itertools
 import math
 import os
 import queue
+import statistics
 import threading
 import time
 import warnings
@@ -204,6 +205,10 @@ class FMoE(Policy):
             raise ValueError(f"store_capacity must be >= 1, got {store_capacity}")
         self.semantic, self.trajectory, self.dynamic_delta = semantic, trajectory, dynamic_delta
         self.needs_semantic = semantic  # without semantic search, traces need no embeddings
+        # Live, the engine copies embeddings and router probabilities out only for an iteration whose maps
+        # a paid context may use (`_plan_recording`); in the simulator they always come.
+        self.needs_probs = True
+        self._recording = True  # this iteration's maps are kept (`_maps`) for searches and the update
         self.eviction, self.traj_target = eviction, traj_target
         self.calibrate, self.reuse_horizon = calibrate, reuse_horizon
         if reuse_predictor is not None and eviction != "reuse":
@@ -356,6 +361,9 @@ class FMoE(Policy):
         self._guided = np.zeros(ctx.num_layers, bool)
         self._need = np.zeros(shape)
         self._used = np.zeros(shape, bool)  # the experts this iteration has needed so far
+        self._flat_index = {
+            (layer, e): layer * shape[1] + e for layer in range(shape[0]) for e in range(shape[1])
+        }
         self._current = -1  # the MoE layer that routed last in this iteration
         self._iteration = 0
         self._request = 0
@@ -431,12 +439,16 @@ class FMoE(Policy):
             np.where(valid.any(1), tokens - 1, -1) + np.arange(rows) * tokens
         )  # each row's last token
         n_valid = int(self._valid.sum())
+        self._recording = self.needs_probs
+        if not self._recording:
+            self.counts["unrecorded_iterations"] += 1
         if event.embeds is not None:
             self._embeds = event.embeds[self._valid]
         else:  # no semantic search: the store keeps zero embeddings (its redundancy rule uses maps alone)
             self._embeds = np.zeros((n_valid, self._embed_dim), np.float32)
-        self._maps = np.zeros((rows * tokens, self.ctx.num_layers, self.ctx.num_experts), np.float32)
-        self._token_rows = np.repeat(np.arange(rows), tokens)[self._valid]  # each valid token's row
+        if self._recording:
+            self._maps = np.zeros((rows * tokens, self.ctx.num_layers, self.ctx.num_experts), np.float32)
+            self._token_rows = np.repeat(np.arange(rows), tokens)[self._valid]  # each valid token's row
         self._requests = event.requests
         self._clock = None
         self._decoding = tokens == 1
@@ -447,7 +459,7 @@ class FMoE(Policy):
         self._current = -1
         self._predicted = 0
         self.forecast.begin_iteration(self._hint if self.eviction == "reuse" else None)
-        if self.semantic and n_valid and self._paid("semantic"):
+        if self.semantic and n_valid and event.embeds is not None and self._paid("semantic"):
             self._publish(_Context("semantic", data=self._embeds, iteration=self._iteration))
 
     def on_layer_routed(self, event: LayerRouted) -> None:
@@ -466,9 +478,15 @@ class FMoE(Policy):
         if self._counting:  # the popularity profile grows with every token served
             np.add.at(self._counts[layer], np.asarray(event.ids)[event.token_valid].ravel(), 1.0)
         self.forecast.mark_used(layer, needed)
-        self._maps[:, layer] = event.probs
+        if event.probs is None:  # the engine skipped them: no search or update from this iteration
+            self._recording = False
+        elif self._recording:
+            self._maps[:, layer] = event.probs
+        if valid is not self._active[0]:  # the engine passes one mask for every layer of an iteration
+            self._active = (valid, self._last[valid.any(1)])
+        active = self._active[1]  # each active row's last token
         if self.reuse_predictor is not None and event.hidden is not None and self._paid_prediction():
-            self._predict_reuse(event)
+            self._predict_reuse(event, active)
         if self.pay_for_matching and self.copy_s is not None:  # what this layer's misses could have cost
             cap = self.ctx.num_layers * self.ctx.top_k * self.copy_s  # a decode iteration's worth at most
             self._credit = min(self._credit + len(needed) * self.copy_s * self._at_stake(), cap)
@@ -479,14 +497,11 @@ class FMoE(Policy):
                 self.counts["unpaid_reuse"] += 1
         if not self.trajectory or layer + self.ctx.prefetch_distance >= self.ctx.num_layers:
             return
-        if valid is not self._active[0]:  # the engine passes one mask for every layer of an iteration
-            self._active = (valid, self._last[valid.any(1)])
-        active = self._active[1]
         if active.size and self._confirmed(layer, event.ids, active):
             self.counts["confirmed_layers"] += 1
             # What a search would drop: waiting requests for this layer and those before it.
             self.cache.request_prefetch((), replace=False, stale_before=layer + 1)
-        elif active.size and self._paid("trajectory"):
+        elif active.size and self._recording and self._paid("trajectory"):
             data = self._maps[active, : layer + 1].copy()
             self._publish(_Context("trajectory", layer=layer, data=data, iteration=self._iteration))
 
@@ -499,12 +514,11 @@ class FMoE(Policy):
         CPU) it rests and the forecast goes on from the request's own routing."""
         return self._pay(self._predictor_s, "reuse")
 
-    def _predict_reuse(self, event: LayerRouted) -> None:
+    def _predict_reuse(self, event: LayerRouted, rows: np.ndarray) -> None:
         """The reuse hint from the learned predictor, after each layer: the chance each expert is used by
         any active row in the iterations after this one, from each row's last token's router input at the
         layers routed so far (their mean log-odds). It rescores this iteration's forecast and starts the
         next iteration's."""
-        rows = self._last[event.valid.any(1)]
         if not rows.size:
             return
         start = time.perf_counter()
@@ -515,13 +529,14 @@ class FMoE(Policy):
         else:  # the iteration's first prediction
             self._logits, self._predicted = logits, 1
         p = 0.5 * (np.tanh(0.5 / self._predicted * self._logits) + 1.0)  # the sigmoid of the mean
-        hint = 1.0 - np.prod(1.0 - p.astype(np.float64), axis=0)
+        # Used by any row. (One row: its own p, which bins as 1 - (1 - p) does: they differ below 1e-9.)
+        hint = p[0].astype(np.float64) if len(p) == 1 else 1.0 - np.prod(1.0 - p.astype(np.float64), axis=0)
         self._hint = hint.reshape(self.ctx.num_layers, self.ctx.num_experts)
         self.forecast.refresh(self._hint, self._used)
         if self.ctx.matcher_s is None:  # live: its price, the median of recent calls after a warm-up
             self._predictor_spent.append(time.perf_counter() - start)
             if len(self._predictor_spent) >= _COST_WARMUP:
-                self._predictor_s = float(np.median(self._predictor_spent))
+                self._predictor_s = statistics.median(self._predictor_spent)  # 0.4 us; np.median 14
 
     def _confirmed(self, layer: int, ids: np.ndarray, active: np.ndarray) -> bool:
         """Whether the iteration's last trajectory match foresaw this layer's routing: in decode, each active
@@ -594,11 +609,28 @@ class FMoE(Policy):
         self.forecast.end_iteration(self._used)
         if self._counting:
             self._update_rate()
-        if self._embeds.shape[0] and (self.learn or self.eviction == "reuse") and self._paid("update"):
+        updates = self.learn or self.eviction == "reuse"
+        if self._embeds.shape[0] and updates and self._recording and self._paid("update"):
             context = _Context("update", data=self._embeds, extra=self._maps[self._valid])
             context.rows, context.requests = self._token_rows, self._requests
             context.request, context.iteration = self._request, self._iteration
             self._publish(context)
+        self._plan_recording(updates)
+
+    def _plan_recording(self, updates: bool) -> None:
+        """Live, whether the next iteration's embeddings and router probabilities are worth copying out of
+        the device: only when the credit already covers one of the contexts they feed (`pay_for_matching`).
+        On this CPU, where a copy costs less than a search, that left ~90 % of the iterations without, and
+        their copies were ~0.3 ms of a ~9 ms token (fmoe-tiny-mixtral). A search the credit could pay
+        later in a skipped iteration waits for the next recorded one."""
+        if self.ctx.matcher_s is not None or not self._priced():
+            return  # simulated: copies are free; unpriced: every context goes
+        costs = [self._matcher_s["update"]] if updates else []
+        costs += [self._matcher_s["trajectory"]] if self.trajectory else []
+        costs += [self._matcher_s["semantic"]] if self.semantic else []
+        record = any(c is None for c in costs) or (bool(costs) and self._credit >= min(costs))
+        self.needs_probs = record
+        self.needs_semantic = self.semantic and record
 
     def _at_stake(self) -> float:
         """The share of needed experts that would miss without prediction, as far as the cache can tell:
@@ -730,7 +762,7 @@ class FMoE(Policy):
             if self.ctx.matcher_s is None and self._timed[kind] > 1:
                 self._spent[kind].append(spent)
                 if len(self._spent[kind]) >= _COST_WARMUP:
-                    self._matcher_s[kind] = float(np.median(self._spent[kind]))
+                    self._matcher_s[kind] = statistics.median(self._spent[kind])
 
     def _process_kind(self, context: _Context) -> None:
         if context.kind == "update":
@@ -869,10 +901,10 @@ class FMoE(Policy):
         """`keep_score` of each of `keys` (resident experts), as one array expression for "reuse"."""
         if self.eviction != "reuse":
             return [self.keep_score(key, self.cache.entry(key)) for key in keys]
-        layers, experts = np.array(keys, np.int64).T
-        now = np.where(layers > self._current, self._need[layers, experts], 0.0)
-        later = 1.0 - self.forecast.scores[layers, experts]
-        anytime = 1.0 if self._rate is None else 1.0 - self._rate[layers, experts]
+        flat = np.fromiter(map(self._flat_index.__getitem__, keys), np.int64, len(keys))  # layer * J + expert
+        now = np.where(flat >= (self._current + 1) * self.ctx.num_experts, self._need.take(flat), 0.0)
+        later = 1.0 - self.forecast.scores.take(flat)
+        anytime = 1.0 if self._rate is None else 1.0 - self._rate.take(flat)
         return 1.0 - (1.0 - now) * later * anytime
 
     def _reuse_score(self, layer: int, expert: int) -> float:
