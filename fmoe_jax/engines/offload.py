@@ -308,7 +308,7 @@ class OffloadEngine:
             layer_id = layer_of[m]
             run_dense_until(layer_id)
             fns, params = self.layer_fns[layer_id], self.layer_params[layer_id]
-            h, z, routing, kv[layer_id] = fns.attention_and_router(
+            h, z, routing, kv[layer_id], z_f32 = fns.attention_and_router(
                 params, state["x"], kv[layer_id], layout, rope
             )
             routing.ids.block_until_ready()  # the layer's one sync point: attention and router done
@@ -317,7 +317,7 @@ class OffloadEngine:
                 devices.host(routing.ids),  # [N, k]
                 devices.host(routing.probs) if want_probs else None,
                 # [N, D] router input; the policy may stop wanting it (see `Policy.needs_hidden`)
-                devices.host(z).astype(np.float32) if record_hidden or policy.needs_hidden else None,
+                devices.host(z_f32) if record_hidden or policy.needs_hidden else None,
             )
             timers["context_collection"] += time.perf_counter() - start
             state.update(h=h, z=z, routing=routing, acc=[None] * len(devices), next=layer_id + 1)

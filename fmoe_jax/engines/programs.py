@@ -245,10 +245,12 @@ class LayerSteps(NamedTuple):
 
 def layer_steps(programs: Programs, graph: Graph, kernel: Kernel) -> LayerSteps:
     def attention_and_router(state, x, kv, layout, rope):
+        """Also returns the router input as float32, for the host (`needs_hidden`, `record_hidden`): NumPy
+        reads a bfloat16 result ~6x slower than a float32 one (~12 us against 2 for `[1, D]` on CPU)."""
         layer = graph.merge(state)
         h, z, kv = layer.attention_block(x, rope, kv, layout)
         z = z.reshape(-1, z.shape[-1])
-        return h, z, layer.route(z), kv
+        return h, z, layer.route(z), kv, z.astype(jnp.float32)
 
     def dense_layer(state, x, kv, layout, rope):
         layer = graph.merge(state)
