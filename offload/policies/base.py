@@ -62,8 +62,12 @@ class Policy:
     """
 
     name = "base"
-    needs_semantic = False  # the engine copies the embeddings to the host only for policies that use them
-    needs_probs = False  # likewise for the full router probabilities (ids are always given)
+    # The engine copies the embeddings to the host only for policies that use them, and likewise the full
+    # router probabilities (ids are always given). Read as each iteration starts: a policy may stop (and
+    # resume) wanting them between iterations (fmoe, live); the simulator reads them once, for what a
+    # trace must hold.
+    needs_semantic = False
+    needs_probs = False
     # Likewise for each MoE layer's router input (speculative / learned predictors); read at every layer, so
     # a policy may stop (and resume) wanting it as it goes.
     needs_hidden = False
