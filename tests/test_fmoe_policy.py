@@ -176,6 +176,8 @@ def test_live_fmoe_wants_maps_copied_out_only_when_a_paid_context_can_use_them(c
     assert wanted[-1] == (records, records)
     if not records:  # resting: the last iterations came without maps, and did no work
         assert matches[-1] == matches[-3] and stats["unrecorded_iterations"] >= 2
+        # What they left out is counted as unpaid work, as when the credit refuses a context.
+        assert stats["unpaid_semantic"] >= 2 and stats["unpaid_trajectory"] >= 2 * 3
     else:
         assert "unrecorded_iterations" not in stats and matches[-1] == matches[-2] + 4
 

@@ -461,7 +461,7 @@ class FMoE(Policy):
         self._current = -1
         self._predicted = 0
         self.forecast.begin_iteration(self._hint if self.eviction == "reuse" else None)
-        if self.semantic and n_valid and event.embeds is not None and self._paid("semantic"):
+        if self.semantic and n_valid and self._affords("semantic", event.embeds is not None):
             self._publish(_Context("semantic", data=self._embeds, iteration=self._iteration))
 
     def on_layer_routed(self, event: LayerRouted) -> None:
@@ -503,7 +503,7 @@ class FMoE(Policy):
             self.counts["confirmed_layers"] += 1
             # What a search would drop: waiting requests for this layer and those before it.
             self.cache.request_prefetch((), replace=False, stale_before=layer + 1)
-        elif active.size and self._recording and self._paid("trajectory"):
+        elif active.size and self._affords("trajectory", self._recording):
             data = self._maps[active, : layer + 1].copy()
             self._publish(_Context("trajectory", layer=layer, data=data, iteration=self._iteration))
 
@@ -612,7 +612,7 @@ class FMoE(Policy):
         if self._counting:
             self._update_rate()
         updates = self.learn or self.eviction == "reuse"
-        if self._embeds.shape[0] and updates and self._recording and self._paid("update"):
+        if self._embeds.shape[0] and updates and self._affords("update", self._recording):
             context = _Context("update", data=self._embeds, extra=self._maps[self._valid])
             context.rows, context.requests = self._token_rows, self._requests
             context.request, context.iteration = self._request, self._iteration
@@ -642,6 +642,14 @@ class FMoE(Policy):
         if not accesses:
             return 1.0
         return min(1.0, (stats.misses + max(0, stats.prefetches - stats.wasted_prefetches)) / accesses)
+
+    def _affords(self, kind: str, recorded: bool) -> bool:
+        """`_paid`, for a context whose inputs the engine gave (`recorded`); one it did not give them for (the
+        credit covered no context when the iteration began, `_plan_recording`) is unpaid work too."""
+        if not recorded:
+            self.counts[f"unpaid_{kind}"] += 1
+            return False
+        return self._paid(kind)
 
     def _paid(self, kind: str) -> bool:
         """Whether the credit covers a context of `kind` (`pay_for_matching`), which it then pays for.
