@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.exp2_overall [--model NAME_OR_DIR ...] [--prompts domains|FILE]
 
 Live: each policy serves the evaluation prompts one at a time on this machine's JAX backend (medians over
-requests). Simulated: the same requests replayed at a real model's sizes on each `--hardware` preset, with
+requests), the policies taking turns request by request (`harness.run_live_interleaved`). Simulated: the same requests replayed at a real model's sizes on each `--hardware` preset, with
 asynchronous copies (hit rate, TTFT, TPOT) and with synchronous ones (`hit_rate_sync`: prediction and
 caching alone, no copy arrives late). `resident` (every expert on the device) is the reference.
 Writes `exp2_overall.{json,md,png}` to --out.
@@ -52,10 +52,10 @@ def main(argv: list[str] | None = None) -> dict:
         result = payload["models"][w.name] = {"live": {}, "sim": {}}
         if not args.no_live:
             rows = []
-            for v in h.variants(args.policies):
-                print(f"[{w.name}] live {v.label}", flush=True)
-                r = result["live"][v.label] = h.run_live(w, v)
-                rows.append(live_row(v.label, r))
+            print(f"[{w.name}] live, the policies interleaved request by request", flush=True)
+            result["live"] = h.run_live_interleaved(w, h.variants(args.policies))
+            for label, r in result["live"].items():
+                rows.append(live_row(label, r))
             tables[f"{w.name}, live ({jax.default_backend()})"] = rows
             tables[f"{w.name}, live: fmoe against each"] = h.versus_fmoe(rows, "tpot_ms")
         if not args.no_sim:

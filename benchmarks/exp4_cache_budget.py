@@ -3,7 +3,8 @@
     .venv/bin/python -m benchmarks.exp4_cache_budget [--budgets 0.125 0.25 ...] [--model ...]
 
 Budgets are fractions of all routed experts (the simulated tables also give them in GB of the real model's
-experts). Live: each policy serves `--live-requests` evaluation prompts one at a time per budget; simulated:
+experts). Live: each policy serves `--live-requests` evaluation prompts one at a time per budget, the
+policies taking turns request by request (`run_live_interleaved`); simulated:
 every evaluation request, asynchronous copies, on each `--hardware` preset. Each table has one row per
 budget and one column per policy (median TPOT over requests, or hit rate). Writes
 `exp4_cache_budget.{json,md,png}` to --out.
@@ -100,14 +101,16 @@ def main(argv: list[str] | None = None) -> dict:
         result = payload["models"][w.name] = {"live": [], "sim": {}}
         if not args.no_live:
             for budget in args.budgets:
-                for v in h.variants(args.policies):
-                    print(f"[{w.name}] live {v.label}, budget {budget}", flush=True)
-                    r = h.run_live(w, v, budget=budget)
+                print(
+                    f"[{w.name}] live, budget {budget}, the policies interleaved request by request",
+                    flush=True,
+                )
+                for label, r in h.run_live_interleaved(w, h.variants(args.policies), budget=budget).items():
                     result["live"].append(
                         dict(
                             budget=budget,
                             slots=w.slots(budget),
-                            policy=v.label,
+                            policy=label,
                             hit_rate=r["hit_rate"],
                             tpot_ms=1e3 * r["median_tpot_s"],
                             ttft_ms=1e3 * r["median_ttft_s"],

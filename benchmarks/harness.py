@@ -475,37 +475,78 @@ def run_live(
     """Serves the warm-up batches, then the measured ones (default: every eval prompt alone); returns
     per-request TTFT and TPOT (mean decode step), expert-cache counts over the measured calls, overhead
     by stage and the compilations that happened while measuring (should be 0)."""
+    return run_live_interleaved(workload, [variant], measured=measured, warmup=warmup, **config)[
+        variant.label
+    ]
+
+
+def run_live_interleaved(
+    workload: Workload,
+    variants: Sequence[Variant],
+    *,
+    measured: Sequence[Sequence[Request]] | None = None,
+    warmup: Sequence[Sequence[Request]] | None = None,
+    **config: Any,
+) -> dict[str, dict[str, Any]]:
+    """`run_live` of several variants at once, by label: every variant's model is built and warmed up
+    first, then each measured batch is served by every variant in turn (the order rotating by one each
+    batch) before the next batch. The machine's speed drifts over a run (on the 2-core VM by up to 30 %
+    between runs minutes apart), so policies measured one after another compare that drift as much as
+    themselves; interleaved, it falls on each alike and their TPOT ratios hold."""
     import fmoe_jax as fj
 
     measured = measured if measured is not None else batches(workload.eval[: workload.args.live_requests], 1)
     warmup = warmup if warmup is not None else batches(workload.store[: workload.args.warmup], 1)
-    offload = offload_config(workload, variant, calls=[*warmup, *measured], simulated=False, **config)
+    if len({v.label for v in variants}) != len(variants):
+        raise ValueError(f"variant labels must differ: {[v.label for v in variants]}")
     new_tokens = workload.args.new_tokens
-    out = dict(ttft_s=[], tpot_s=[], decode_step_s=[], hits=0, misses=0, late_prefetches=0, prefetches=0)
-    out |= dict(wasted_prefetches=0, bytes_to_device=0, overhead_s={}, iterations=0, peak_cache_bytes=0)
-    with serving(workload, offload) as model:
-        for batch in warmup:
-            fj.generate(model, [r.ids for r in batch], new_tokens, stop_at_eos=False)
-        before = compilations(workload)
-        for batch in measured:
-            stats = fj.generate(model, [r.ids for r in batch], new_tokens, stop_at_eos=False).stats
-            out["ttft_s"] += [stats.ttft_s] * len(batch)
-            out["tpot_s"] += [stats.tpot_s] * len(batch)
-            out["decode_step_s"] += stats.decode_step_s
-            out["iterations"] += 1 + len(stats.decode_step_s)
-            for name in ("hits", "misses", "late_prefetches", "prefetches", "wasted_prefetches"):
-                out[name] += stats[name]
-            out["bytes_to_device"] += stats.bytes_to_device
-            out["peak_cache_bytes"] = max(out["peak_cache_bytes"], stats.peak_cache_bytes)
-            for stage, seconds in stats.overhead_s.items():
-                out["overhead_s"][stage] = out["overhead_s"].get(stage, 0.0) + seconds
-        out["compilations"] = compilations(workload) - before
+    tallies = {v.label: _LiveTally() for v in variants}
+    with contextlib.ExitStack() as stack:
+        models = {}
+        for v in variants:
+            offload = offload_config(workload, v, calls=[*warmup, *measured], simulated=False, **config)
+            models[v.label] = stack.enter_context(serving(workload, offload))
+            for batch in warmup:
+                fj.generate(models[v.label], [r.ids for r in batch], new_tokens, stop_at_eos=False)
+        labels = list(models)
+        for i, batch in enumerate(measured):
+            for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
+                before = compilations(workload)
+                out = fj.generate(models[label], [r.ids for r in batch], new_tokens, stop_at_eos=False)
+                tallies[label].add(len(batch), out.stats, compilations(workload) - before)
+    return {label: tally.result() for label, tally in tallies.items()}
+
+
+class _LiveTally:
+    """One variant's live numbers over its measured calls."""
+
+    def __init__(self) -> None:
+        self.out: dict[str, Any] = dict(ttft_s=[], tpot_s=[], decode_step_s=[], hits=0, misses=0)
+        self.out |= dict(late_prefetches=0, prefetches=0, wasted_prefetches=0, bytes_to_device=0)
+        self.out |= dict(overhead_s={}, iterations=0, peak_cache_bytes=0, compilations=0, requests=0)
+
+    def add(self, rows: int, stats: Any, compiled: int) -> None:
+        out = self.out
+        out["ttft_s"] += [stats.ttft_s] * rows
+        out["tpot_s"] += [stats.tpot_s] * rows
+        out["decode_step_s"] += stats.decode_step_s
+        out["iterations"] += 1 + len(stats.decode_step_s)
+        for name in ("hits", "misses", "late_prefetches", "prefetches", "wasted_prefetches"):
+            out[name] += stats[name]
+        out["bytes_to_device"] += stats.bytes_to_device
+        out["peak_cache_bytes"] = max(out["peak_cache_bytes"], stats.peak_cache_bytes)
+        for stage, seconds in stats.overhead_s.items():
+            out["overhead_s"][stage] = out["overhead_s"].get(stage, 0.0) + seconds
+        out["compilations"] += compiled
+        out["requests"] += rows
         out["extra"] = {k: v for k, v in stats.extra.items() if isinstance(v, (int, float, str))}
-    out["requests"] = sum(len(b) for b in measured)
-    out["hit_rate"] = out["hits"] / max(1, out["hits"] + out["misses"])
-    out["median_ttft_s"] = float(np.median(out["ttft_s"]))
-    out["median_tpot_s"] = float(np.median(out["tpot_s"]))
-    return out
+
+    def result(self) -> dict[str, Any]:
+        out = self.out
+        out["hit_rate"] = out["hits"] / max(1, out["hits"] + out["misses"])
+        out["median_ttft_s"] = float(np.median(out["ttft_s"]))
+        out["median_tpot_s"] = float(np.median(out["tpot_s"]))
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------------
