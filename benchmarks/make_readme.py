@@ -67,7 +67,9 @@ predictors are cached in `~/.cache/fmoe-jax-benchmarks` (`--cache-dir`).
   here, and the shipped models' experts are a few hundred KB, so a miss costs a memcpy: a policy's live
   TPOT mostly reflects what it does on the host per layer (matching, predictor calls, issuing copies).
   That is why the oracle, with every expert ready in time, can decode slower than on-demand LRU live.
-  Live hit rates are meaningful; live TPOT ranks policies by overhead.
+  Live hit rates are meaningful; live TPOT ranks policies by overhead. The machine's speed drifts
+  (on the 2-core VM by up to 30 % between runs minutes apart), so experiments 2 and 4 serve each request
+  with every policy in turn (`harness.run_live_interleaved`) and compare ratios from the same run.
 - **The simulator is where the link matters.** At real sizes one Mixtral-8x7B expert takes ~14 ms over
   PCIe 4 against ~1 ms of compute per decode layer, so a wasted prefetch is pure stall; policies are
   compared on hit rate and projected TTFT/TPOT at the same budget.
