@@ -3,9 +3,10 @@
     .venv/bin/python -m benchmarks.exp2_overall [--model NAME_OR_DIR ...] [--prompts domains|FILE]
 
 Live: each policy serves the evaluation prompts one at a time on this machine's JAX backend (medians over
-requests), the policies taking turns request by request (`harness.run_live_interleaved`). Simulated: the same requests replayed at a real model's sizes on each `--hardware` preset, with
-asynchronous copies (hit rate, TTFT, TPOT) and with synchronous ones (`hit_rate_sync`: prediction and
-caching alone, no copy arrives late). `resident` (every expert on the device) is the reference.
+requests), the policies taking turns request by request (`harness.run_live_interleaved`). Simulated: the
+same requests replayed at a real model's sizes on each `--hardware` preset, with asynchronous copies (hit
+rate, TTFT, TPOT) and with synchronous ones (`hit_rate_sync`: prediction and caching alone, no copy
+arrives late). `resident` (every expert on the device) is the reference.
 Writes `exp2_overall.{json,md,png}` to --out.
 """
 

@@ -2,11 +2,12 @@
 
     .venv/bin/python -m benchmarks.exp7_overhead [--model ...] [--capacities 1024 ... 32768]
 
-(a) Live, on this machine: the mean time per iteration of `fmoe` (and `on_demand_lru` for comparison)
-split into the engine's stages (`out.stats.overhead_s`): context collection (copying the embedding to the
-host), policy events (publishing contexts; on the critical path), waiting for on-demand loads, issuing
-prefetches, and the rest of the step (inference); map matching and map updates run on the matcher thread,
-off the critical path, and are shown beside. (b) At real sizes: one decode iteration (batch 1) of
+(a) Live, on this machine (the variants taking turns request by request): the mean time per iteration of
+`fmoe` (and `on_demand_lru` for comparison) split into the engine's stages (`out.stats.overhead_s`): context
+collection (copying the embedding to the host), policy events (publishing contexts; on the critical path),
+waiting for on-demand loads, issuing prefetches, and the rest of the step (inference); map matching and map
+updates run on the matcher thread, off the critical path, and are shown beside.
+(b) At real sizes: one decode iteration (batch 1) of
 Mixtral-8x7B, Qwen1.5-MoE-A2.7B and Phi-3.5-MoE on each `--hardware` preset from the cost model (compute,
 one expert copy), next to fMoE's host work at those shapes, measured here with
 `benchmarks/matcher_overhead.py`'s `measure` (store of 1,024 maps): its parts (one semantic search, the L - d
@@ -43,8 +44,8 @@ LIVE_VARIANTS = (
 )
 
 
-def live_breakdown(w: h.Workload, variant: h.Variant) -> dict:
-    r = h.run_live(w, variant)
+def live_breakdown(variant: h.Variant, r: dict) -> dict:
+    """One row of (a) from `variant`'s live numbers `r` (`harness.run_live_interleaved`)."""
     per_it = {k: 1e3 * v / r["iterations"] for k, v in r["overhead_s"].items()}
     step_ms = 1e3 * (sum(r["ttft_s"]) + sum(r["decode_step_s"])) / r["iterations"]
     row = {"policy": variant.label, "iteration_ms": step_ms}
@@ -217,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
         notes.append(h.settings_note(w))
         result = payload["models"][w.name] = {}
         if not args.no_live:
-            rows = [live_breakdown(w, v) for v in LIVE_VARIANTS]
+            runs = h.run_live_interleaved(w, LIVE_VARIANTS)  # request by request: drift falls on each alike
+            rows = [live_breakdown(v, runs[v.label]) for v in LIVE_VARIANTS]
             result["live"] = rows
             tables[f"{w.name}, live: mean time per iteration (ms)"] = rows
         if not args.no_sim:
