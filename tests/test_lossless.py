@@ -242,13 +242,13 @@ def test_offloading_is_bit_identical_to_resident(model, policy, fraction, data, 
 @pytest.mark.parametrize("name", SHIPPED[:2])  # the bug report's model and the shipped Qwen
 @pytest.mark.parametrize("policy", ["on_demand_lru", "fmoe"])
 def test_shipped_models_chunked_budgets(name, policy, subjects):
-    """Budgets the bug report named (1 and 4 slots, below one layer's experts) and all experts, on the
+    """Budgets the bug report named (1 and 4 slots, below one layer's experts), 2, and all experts, on the
     report's own prompt, plus greedy text generation of its code prompt at 4 slots."""
     subject = subjects(name)
     cfg = subject.resident.config
     prompt = [5, 100, 200, 300, 400, 17, 9]
     reference = fj.generate(subject.resident, ["def fibonacci(n):"], 24, stop_at_eos=False)
-    for slots in (1, 4, cfg.num_moe_layers * cfg.num_experts):
+    for slots in (1, 2, 4, cfg.num_moe_layers * cfg.num_experts):
         check_lossless(subject, policy, slots, [prompt], 4)
     model = serve(subject, policy, 4)
     try:
@@ -259,11 +259,37 @@ def test_shipped_models_chunked_budgets(name, policy, subjects):
 
 @pytest.mark.parametrize("name", SHIPPED[:2])
 def test_fmoe_with_its_reuse_predictor_is_lossless(name, subjects):
-    """fmoe reading router inputs for its learned reuse predictor, at 1 and 4 slots and every expert."""
+    """fmoe reading router inputs for its learned reuse predictor, at 1, 2 and 4 slots and every expert."""
     subject = subjects(name)
     cfg = subject.resident.config
-    for slots in (1, 4, cfg.num_moe_layers * cfg.num_experts):
+    for slots in (1, 2, 4, cfg.num_moe_layers * cfg.num_experts):
         check_lossless(subject, "fmoe+reuse", slots, [[5, 100, 200, 300, 400, 17, 9], [44, 3, 81]], 5)
+
+
+def test_fmoe_lossless_while_it_stops_wanting_contexts(subjects):
+    """Copies priced at next to nothing: once its work is priced (a few contexts in), fmoe stops asking the
+    engine for router inputs, probabilities and embeddings part way through decoding (`needs_hidden`,
+    `needs_probs`, `needs_semantic`); every budget's logits stay bit-identical to resident."""
+    subject = subjects(SHIPPED[0])
+    cfg = subject.resident.config
+    prompts, new_tokens = [[5, 100, 200, 300, 400, 17, 9]], 20
+    ref_tokens, ref_logits = reference(subject, prompts, new_tokens, oracle=False, copy=False)
+    for slots in (1, 2, 4, cfg.num_moe_layers * cfg.num_experts):
+        policy = FMoE(reuse_predictor=subject.predictor("reuse"), copy_s=1e-9, layer_s=1e-3)
+        offload = OffloadConfig(policy=policy, cache_experts=slots, prefetch_distance=1)
+        base = subject.offloaded
+        model = dataclasses.replace(
+            base, engine=OffloadEngine(base.module, offload, programs=base.engine.programs), offload=offload
+        )
+        try:
+            tokens, logits = run_steps(model, prompts, new_tokens)
+            stats = policy.stats()
+        finally:
+            model.close()
+        np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"{slots} slots")
+        np.testing.assert_array_equal(logits, ref_logits, err_msg=f"{slots} slots")
+        if slots < cfg.num_moe_layers * cfg.num_experts:  # with every expert resident nothing is at stake
+            assert stats["unrecorded_iterations"] > 0 and stats["unpaid_reuse"] > 0, (slots, stats)
 
 
 @pytest.mark.xfail(
