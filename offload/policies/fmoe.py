@@ -630,7 +630,7 @@ class FMoE(Policy):
         costs = [self._matcher_s["update"]] if updates else []
         costs += [self._matcher_s["trajectory"]] if self.trajectory else []
         costs += [self._matcher_s["semantic"]] if self.semantic else []
-        record = any(c is None for c in costs) or (bool(costs) and self._credit >= min(costs))
+        record = bool(costs) and (None in costs or self._credit >= min(costs))  # None: not priced yet
         self.needs_probs = record
         self.needs_semantic = self.semantic and record
 
