@@ -25,56 +25,83 @@ MAX_DISTANCE = 4
 # of the request's iterations that used it (decayed).
 GAP_EDGES = np.array([1, 2, 3, 5, 9])  # gap 0, 1, 2, 3-4, 5-8, 9+ ; "never" is its own bin
 SHARE_EDGES = np.array([0.05, 0.15, 0.3, 0.5, 0.75])
+RECENCY_BINS = len(GAP_EDGES) + 2  # the gap bins and "never"
 
 
 class Calibration:
-    """P(needed | map probability, match similarity, distance in layers) from counts.
+    """P(needed | map probability, match similarity, distance in layers, recency) from counts.
 
-    `predict` and `observe` take arrays of equal shape. The prior (`prior_strength` pseudo-observations at
-    the raw map probability) makes an empty table return p itself, so calibration starts as the paper's
-    rule and moves as outcomes arrive.
+    Recency is the expert's gap bin in the request (iterations since it last used the expert, `GAP_EDGES`;
+    `RECENCY_BINS - 1`: never): a matched map that gives an expert little weight says less when the request
+    used the expert a token ago. `predict` and `observe` take arrays of equal shape (recency may be left
+    out: bin 0). An empty bin answers the pooled rate of its (probability, similarity, distance) bin over
+    every recency, and an empty pooled bin the raw map probability itself (`prior_strength`
+    pseudo-observations each), so calibration starts as the paper's rule and moves as outcomes arrive.
     """
 
     def __init__(self, prior_strength: float = 4.0):
-        shape = (len(P_EDGES) + 1, len(S_EDGES) + 1, MAX_DISTANCE)
-        self.needed = np.zeros(shape)
-        self.seen = np.zeros(shape)
-        self.p_sum = np.zeros(shape)  # sum of raw p per bin: the prior's mean
+        shape = (len(P_EDGES) + 1, len(S_EDGES) + 1, MAX_DISTANCE, RECENCY_BINS)
+        # needed, seen and the sum of raw p (the prior's mean) per bin, stacked so that one `np.add.at`
+        # updates all three; and the same summed over recency (`predict_binned`'s prior).
+        self._counts = np.zeros((3, *shape))
+        self._pooled = np.zeros((3, *shape[:-1]))
         self.prior_strength = prior_strength
 
+    needed = property(lambda self: self._counts[0])
+    seen = property(lambda self: self._counts[1])
+    p_sum = property(lambda self: self._counts[2])
+
     @staticmethod
-    def bins(p: np.ndarray, score: np.ndarray, distance: np.ndarray) -> np.ndarray:
+    def bins(
+        p: np.ndarray, score: np.ndarray, distance: np.ndarray, recency: np.ndarray | int = 0
+    ) -> np.ndarray:
         """Each observation's bin, as an index into the flattened tables (`np.add.at` and `np.take` on one
-        index are several times faster than on three: the matcher calls these after every layer). The
+        index are several times faster than on four: the matcher calls these after every layer). The
         fmoe policy keeps the bins of its guides, for `observe_binned` when their layer has routed."""
         d = np.minimum(np.maximum(np.asarray(distance, np.int64), 1), MAX_DISTANCE) - 1
         p_bin, s_bin = np.searchsorted(P_EDGES, p), np.searchsorted(S_EDGES, score)
-        return (p_bin * (len(S_EDGES) + 1) + s_bin) * MAX_DISTANCE + d
+        return ((p_bin * (len(S_EDGES) + 1) + s_bin) * MAX_DISTANCE + d) * RECENCY_BINS + recency
 
-    def observe(self, p: np.ndarray, score: np.ndarray, distance: np.ndarray, needed: np.ndarray) -> None:
-        self.observe_binned(p, self.bins(p, score, distance), needed)
+    def observe(
+        self,
+        p: np.ndarray,
+        score: np.ndarray,
+        distance: np.ndarray,
+        needed: np.ndarray,
+        recency: np.ndarray | int = 0,
+    ) -> None:
+        self.observe_binned(p, self.bins(p, score, distance, recency), needed)
 
     def observe_binned(self, p: np.ndarray, bins: np.ndarray, needed: np.ndarray) -> None:
-        np.add.at(self.seen.reshape(-1), bins, 1.0)
-        np.add.at(self.needed.reshape(-1), bins, np.asarray(needed, np.float64))
-        np.add.at(self.p_sum.reshape(-1), bins, p)
+        bins = np.asarray(bins).ravel()
+        values = np.stack([np.asarray(needed, np.float64).ravel(), np.ones(bins.size), np.ravel(p)])
+        rows = np.arange(3)[:, None]
+        np.add.at(self._counts.reshape(3, -1), (rows, bins[None]), values)
+        np.add.at(self._pooled.reshape(3, -1), (rows, bins[None] // RECENCY_BINS), values)
 
-    def predict(self, p: np.ndarray, score: np.ndarray, distance: np.ndarray) -> np.ndarray:
-        return self.predict_binned(p, self.bins(p, score, distance))
+    def predict(
+        self, p: np.ndarray, score: np.ndarray, distance: np.ndarray, recency: np.ndarray | int = 0
+    ) -> np.ndarray:
+        return self.predict_binned(p, self.bins(p, score, distance, recency))
 
     def predict_binned(self, p: np.ndarray, bins: np.ndarray) -> np.ndarray:
         p = np.asarray(p, np.float64)
-        seen, needed = self.seen.take(bins), self.needed.take(bins)
-        prior = np.where(seen > 0, self.p_sum.take(bins) / np.maximum(seen, 1.0), p)
-        return (needed + self.prior_strength * prior) / (seen + self.prior_strength)
+        k = self.prior_strength
+        needed_pool, seen_pool, p_pool = self._pooled.reshape(3, -1)[:, bins // RECENCY_BINS]
+        raw = np.where(seen_pool > 0, p_pool / np.maximum(seen_pool, 1.0), p)
+        prior = (needed_pool + k * raw) / (seen_pool + k)
+        needed, seen = self._counts.reshape(3, -1)[:2, bins]
+        return (needed + k * prior) / (seen + k)
 
     def state(self) -> dict[str, np.ndarray]:
         return {"needed": self.needed, "seen": self.seen, "p_sum": self.p_sum}
 
     def load(self, state: dict[str, Any]) -> None:
-        for name in ("needed", "seen", "p_sum"):
-            if name in state and np.shape(state[name]) == getattr(self, name).shape:
-                setattr(self, name, np.array(state[name], np.float64))  # contiguous: `bins` index it flat
+        """Restores `state()`; tables of another shape (an older layout) are ignored: learning starts over."""
+        names = ("needed", "seen", "p_sum")
+        if all(np.shape(state.get(name)) == self._counts.shape[1:] for name in names):
+            self._counts = np.stack([np.asarray(state[name], np.float64) for name in names])
+            self._pooled = self._counts.sum(axis=-1)
 
 
 class ReuseForecast:
@@ -119,6 +146,7 @@ class ReuseForecast:
             np.searchsorted(GAP_EDGES, self.iteration - 1 - self.last_use, side="right"),
         )
         share = np.searchsorted(SHARE_EDGES, self.share)
+        self.recency = gap  # [L, J] each expert's gap bin this iteration (`Calibration`'s recency)
         self._base = (gap * (len(SHARE_EDGES) + 1) + share) * (len(P_EDGES) + 1)  # hint bin 0
         share_used = np.searchsorted(SHARE_EDGES, self.decay * self.share + (1 - self.decay))
         self._base_used = share_used * (len(P_EDGES) + 1)  # gap 0

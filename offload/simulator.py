@@ -509,7 +509,13 @@ def _check_policy(
             for r, request in enumerate(trace.requests):
                 for i, it in enumerate(request.iterations):
                     if getattr(it, name) is None:
+                        routing_alone = name == "embeds" and policy.name == "fmoe"
                         raise ValueError(
                             f"policy {policy.name!r} needs {what}, but routing trace {t} request {r} "
                             f"iteration {i} has no {name!r}"
+                            + (
+                                "; policy_options={'semantic': False} matches on the routing alone"
+                                if routing_alone
+                                else ""
+                            )
                         )

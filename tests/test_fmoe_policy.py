@@ -280,6 +280,31 @@ def test_default_admission_wants_a_copy_that_lands_in_time_and_pays_for_the_miss
         FMoE(link="busy")
 
 
+def test_the_calibration_learns_from_guides_made_every_distance_ahead():
+    """A stored map says expert 0 (p 0.9) at every layer; the request always routes to expert 3. With d = 1
+    the latest guide a layer has when it routes was made one layer before, but admission decides up to L - 1
+    layers ahead: the calibration learns from the latest guide of every distance, so after some iterations
+    no distance's guide of expert 0 passes a 0.5 admission (an empty bin would answer the raw 0.9)."""
+    store = ExpertMapStore(capacity=4, num_layers=6, num_experts=4, embed_dim=3, prefetch_distance=1)
+    maps = np.full((1, 6, 4), 1 / 30, np.float32)
+    maps[0, :, 0] = 0.9
+    store.add(np.ones((1, 3), np.float32), maps)
+    policy, cache = bound_policy(store, semantic=False, admission=0.5)
+    valid = np.ones((1, 1), bool)
+    routed = np.array([[0.02, 0.02, 0.02, 0.94]], np.float32)
+    for _ in range(20):
+        cache.requests.clear()
+        iteration_start(policy, np.zeros((1, 3), np.float32), valid)
+        for layer in range(6):
+            layer_routed(policy, layer, routed, np.array([[3]]), valid)
+        policy.on_iteration_end()
+    seen_by_distance = policy.calibration.seen.sum(axis=(0, 1, 3))
+    assert (seen_by_distance > 0).all()  # distances 1, 2, 3 and 4+ all learned
+    assert not any(items for items, _ in cache.requests)  # no expert 0 of any layer is admitted now
+    first, _ = cache.requests[0]
+    assert first == []
+
+
 def test_cost_admission_counts_the_copies_queued_ahead_on_the_link():
     """With the link's queue counted, a prefetch starts after the copies ahead of it: layer 3's (3 ms,
     after layer 2's 3 ms copy) would land 3 ms after layer 3 is due, so only layer 2's goes; a copy already
@@ -306,8 +331,8 @@ def test_cost_admission_measures_copy_and_layer_time_live(hf_dirs):
 
 def test_paper_eviction_keeps_highest_p_times_freq():
     policy, cache = bound_policy(one_map_store(), eviction="fmoe")
-    policy._guide_p[1, :3] = [0.9, 0.1, 0.5]  # the guides of layer 1 in this iteration (p 0 for expert 3)
-    policy._guided[1] = True
+    policy._latest_p[1, :3] = [0.9, 0.1, 0.5]  # the guides of layer 1 in this iteration (p 0 for expert 3)
+    policy._latest[1] = True
     cache.book.freq.update({(1, 0): 1, (1, 1): 10, (1, 2): 0})
     scores = {key: policy.keep_score(key, Entry()) for key in [(1, 0), (1, 1), (1, 2), (1, 3)]}
     assert scores[(1, 3)] == 0.0  # not in any map: evicted first

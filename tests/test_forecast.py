@@ -26,18 +26,36 @@ def test_calibration_starts_as_the_raw_probability_and_learns_outcomes():
     assert restored.predict(np.array([0.9]), np.array([0.6]), np.array([2]))[0] == pytest.approx(q)
 
 
-def test_calibration_bins_index_the_tables_by_probability_similarity_and_distance():
+def test_calibration_bins_index_the_tables_by_probability_similarity_distance_and_recency():
     """The flat bins `observe_binned` and `predict_binned` take (the fmoe policy keeps its guides' bins)."""
     from fmoe_jax.offload.forecast import MAX_DISTANCE, P_EDGES, S_EDGES
 
     cal = Calibration()
     p, s, d = np.array([0.0, 0.07, 0.99, 0.5]), np.array([0.2, 0.9, 1.0, 0.7]), np.array([1, 3, 9, 2])
-    bins = cal.bins(p, s, d)
-    want = (np.searchsorted(P_EDGES, p), np.searchsorted(S_EDGES, s), np.minimum(d, MAX_DISTANCE) - 1)
+    recency = np.array([0, 6, 2, 1])
+    bins = cal.bins(p, s, d, recency)
+    distance = np.minimum(d, MAX_DISTANCE) - 1
+    want = (np.searchsorted(P_EDGES, p), np.searchsorted(S_EDGES, s), distance, recency)
     np.testing.assert_array_equal(np.unravel_index(bins, cal.seen.shape), want)
     cal.observe_binned(p, bins, np.array([True, False, True, False]))
     assert cal.seen[want].tolist() == [1.0] * 4 and cal.needed[want].tolist() == [1.0, 0.0, 1.0, 0.0]
-    np.testing.assert_array_equal(cal.predict_binned(p, bins), cal.predict(p, s, d))
+    np.testing.assert_array_equal(cal.predict_binned(p, bins), cal.predict(p, s, d, recency))
+
+
+def test_calibration_learns_recency_and_falls_back_to_the_pooled_rate():
+    """Maps giving an expert p 0.1 are right half the time when the request used the expert a token ago
+    (recency bin 0) and never otherwise; a recency bin never seen answers the rate pooled over recency,
+    not the raw 0.1."""
+    cal = Calibration(prior_strength=4.0)
+    n = 400
+    p, s, d = np.full(n, 0.1), np.full(n, 0.8), np.full(n, 2)
+    recent = np.arange(n) % 2 == 0
+    needed = recent & (np.arange(n) % 4 == 0)
+    cal.observe(p, s, d, needed, np.where(recent, 0, 3))
+    one = (np.array([0.1]), np.array([0.8]), np.array([2]))
+    assert cal.predict(*one, np.array([0]))[0] == pytest.approx(0.5, abs=0.02)
+    assert cal.predict(*one, np.array([3]))[0] == pytest.approx(0.0, abs=0.02)
+    assert cal.predict(*one, np.array([5]))[0] == pytest.approx(needed.mean(), abs=0.01)
 
 
 def test_reuse_forecast_learns_that_recent_experts_come_back():

@@ -25,7 +25,7 @@ from fmoe_jax.offload.cost_model import (
     CostModel,
     ModelPreset,
 )
-from fmoe_jax.offload.policies import POLICIES, Policy
+from fmoe_jax.offload.policies import POLICIES, FMoE, Policy, store_from_traces
 from fmoe_jax.offload.simulator import SimulatedLink, simulate
 from toy_costs import TOY_HARDWARE, TOY_MODEL, toy_trace
 
@@ -483,6 +483,32 @@ def test_a_slow_matcher_requests_its_prefetches_later_and_a_stalled_one_none():
         run(-1.0)
 
 
+def test_fmoe_learns_offline_from_routing_recorded_elsewhere():
+    """Routing without embeddings (`from_external`, top-k ids only): `FMoE.from_traces` builds its store of
+    trajectories and its popularity profile from it, and replays each request after the others with
+    trajectory matching alone, its searches guiding the layers ahead."""
+    traces = [random_trace(seed, requests=1) for seed in range(4)]
+    store = store_from_traces(traces, capacity=200, prefetch_distance=1)
+    assert len(store) == 4 * 41 and store.embed_dim == 1  # 4 requests of 41 iterations, one token each
+    policy = FMoE.from_traces(
+        traces[1:], prefetch_distance=1, store_capacity=200, semantic=False, asynchronous=False
+    )
+    result = simulate(
+        traces[0],
+        OffloadConfig(policy=policy, cache_experts=8, prefetch_distance=1),
+        model=MIXTRAL_8X7B,
+        hardware=HARDWARE["h100_sxm"],
+    )
+    assert result.extra["trajectory_matches"] > 0 and result.extra["store_size"] >= 3 * 41
+    assert result.hits + result.misses == 41 * 4 * 2  # 41 iterations x 4 layers x top 2
+    with pytest.raises(ValueError, match="has no embeddings, though the trace's embed_dim is 3"):
+        store_from_traces(
+            [dataclasses.replace(traces[0], meta={**traces[0].meta, "embed_dim": 3})],
+            capacity=8,
+            prefetch_distance=1,
+        )
+
+
 def test_actionable_errors():
     trace = hand_trace()
     with pytest.raises(ValueError, match="asynchronous.: False"):
@@ -506,7 +532,7 @@ def test_actionable_errors():
             router_weights=weights,
         )
     external = RoutingTrace.from_external([[{"ids": np.zeros((1, 2, 1), np.int32)}]], num_experts=4)
-    with pytest.raises(ValueError, match="needs semantic embeddings"):
+    with pytest.raises(ValueError, match="needs semantic embeddings.*'semantic': False"):
         simulate(
             external,
             OffloadConfig(policy="fmoe", policy_options={"asynchronous": False}),

@@ -47,7 +47,7 @@ from ..cache import CacheView, Entry, Key
 from ..events import IterationStart, LayerRouted, RequestStart
 from ..expert_map_store import ExpertMapStore, PrefixDots
 from ..fmoe_select import SortedMaps, keep_priority
-from ..forecast import Calibration, ReuseForecast
+from ..forecast import MAX_DISTANCE, Calibration, ReuseForecast
 from ..predictors import Predictor
 from .base import Policy, PolicyContext
 from .fiddler import expert_usage
@@ -355,12 +355,21 @@ class FMoE(Policy):
         self.forecast = ReuseForecast(*shape, horizon=self.reuse_horizon)
         self.calibration.load(self.store.attachments)  # what an earlier run learned, saved with the store
         self.forecast.load(self.store.attachments)
-        # The guides of the current iteration, per expert [L, J]: the raw map probability, its calibration bin
-        # (map probability, the match's similarity, distance in layers) and the need probability (calibrated
-        # p) that admission, priority and eviction use; and per layer [L], whether a match has guided it.
-        # Written by the matcher (a search guides every expert of its target layers).
-        self._guide_p, self._guide_bin = np.zeros(shape), np.zeros(shape, np.int64)
-        self._guided = np.zeros(ctx.num_layers, bool)
+        # The guides of the current iteration, per distance bin and expert [D, L, J] (D = `MAX_DISTANCE`: a
+        # guide made 1, 2, 3 or 4+ layers ahead of its layer): the raw map probability and its calibration bin
+        # (map probability, the match's similarity, distance in layers), and per [D, L] whether a match has
+        # guided the layer from that far; the latest guide of each layer gives the need probability
+        # (calibrated p, `_need` [L, J]) that admission, priority and eviction use, and its raw probability
+        # (`_latest_p`). Written by the matcher (a search guides every expert of its target layers). When the
+        # layer routes, the calibration learns from the latest guide of every distance: admission decides
+        # 4+ layers ahead at Mixtral-8x7B's copy times, while with d = 3 the guide a layer has when it routes
+        # is always the one made 3 layers before; learning from that one alone left the 4+ bins empty, and an
+        # empty bin answers the raw map probability (up to 0.9 where 0.3 was right).
+        depth = MAX_DISTANCE
+        self._guide_p, self._guide_bin = np.zeros((depth, *shape)), np.zeros((depth, *shape), np.int64)
+        self._guided = np.zeros((depth, ctx.num_layers), bool)
+        self._latest_p = np.zeros(shape)
+        self._latest = np.zeros(ctx.num_layers, bool)  # [L] whether any match has guided the layer
         self._need = np.zeros(shape)
         self._used = np.zeros(shape, bool)  # the experts this iteration has needed so far
         self._flat_index = {
@@ -456,6 +465,7 @@ class FMoE(Policy):
         self._decoding = tokens == 1
         self._iteration += 1
         self._guided[:] = False
+        self._latest[:] = False
         self._need[:] = 0.0
         self._used[:] = False
         self._current = -1
@@ -471,10 +481,13 @@ class FMoE(Policy):
         if self._measure:
             self._measure_costs()
         needed = np.asarray(event.needed, np.int64)
-        if self._guided[layer]:  # what this layer's guides were worth: the calibration learns it
+        if self._latest[layer]:  # what this layer's guides were worth: the calibration learns it
             outcome = np.zeros(self.ctx.num_experts, bool)
             outcome[needed] = True
-            self.calibration.observe_binned(self._guide_p[layer], self._guide_bin[layer], outcome)
+            guided = self._guided[:, layer]
+            count = int(guided.sum())
+            p, bins = self._guide_p[guided, layer], self._guide_bin[guided, layer]  # [count, J]
+            self.calibration.observe_binned(p.ravel(), bins.ravel(), np.tile(outcome, count))
         self._current = layer
         self._used[layer, needed] = True
         if self._counting:  # the popularity profile grows with every token served
@@ -849,11 +862,13 @@ class FMoE(Policy):
             best = selected.max(axis=0)  # [n, J] selected experts' best probability
             guide = probs.max(axis=0)  # [n, J] every expert's best probability in the matched maps
         match = float(scores.max()) if len(scores) else 0.0  # the guides' similarity
-        bins = self.calibration.bins(guide, match, dist)  # [n, J]
+        bins = self.calibration.bins(guide, match, dist, self.forecast.recency[layers])  # [n, J]
         need = self.calibration.predict_binned(guide, bins) if self.calibrate else guide  # [n, J]
         if fresh:
-            self._guide_p[layers], self._guide_bin[layers] = guide, bins
-            self._guided[layers] = True
+            depth = np.minimum(dist[:, 0], MAX_DISTANCE) - 1  # [n] each target's distance bin
+            self._guide_p[depth, layers], self._guide_bin[depth, layers] = guide, bins
+            self._guided[depth, layers] = True
+            self._latest_p[layers], self._latest[layers] = guide, True
             self._need[layers] = need
         q = np.where(best > 0, need, 0.0)
         thresholds = self.threshold(layers, current)  # [n]
@@ -903,7 +918,7 @@ class FMoE(Policy):
             return float(self.cache.freq(key))
         layer, expert = key
         if self.eviction == "fmoe":
-            p = self._guide_p[layer, expert] if self._guided[layer] else 0.0
+            p = self._latest_p[layer, expert] if self._latest[layer] else 0.0
             return float(keep_priority(p, self.cache.freq(key)))
         return self._reuse_score(layer, expert)
 
@@ -932,7 +947,7 @@ class FMoE(Policy):
             return True
         layer, expert = key
         if self.eviction == "fmoe":
-            p = self._guide_p[layer, expert] if self._guided[layer] else 0.0
+            p = self._latest_p[layer, expert] if self._latest[layer] else 0.0
             incoming = float(keep_priority(p, self.cache.freq(key)))
         else:  # scored as it would be once resident, like the victim
             incoming = self._reuse_score(layer, expert)
@@ -958,7 +973,10 @@ class FMoE(Policy):
 def store_from_traces(traces, *, capacity: int, prefetch_distance: int) -> ExpertMapStore:
     """Offline mode: an expert-map store built from recorded routing traces (`RoutingTrace`s).
 
-    Every token of every iteration contributes its embedding and its expert map, in trace order.
+    Every token of every iteration contributes its embedding and its expert map, in trace order. Routing
+    recorded elsewhere without embeddings (`RoutingTrace.from_external`, `embed_dim` 0) gives a store of
+    zero embeddings, one column wide, as the policy keeps online: trajectory matching alone
+    (`semantic=False`) uses it.
     """
     traces = list(traces)
     meta = traces[0].meta
@@ -966,15 +984,23 @@ def store_from_traces(traces, *, capacity: int, prefetch_distance: int) -> Exper
         capacity=capacity,
         num_layers=meta["num_layers"],
         num_experts=meta["num_experts"],
-        embed_dim=meta["embed_dim"],
+        embed_dim=meta["embed_dim"] or 1,
         prefetch_distance=min(prefetch_distance, meta["num_layers"]),
     )
-    for trace in traces:
-        for request in trace.requests:
-            for it in request.iterations:
-                if it.embeds is None or it.probs is None:
+    for t, trace in enumerate(traces):
+        for r, request in enumerate(trace.requests):
+            for i, it in enumerate(request.iterations):
+                if it.probs is None:
                     raise ValueError(
-                        "store_from_traces needs traces with embeddings and router probabilities"
+                        f"store_from_traces: trace {t} request {r} iteration {i} has no router probabilities"
                     )
-                store.add(it.embeds, it.probs)
+                embeds = it.embeds
+                if embeds is None:
+                    if meta["embed_dim"]:
+                        raise ValueError(
+                            f"store_from_traces: trace {t} request {r} iteration {i} has no embeddings, "
+                            f"though the trace's embed_dim is {meta['embed_dim']}"
+                        )
+                    embeds = np.zeros((it.num_tokens, 1), np.float32)
+                store.add(embeds, it.probs)
     return store
