@@ -111,3 +111,31 @@ def test_reuse_forecast_marks_experts_used_in_the_current_iteration():
     assert forecast.scores[1, 0] > before  # used now: scored as used in the previous iteration
     with pytest.raises(ValueError, match="horizon must be >= 1"):
         ReuseForecast(2, 3, horizon=0)
+
+
+def test_reuse_forecast_rescores_the_experts_a_routed_layer_passed_by():
+    """Experts come in runs of 6 iterations: just used, an expert is often used again within 2 iterations,
+    unless the run has ended, which the layer routing without it says. Once the layer has routed without
+    it, its score falls to the table of experts their own iteration missed; the expert it used scores as
+    just used. State round-trips with both tables."""
+    forecast = ReuseForecast(1, 8, horizon=2)
+    rng = np.random.default_rng(0)
+    current = 0
+    for t in range(600):
+        if t % 6 == 0:
+            current = int(rng.integers(0, 8))
+        forecast.begin_iteration()
+        used = np.zeros((1, 8), bool)
+        used[0, current] = True
+        forecast.end_iteration(used)
+    forecast.begin_iteration()
+    before = forecast.scores[0, current]
+    assert before > 0.45  # used by the previous iteration: the run may go on
+    other = (current + 1) % 8
+    forecast.mark_used(0, np.array([other]))
+    assert forecast.scores[0, current] < 0.25  # the layer routed without it: the run has ended
+    assert forecast.scores[0, other] > 0.45
+    restored = ReuseForecast(1, 8, horizon=2)
+    restored.load(forecast.state())
+    np.testing.assert_array_equal(restored.reused_missed, forecast.reused_missed)
+    assert restored.seen_missed.sum() > 0

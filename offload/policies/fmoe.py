@@ -547,7 +547,7 @@ class FMoE(Policy):
         # Used by any row. (One row: its own p, which bins as 1 - (1 - p) does: they differ below 1e-9.)
         hint = p[0].astype(np.float64) if len(p) == 1 else 1.0 - np.prod(1.0 - p.astype(np.float64), axis=0)
         self._hint = hint.reshape(self.ctx.num_layers, self.ctx.num_experts)
-        self.forecast.refresh(self._hint, self._used)
+        self.forecast.refresh(self._hint, self._used, self._current)
         if self.ctx.matcher_s is None:  # live: its price, the median of recent calls after a warm-up
             self._predictor_spent.append(time.perf_counter() - start)
             if len(self._predictor_spent) >= _COST_WARMUP:
