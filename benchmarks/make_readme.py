@@ -40,6 +40,10 @@ BENCHMARKS = [
     ("matcher_overhead", "expert-map matcher latency by store size"),
     ("reuse_forecast", "how well each reuse forecast fMoE could use predicts the next tokens' experts"),
     ("foresight", "fMoE's share of the gap to the oracle, beside oracles limited to n tokens of foresight"),
+    (
+        "external_routing",
+        "routing without embeddings, each request after the others (issue 16's held-out protocol)",
+    ),
     ("convert_speed", "checkpoint conversion throughput and peak memory"),
     ("multi_device", "expert-parallel decoding over several devices"),
     ("quantization", "int8 / int4 experts: bytes, held-out NLL, expert-kernel speed, simulated TPOT"),
@@ -213,6 +217,9 @@ def conclusion(results: Path = RESULTS) -> str:
     foresight = results / "foresight.json"
     if foresight.exists():
         text.append(_foresight_sentence(json.loads(foresight.read_text())))
+    external = results / "external_routing.json"
+    if external.exists():
+        text.append(_external_sentence(json.loads(external.read_text())))
     hybrid = results / "exp8_hybrid.json"
     if hybrid.exists():
         text.append(_hybrid_sentence(json.loads(hybrid.read_text())))
@@ -275,6 +282,24 @@ def _foresight_sentence(payload: dict, budget: float = 0.25) -> str:
         text + f". fMoE is at least as fast as the oracle seeing the current token alone at {current} of "
         f"{len(rows)} points, and as the one seeing one more token at {more}."
     )
+
+
+def _external_sentence(payload: dict) -> str:
+    """`benchmarks/external_routing.py`: fMoE's TPOT against on-demand LRU's on routing without embeddings,
+    per routing set, and where it is slower."""
+    rows = [r for r in payload.get("rows", []) if r["policy"] == "fmoe"]
+    if not rows:
+        return ""
+    ratios = ", ".join(f"{r['tpot_vs_lru']:.2f}x on {r['routing']}" for r in rows)
+    slower = [r["routing"] for r in rows if r["tpot_vs_lru"] > 1.0]
+    text = (
+        "On routing without embeddings, each request replayed after the others (`external_routing`, issue "
+        f"16's held-out protocol, simulated), fMoE matching trajectories alone runs at {ratios} of on-demand "
+        "LRU's TPOT"
+    )
+    if slower:
+        return text + f": slower than LRU on {', '.join(slower)}."
+    return text + "."
 
 
 FREE, CHARGED = "fmoe, matcher free", "fmoe, matcher at this CPU's speed"  # experiment 7's simulated rows
