@@ -484,10 +484,11 @@ class FMoE(Policy):
         if self._latest[layer]:  # what this layer's guides were worth: the calibration learns it
             outcome = np.zeros(self.ctx.num_experts, bool)
             outcome[needed] = True
-            guided = self._guided[:, layer]
-            count = int(guided.sum())
+            # A copy of the mask: the matcher thread may guide the layer from another distance meanwhile
+            # (a torn read only mixes two of its guides; the shapes must agree).
+            guided = self._guided[:, layer].copy()
             p, bins = self._guide_p[guided, layer], self._guide_bin[guided, layer]  # [count, J]
-            self.calibration.observe_binned(p.ravel(), bins.ravel(), np.tile(outcome, count))
+            self.calibration.observe_binned(p.ravel(), bins.ravel(), np.tile(outcome, len(p)))
         self._current = layer
         self._used[layer, needed] = True
         if self._counting:  # the popularity profile grows with every token served
