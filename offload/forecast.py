@@ -110,13 +110,14 @@ class ReuseForecast:
     Features per expert, from the request's own routing so far: iterations since its last use (temporal
     locality) and the decayed share of iterations that used it, plus, when given, the probability a
     matched expert map gives it for the current token (`hint`). A table of counts over the binned
-    features is updated each iteration with the outcomes `horizon` iterations later, and a second one
-    with the outcomes of the experts the iteration itself did not use: once an expert's layer has routed
-    without it, it scores from that table (`mark_used`). Without it an expert the last token used kept
-    its "just used" score for the rest of an iteration whose layer had passed it by, where LRU already
-    ranks it older: on synthetic routing of sticky tokens over uniform experts
-    (`research.synthetic_routing`, "recency"), trajectory-only fmoe's TPOT went from 1.19x to 1.09x
-    on-demand LRU's with it.
+    features is updated each iteration with the outcomes `horizon` iterations later; two more tables count
+    the same outcomes split by whether the snapshot's own iteration used the expert. Once an expert's layer
+    has routed in the current iteration it scores from the table its outcome there picks (`mark_used`),
+    for the same window of iterations as every other expert. (Before: a used expert scored as an expert
+    just used at the *next* iteration, a window one iteration later, which misses reuse at the next token;
+    an expert its layer passed by kept its start-of-iteration score, though LRU already ranks it older. On
+    synthetic routing of sticky tokens over uniform experts, `research.synthetic_routing`'s "recency",
+    trajectory-only fmoe went from 1.19x to 1.02x on-demand LRU's TPOT, each request after 3 others.)
     """
 
     def __init__(self, num_layers: int, num_experts: int, *, horizon: int = 2, decay: float = 0.8):
@@ -127,10 +128,12 @@ class ReuseForecast:
         table = (len(GAP_EDGES) + 2, len(SHARE_EDGES) + 1, len(P_EDGES) + 1)
         self.reused = np.zeros(table)
         self.seen = np.zeros(table)
-        # The same counts for experts the iteration of the snapshot did not use: what a layer that has routed
-        # without an expert says about it (`mark_used`).
+        # The same counts for the experts the snapshot's own iteration did not use and did use: what a layer
+        # that has routed says about each of its experts (`mark_used`).
         self.reused_missed = np.zeros(table)
         self.seen_missed = np.zeros(table)
+        self.reused_hit = np.zeros(table)
+        self.seen_hit = np.zeros(table)
         self.start_request()
 
     def start_request(self) -> None:
@@ -142,10 +145,10 @@ class ReuseForecast:
         self._score(None)
 
     def _prepare(self) -> None:
-        """What stays fixed until `end_iteration`: each bin's probability (`_table`, flat), each expert's bin
-        without the hint (`_base` `[L, J]`: gap and share) and once used in this iteration (`_base_used`:
-        gap 0, its share counting this iteration). A new hint then costs a search and two takes: the reuse
-        predictor refreshes the hint after every layer, on the engine thread."""
+        """What stays fixed until `end_iteration`: each bin's probability (`_table`, flat; `_table_missed`
+        given the iteration did not use the expert, falling back to `_table` while it has few counts) and
+        each expert's bin without the hint (`_base` `[L, J]`: gap and share). A new hint then costs a search
+        and a few takes: the reuse predictor refreshes the hint after every layer, on the engine thread."""
         # Laplace-smoothed; an unseen bin falls back to a weak prior of "recently used is likely reused".
         flat = np.arange(self.seen.size)
         prior = np.where(flat < (len(SHARE_EDGES) + 1) * (len(P_EDGES) + 1), 0.6, 0.2)  # gap 0 or more
@@ -159,20 +162,25 @@ class ReuseForecast:
         share = np.searchsorted(SHARE_EDGES, self.share)
         self.recency = gap  # [L, J] each expert's gap bin this iteration (`Calibration`'s recency)
         self._base = (gap * (len(SHARE_EDGES) + 1) + share) * (len(P_EDGES) + 1)  # hint bin 0
+        # The bins the experts would have next iteration once used in this one (gap 0, the share counting
+        # it): `_if_used`'s prior while the table of used experts has few counts.
         share_used = np.searchsorted(SHARE_EDGES, self.decay * self.share + (1 - self.decay))
-        self._base_used = share_used * (len(P_EDGES) + 1)  # gap 0
+        self._base_used = share_used * (len(P_EDGES) + 1)
 
     def bins(self, hint: np.ndarray | None = None) -> np.ndarray:
         """Each expert's bin `[L, J]` (gap, share, hint probability): an index into the flattened tables."""
         return self._base if hint is None else self._base + np.searchsorted(P_EDGES, hint)
 
     def _score(self, hint: np.ndarray | None) -> np.ndarray:
-        """`scores` for the iteration, and `_if_used`: each expert's score once the iteration uses it, which
-        `mark_used` copies in. Returns each expert's bin."""
+        """`scores` for the iteration, and each expert's score once its layer has routed with it
+        (`_if_used`) or without it (`_if_missed`), which `mark_used` copies in. Returns each expert's bin."""
         hint_bins = 0 if hint is None else np.searchsorted(P_EDGES, hint)
         bins = self._base + hint_bins
         self.scores = self._table.take(bins)
-        self._if_used = self._table.take(self._base_used + hint_bins)
+        prior = self._table.take(self._base_used + hint_bins)
+        self._if_used = (self.reused_hit.reshape(-1).take(bins) + prior) / (
+            self.seen_hit.reshape(-1).take(bins) + 1.0
+        )
         self._if_missed = self._table_missed.take(bins)
         return bins
 
@@ -194,9 +202,8 @@ class ReuseForecast:
             self.pending[-1] = (bins, self.pending[-1][1])
 
     def mark_used(self, layer: int, experts: np.ndarray) -> None:
-        """`layer` has routed, needing `experts`: from now on they score as experts the request used in its
-        previous iteration, which is what they will be at the next one, and the layer's other experts as
-        experts this iteration did not use."""
+        """`layer` has routed, needing `experts`: from now on its experts score as experts this iteration
+        used or did not use."""
         self.scores[layer] = self._if_missed[layer]
         self.scores[layer, experts] = self._if_used[layer, experts]
 
@@ -219,6 +226,11 @@ class ReuseForecast:
             self.reused_missed += np.bincount(bins_missed, outcome.ravel()[missed], minlength=size).reshape(
                 self.seen.shape
             )
+            bins_hit = bins.ravel()[~missed]
+            self.seen_hit += np.bincount(bins_hit, minlength=size).reshape(self.seen.shape)
+            self.reused_hit += np.bincount(bins_hit, outcome.ravel()[~missed], minlength=size).reshape(
+                self.seen.shape
+            )
         self.last_use = np.where(used, self.iteration, self.last_use)
         self.share = self.decay * self.share + (1 - self.decay) * used
         self.iteration += 1
@@ -230,6 +242,8 @@ class ReuseForecast:
             "reuse_seen": self.seen,
             "reused_missed": self.reused_missed,
             "reuse_seen_missed": self.seen_missed,
+            "reused_hit": self.reused_hit,
+            "reuse_seen_hit": self.seen_hit,
         }
 
     def load(self, state: dict[str, Any]) -> None:
@@ -237,7 +251,8 @@ class ReuseForecast:
         if np.shape(state.get("reused")) == self.reused.shape:
             self.reused = np.array(state["reused"], np.float64)  # contiguous copies
             self.seen = np.array(state["reuse_seen"], np.float64)
-        if np.shape(state.get("reused_missed")) == self.reused.shape:
-            self.reused_missed = np.array(state["reused_missed"], np.float64)
-            self.seen_missed = np.array(state["reuse_seen_missed"], np.float64)
+        for outcome in ("missed", "hit"):
+            if np.shape(state.get(f"reused_{outcome}")) == self.reused.shape:
+                setattr(self, f"reused_{outcome}", np.array(state[f"reused_{outcome}"], np.float64))
+                setattr(self, f"seen_{outcome}", np.array(state[f"reuse_seen_{outcome}"], np.float64))
         self._prepare()
