@@ -13,6 +13,7 @@ steps of `--repeats` generations after a warm-up generation.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
     parser.add_argument("--budget", type=float, default=0.25, help="fraction of experts the cache holds")
     parser.add_argument(
+        "--chunked", action="store_true", help="also both policies with `OffloadConfig(chunked_copies=True)`"
+    )
+    parser.add_argument(
         "--out", type=Path, default=RESULTS, help="directory for the JSON, PNG and markdown results"
     )
     args = parser.parse_args()
@@ -72,6 +76,12 @@ def main() -> None:
         f"on_demand_lru, {args.budget:.0%}": fj.OffloadConfig(policy="on_demand_lru", cache_experts=slots),
         f"fmoe, {args.budget:.0%}": fj.OffloadConfig(policy="fmoe", cache_experts=slots, prefetch_distance=1),
     }
+    if args.chunked:  # copies from the transfer thread, one matrix at a time (`ChunkedJaxMover`)
+        for policy in ("on_demand_lru", "fmoe"):
+            configs[f"{policy} chunked, {args.budget:.0%}"] = dataclasses.replace(
+                configs[f"{policy}, {args.budget:.0%}"], chunked_copies=True
+            )
+
     for name, offload in configs.items():
         with fj.load_model(path, offload=offload) as model:
             rows[name] = measure(model, prompt, args.new_tokens, args.repeats)

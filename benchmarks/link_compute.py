@@ -1,0 +1,485 @@
+"""What the accelerator's link and decode compute really do: the numbers behind the simulator's presets.
+
+    python -m benchmarks.link_compute [--models mixtral,qwen2_moe,phimoe,qwen3_moe,olmoe] [--repeats 15]
+
+Measured on JAX's default device (a GPU where one is at hand; on the CPU the "link" is a memcpy and the
+rates say nothing about a PCIe link, but every step runs):
+
+1. copies: one expert from `pinned_host` memory to the device, bench-s's (float32, as its checkpoint
+   ships) and each model preset's (bfloat16): whole (one `device_put` of its three matrices), per matrix
+   (each landed before the next is issued: `ChunkedJaxMover`'s order) and in quarter-matrix chunks
+   joined on the device. Achieved rate over the link's nominal rate is the preset's `link_efficiency`.
+2. an on-demand load issued behind two prefetches of the same size: its latency with `JaxMover` (the
+   runtime orders copies: it waits for both) and with `ChunkedJaxMover` (it waits for one matrix at most).
+3. overlap: a decode-sized compute loop alone, a copy alone, and both issued together.
+4. one decoder layer of each model preset at batch 1, bfloat16, a KV cache of `--context` tokens: the
+   attention block and the routed (top-k, plus shared) experts, each timed as one call (what a per-layer
+   engine pays, dispatch included) and inside one program over 8 layers (kernels only; 8 distinct weight
+   sets so that no layer reads another's from cache). The cost model's roofline bytes over the kernel
+   time, over the nominal HBM rate, is the preset's `hbm_efficiency`.
+
+Results: `results/link_compute.{json,md}`. The GPU run that set the presets' efficiencies is recorded in
+`offload/cost_model.py` beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import RESULTS, HelpFormatter, print_table, save
+
+BENCH_S = dict(hidden_size=1024, expert_intermediate_size=3584)  # fmoe_jax.testing.PRESETS["bench-s"]
+
+
+def nominal(device_kind: str):
+    """The hardware preset whose datasheet numbers describe this device, or None (CPU, unknown GPU)."""
+    from fmoe_jax.offload.cost_model import HARDWARE
+
+    kind = device_kind.lower()
+    for key, name in (("h200", "h200_sxm"), ("h100 pcie", "h100_pcie"), ("h100", "h100_sxm")):
+        if key in kind:
+            return HARDWARE[name]
+    for key, name in (("a100", "a100_sxm"), ("3090", "rtx_3090")):
+        if key in kind:
+            return HARDWARE[name]
+    return None
+
+
+def pcie_link() -> str | None:
+    """The GPU's current PCIe generation and width, as nvidia-smi reports them."""
+    try:
+        out = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout.strip()
+        return out or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def timed(fn, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of `fn()` (which blocks until its work is done)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def random_matrix(key, shape, dtype, sharding):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.device_put((0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype), sharding)
+
+
+# -- 1. copies ---------------------------------------------------------------------------------------------
+def measure_copies(name, d, f, dtype, shardings, repeats, link_nominal):
+    import jax
+    import jax.numpy as jnp
+
+    pinned, device = shardings
+    keys = jax.random.split(jax.random.key(hash(name) % 2**31), 3)
+    host = [random_matrix(k, s, dtype, pinned) for k, s in zip(keys, [(f, d), (f, d), (d, f)], strict=True)]
+    quarters = [[jax.device_put(part, pinned) for part in np.split(np.asarray(m), 4)] for m in host]
+    join = jax.jit(lambda parts: [jnp.concatenate(p, axis=0) for p in parts])
+    nbytes = sum(m.nbytes for m in host)
+
+    def whole():
+        jax.block_until_ready(jax.device_put(host, device))
+
+    def per_matrix():
+        for m in host:
+            jax.block_until_ready(jax.device_put(m, device))
+
+    def chunked_joined():
+        jax.block_until_ready(join(jax.device_put(quarters, device)))
+
+    row = dict(expert=name, dtype=str(jnp.dtype(dtype)), mb=nbytes / 1e6)
+    for label, fn in (("whole", whole), ("per_matrix", per_matrix), ("quarters_joined", chunked_joined)):
+        seconds = timed(fn, repeats)
+        row[f"{label}_ms"] = seconds * 1e3
+        row[f"{label}_gbs"] = nbytes / seconds / 1e9
+    row["one_matrix_ms"] = row["per_matrix_ms"] / 3
+    if link_nominal:
+        row["link_efficiency"] = row["whole_gbs"] * 1e9 / link_nominal
+    return row, host
+
+
+# -- 2. an on-demand load behind prefetches -----------------------------------------------------------------
+def measure_urgent(host, device, repeats):
+    from fmoe_jax.models.moe import ExpertWeights
+    from fmoe_jax.offload.transfer import ChunkedJaxMover, JaxMover
+
+    expert = ExpertWeights(*host)
+    experts = {k: expert for k in range(3)}
+    out = {}
+    for label, mover in (
+        ("JaxMover", JaxMover(experts.__getitem__, device)),
+        ("ChunkedJaxMover", ChunkedJaxMover(experts.__getitem__, device)),
+    ):
+        alone, behind = [], []
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            mover.wait([mover.start(2, urgent=True)])
+            alone.append(time.perf_counter() - start)
+            prefetches = [mover.start(0), mover.start(1)]
+            start = time.perf_counter()
+            mover.wait([mover.start(2, urgent=True)])
+            behind.append(time.perf_counter() - start)
+            mover.wait(prefetches)
+            if i == 0:  # warm-up
+                alone, behind = [], []
+        if hasattr(mover, "close"):
+            mover.close()
+        out[label] = dict(
+            alone_ms=float(np.median(alone) * 1e3), behind_two_ms=float(np.median(behind) * 1e3)
+        )
+    return out
+
+
+# -- 3. overlap of copies and compute ----------------------------------------------------------------------
+def measure_overlap(host, device, copy_ms, repeats):
+    """A loop of GEMVs sized to take about as long as one expert's copy, alone and beside the copy, for each
+    way of issuing the copy: `overlap` is the share of the shorter of the two hidden behind the other."""
+    import concurrent.futures
+
+    import jax
+    import jax.numpy as jnp
+
+    w = random_matrix(jax.random.key(7), (8192, 8192), jnp.bfloat16, device)
+    x0 = jnp.ones((1, 8192), jnp.bfloat16)
+    numpy_host = [np.asarray(m) for m in host]  # pageable host memory
+
+    def make(steps):
+        @jax.jit
+        def loop(x):
+            return jax.lax.fori_loop(0, steps, lambda _, x: jnp.tanh(x @ w), x)
+
+        return loop
+
+    probe = make(16)
+    per_step = timed(lambda: jax.block_until_ready(probe(x0)), 5) / 16
+    steps = int(np.clip(copy_ms / 1e3 / max(per_step, 1e-7), 4, 4096))
+    loop = make(steps)
+
+    @jax.jit
+    def loop_and_copy(x, experts):  # one program: the copy is XLA's to schedule beside the loop
+        return loop(x), jax.device_put(experts, device)
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def copy_beside(compute):  # the copy issued from another thread (as `ChunkedJaxMover` does), then compute
+        copied = pool.submit(lambda: jax.block_until_ready(jax.device_put(host, device)))
+        jax.block_until_ready(compute())
+        copied.result()
+
+    compute_s = timed(lambda: jax.block_until_ready(loop(x0)), repeats)
+    variants = {
+        "pinned, after compute": (
+            lambda: jax.device_put(host, device),
+            lambda: jax.block_until_ready((loop(x0), jax.device_put(host, device))),
+        ),
+        "pinned, before compute": (
+            lambda: jax.device_put(host, device),
+            lambda: jax.block_until_ready(jax.device_put(host, device) + [loop(x0)]),
+        ),
+        "numpy, after compute": (
+            lambda: jax.device_put(numpy_host, device),
+            lambda: jax.block_until_ready((loop(x0), jax.device_put(numpy_host, device))),
+        ),
+        "pinned, other thread": (
+            lambda: jax.device_put(host, device),
+            lambda: copy_beside(lambda: loop(x0)),
+        ),
+        "pinned, one program": (
+            lambda: jax.device_put(host, device),
+            lambda: jax.block_until_ready(loop_and_copy(x0, host)),
+        ),
+    }
+    rows = []
+    for label, (copy, both) in variants.items():
+        try:
+            copy_s = timed(lambda copy=copy: jax.block_until_ready(copy()), repeats)
+            both_s = timed(both, repeats)
+        except Exception as err:  # noqa: BLE001 - a way this runtime cannot issue a copy
+            rows.append(dict(issue=label, error=f"{type(err).__name__}: {err}"[:200]))
+            continue
+        hidden = (compute_s + copy_s - both_s) / min(compute_s, copy_s)
+        rows.append(
+            dict(
+                issue=label,
+                compute_ms=compute_s * 1e3,
+                copy_ms=copy_s * 1e3,
+                both_ms=both_s * 1e3,
+                overlap=float(np.clip(hidden, 0.0, 1.0)),
+            )
+        )
+    pool.shutdown()
+    return rows
+
+
+def measure_latency(pinned, device, repeats, link_nominal):
+    """One bf16 array from pinned host memory to the device at sizes from 256 KB to 256 MB: a least-squares
+    line through (bytes, seconds) gives the link's fixed cost per copy and its streaming rate."""
+    import jax
+    import jax.numpy as jnp
+
+    rows = []
+    for mb in (0.25, 1, 4, 16, 64, 256):
+        n = int(mb * 2**20 / 2)
+        src = random_matrix(jax.random.key(int(mb * 4)), (n,), jnp.bfloat16, pinned)
+        seconds = timed(lambda src=src: jax.block_until_ready(jax.device_put(src, device)), repeats)
+        rows.append(dict(mb=n * 2 / 1e6, ms=seconds * 1e3, gbs=n * 2 / seconds / 1e9))
+    size = np.array([r["mb"] * 1e6 for r in rows])
+    secs = np.array([r["ms"] / 1e3 for r in rows])
+    slope, intercept = np.polyfit(size, secs, 1)
+    fit = dict(latency_ms=float(intercept * 1e3), rate_gbs=float(1 / slope / 1e9))
+    if link_nominal:
+        fit["link_efficiency"] = float(1 / slope / link_nominal)
+    return dict(sizes=rows, fit=fit)
+
+
+# -- 4. one decoder layer at real size ---------------------------------------------------------------------
+def measure_layer(preset, context, repeats, device, hardware):
+    """Attention (with router) and routed experts of `preset` at batch 1, against the cost model."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from fmoe_jax.offload.cost_model import CostModel
+
+    m = preset
+    d, f, k = m.hidden_size, m.expert_intermediate_size, m.top_k
+    h, kv, hd = m.num_heads, m.num_kv_heads, m.head_dim
+    bf = jnp.bfloat16
+    layers = 8
+    key = iter(jax.random.split(jax.random.key(1), 64))
+
+    def mat(*shape):
+        return random_matrix(next(key), (layers, *shape), bf, device)
+
+    attn = dict(
+        wq=mat(d, h * hd),
+        wk=mat(d, kv * hd),
+        wv=mat(d, kv * hd),
+        wo=mat(h * hd, d),
+        router=mat(d, m.num_experts),
+        kc=mat(context, kv, hd),
+        vc=mat(context, kv, hd),
+    )
+    experts = [dict(gate=mat(d, f), up=mat(d, f), down=mat(f, d)) for _ in range(k)]
+    if m.shared_expert_intermediate_size:
+        s = m.shared_expert_intermediate_size
+        experts.append(dict(gate=mat(d, s), up=mat(d, s), down=mat(s, d)))
+
+    def rms(x):
+        return x * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True)).astype(bf)
+
+    def attention(x, p, i):
+        y = rms(x)
+        q = (y @ p["wq"][i]).reshape(kv, h // kv, hd)
+        kc, vc = p["kc"][i], p["vc"][i]  # [S, KV, hd]
+        scores = jnp.einsum("kgd,skd->kgs", q, kc).astype(jnp.float32) / np.sqrt(hd)
+        o = jnp.einsum("kgs,skd->kgd", jax.nn.softmax(scores, -1).astype(bf), vc).reshape(1, h * hd)
+        x = x + o @ p["wo"][i]
+        return x, rms(x) @ p["router"][i]
+
+    def ffn(x, ps, i):
+        y, out = rms(x), x
+        for p in ps:
+            out = out + (jax.nn.silu(y @ p["gate"][i]) * (y @ p["up"][i])) @ p["down"][i]
+        return out
+
+    one_attention = jax.jit(lambda x, p: attention(x, p, 0))
+    one_ffn = jax.jit(lambda x, ps: ffn(x, ps, 0))
+
+    @jax.jit
+    def eight_attention(x, p):
+        for i in range(layers):
+            x, logits = attention(x, p, i)
+            x = x + 1e-3 * logits.sum()
+        return x
+
+    @jax.jit
+    def eight_ffn(x, ps):
+        for i in range(layers):
+            x = ffn(x, ps, i)
+        return x
+
+    x = random_matrix(next(key), (1, d), bf, device)
+    row = dict(model=m.name, context=context)
+    row["attention_call_ms"] = timed(lambda: jax.block_until_ready(one_attention(x, attn)), repeats) * 1e3
+    row["experts_call_ms"] = timed(lambda: jax.block_until_ready(one_ffn(x, experts)), repeats) * 1e3
+    row["attention_kernel_ms"] = (
+        timed(lambda: jax.block_until_ready(eight_attention(x, attn)), repeats) * 1e3 / layers
+    )
+    row["experts_kernel_ms"] = (
+        timed(lambda: jax.block_until_ready(eight_ffn(x, experts)), repeats) * 1e3 / layers
+    )
+    if hardware is not None:
+        ideal = dataclasses.replace(hardware, hbm_efficiency=1.0, flops_efficiency=1.0)
+        cost = CostModel(m, ideal, m.num_experts)
+        row["attention_roofline_ms"] = cost.attention_s(np.array([1]), np.array([context])) * 1e3
+        row["experts_roofline_ms"] = (cost.experts_s([1] * k) + cost.shared_s(1)) * 1e3
+        for part in ("attention", "experts"):
+            row[f"{part}_hbm_fraction"] = row[f"{part}_roofline_ms"] / row[f"{part}_kernel_ms"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--models",
+        default="mixtral,qwen2_moe,phimoe,qwen3_moe,olmoe",
+        help="model presets (offload/cost_model.py MODELS keys) whose experts and layers are measured",
+    )
+    parser.add_argument("--repeats", type=int, default=15, help="timed repeats per measurement (median)")
+    parser.add_argument("--context", type=int, default=512, help="KV-cache tokens of the decoder layer")
+    parser.add_argument("--small", action="store_true", help="bench-s and Qwen sizes only (a CPU check)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and markdown")
+    args = parser.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    from fmoe_jax.offload.cost_model import MODELS
+
+    dev = jax.devices()[0]
+    hardware = nominal(dev.device_kind)
+    pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    models = [MODELS[name] for name in args.models.split(",") if name]
+    if args.small:
+        models = [m for m in models if m.expert_params < 2e7]
+    payload = dict(
+        device_kind=dev.device_kind,
+        pcie=pcie_link(),
+        nominal_preset=None if hardware is None else hardware.name,
+        copies=[],
+        urgent={},
+        overlap={},
+        layers=[],
+        errors={},
+    )
+
+    def section(name, fn):  # a failing section is reported, the others still run
+        print(f"-- {name}", flush=True)
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 - recorded in the results
+            payload["errors"][name] = f"{type(err).__name__}: {err}"
+            print(f"   failed: {payload['errors'][name]}", flush=True)
+            return None
+
+    link = None if hardware is None else hardware.link_bytes_per_s
+    sizes = [("bench-s", BENCH_S["hidden_size"], BENCH_S["expert_intermediate_size"], jnp.float32)]
+    sizes += [(m.name, m.hidden_size, m.expert_intermediate_size, jnp.bfloat16) for m in models]
+    hosts = {}  # expert name -> its pinned host arrays, for the bench-s and the largest expert
+    for name, d, f, dtype in sizes:
+        result = section(
+            f"copy {name}",
+            lambda name=name, d=d, f=f, dtype=dtype: measure_copies(
+                name, d, f, dtype, (pinned, device), args.repeats, link
+            ),
+        )
+        if result:
+            payload["copies"].append(result[0])
+            largest = max(payload["copies"], key=lambda r: r["mb"])["expert"]
+            hosts = {k: v for k, v in {**hosts, name: result[1]}.items() if k in ("bench-s", largest)}
+            save("link_compute", payload, args.out)
+    for name, host in hosts.items():
+        payload["urgent"][name] = section(
+            f"urgent {name}", lambda host=host: measure_urgent(host, device, args.repeats)
+        )
+    if payload["copies"]:
+        big = max(payload["copies"], key=lambda r: r["mb"])
+        payload["overlap_expert"] = big["expert"]
+        payload["overlap"] = (
+            section(
+                "overlap",
+                lambda: measure_overlap(hosts[big["expert"]], device, big["whole_ms"], args.repeats),
+            )
+            or []
+        )
+    payload["latency"] = section("latency", lambda: measure_latency(pinned, device, args.repeats, link)) or {}
+    save("link_compute", payload, args.out)
+    for m in models:
+        row = section(
+            f"layer {m.name}", lambda m=m: measure_layer(m, args.context, args.repeats, device, hardware)
+        )
+        if row:
+            payload["layers"].append(row)
+            save("link_compute", payload, args.out)
+
+    print_table(payload["copies"])
+    for name, movers in payload["urgent"].items():
+        print(f"{name}: {movers}")
+    print_table(payload["overlap"])
+    print(f"latency: {payload['latency'].get('fit')}")
+    print_table(payload["layers"])
+    write_markdown(payload, args.out)
+
+
+def write_markdown(payload: dict, out: Path) -> None:
+    from benchmarks.common import machine
+
+    lines = [
+        "# Link and decode compute, measured",
+        "",
+        "Command: `.venv/bin/python -m benchmarks.link_compute`  ",
+        f"Device: {payload['device_kind']} (PCIe gen current, max, width: {payload['pcie']}); "
+        f"nominal rates from the `{payload['nominal_preset']}` preset  ",
+        f"Machine: {machine()['platform']}, jax {machine()['jax']}",
+        "",
+    ]
+
+    def table(rows):
+        if not rows:
+            return ["(none)", ""]
+        cols = list(rows[0])
+        fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+        return [
+            "| " + " | ".join(cols) + " |",
+            "|" + "---|" * len(cols),
+            *("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows),
+            "",
+        ]
+
+    lines += ["### pinned_host -> device copies of one expert", "", *table(payload["copies"])]
+    lines += ["### an on-demand load behind two prefetches of the same expert size", ""]
+    lines += table(
+        [dict(expert=e, mover=k, **v) for e, m in payload["urgent"].items() for k, v in (m or {}).items()]
+    )
+    lines += [f"### copy / compute overlap ({payload.get('overlap_expert')})", ""]
+    lines += table(payload["overlap"])
+    lines += [
+        "### one bf16 array, pinned_host -> device, by size",
+        "",
+        *table(payload["latency"].get("sizes", [])),
+    ]
+    lines += [f"Least-squares fit: {payload['latency'].get('fit')}", ""]
+    lines += ["### one decoder layer at batch 1 (bfloat16)", "", *table(payload["layers"])]
+    if payload["errors"]:
+        lines += ["### sections that failed", "", *(f"- {k}: {v}" for k, v in payload["errors"].items()), ""]
+    path = Path(out) / "link_compute.md"
+    path.write_text("\n".join(lines))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
