@@ -82,7 +82,7 @@ def real_size_rows(hardware: list[str], repeats: int, prefetch_distance: int) ->
         host = m["policy_iteration"]["p50_ms"]
         for hw in hardware:
             costs = CostModel(preset, HARDWARE[hw], preset.num_experts)
-            copy_ms = 1e3 * preset.expert_bytes / HARDWARE[hw].link_effective
+            copy_ms = 1e3 * HARDWARE[hw].copy_s(preset.expert_bytes)
             layer = costs.attention_s(np.array([1]), np.array([64])) + costs.experts_s([1] * preset.top_k)
             layer += costs.shared_s(1)
             compute_ms = 1e3 * (preset.num_layers * layer + costs.head_s(1))

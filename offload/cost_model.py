@@ -28,6 +28,11 @@ class HardwarePreset:
       link_efficiency: fraction of `link_bytes_per_s` a pinned-host copy achieves.
       hbm_efficiency: fraction of `hbm_bytes_per_s` memory-bound kernels (GEMV, decode) achieve.
       flops_efficiency: fraction of `flops_per_s` compute-bound kernels (prefill GEMMs) achieve.
+      copy_latency_s: fixed cost of one host-to-device copy beside its bytes (the runtime's dispatch, the
+        DMA's setup and completion), paid by each chunk of a chunked copy.
+      expert_kernel_s: fixed time of one expert's kernels at decode beside its bytes (its three GEMVs and
+        the activation: launches and tails that batch-1 work cannot hide).
+      attention_kernel_s: likewise for one layer's attention block and router.
     """
 
     name: str
@@ -38,8 +43,14 @@ class HardwarePreset:
     link_efficiency: float = 0.8
     hbm_efficiency: float = 0.8
     flops_efficiency: float = 0.7
+    copy_latency_s: float = 0.0
+    expert_kernel_s: float = 0.0
+    attention_kernel_s: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("copy_latency_s", "expert_kernel_s", "attention_kernel_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"hardware {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("hbm_bytes_per_s", "flops_per_s", "link_bytes_per_s", "memory_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(
@@ -56,6 +67,10 @@ class HardwarePreset:
         """Host-to-device bytes per second the simulator's link moves."""
         return self.link_bytes_per_s * self.link_efficiency
 
+    def copy_s(self, nbytes: float, chunks: int = 1) -> float:
+        """Seconds of one host-to-device copy of `nbytes` sent in `chunks` pieces, one after the other."""
+        return chunks * self.copy_latency_s + nbytes / self.link_effective
+
     def roofline_s(self, bytes_read: float, flops: float) -> float:
         """Seconds of a kernel that reads `bytes_read` from device memory and does `flops`."""
         return max(
@@ -70,10 +85,22 @@ class HardwarePreset:
 PCIE4_X16 = 16e9 * 16 * 128 / 130 / 8
 PCIE5_X16 = 32e9 * 16 * 128 / 130 / 8
 # Achieved pinned-host -> device copy rates: ~25 GB/s on Gen4 x16 (CUDA `bandwidthTest`, A100 and RTX 30xx
-# hosts) and ~55 GB/s on Gen5 x16 (NVIDIA `nvbandwidth host_to_device_memcpy_ce` on H100 hosts), i.e. about
-# 80 % and 87 % of the nominal rate. Both depend on the host (CPU, NUMA placement, IOMMU); measure your own.
+# hosts: about 80 % of the nominal rate; not measured here). On Gen5 x16, measured with JAX (`jax.device_put`
+# of a `pinned_host` array; `python -m benchmarks.link_compute` on an H200 on PCIe 5.0 x16, 2026-11-27,
+# `benchmarks/results/link_compute.md`): a straight line through copies of 0.25-256 MB gives 50.8-51.5 GB/s
+# (81-82 % of nominal) plus 0.27-0.31 ms per copy, whatever its size. Those two numbers predict every expert
+# copy measured there within 25 % (Qwen1.5-MoE's 17 MB expert: 0.70 ms; Mixtral's 352 MB: 7.1 ms; sent one
+# matrix at a time, each pays the fixed cost: 1.30 and 8.4 ms). They depend on the host (CPU, NUMA placement,
+# IOMMU) and the runtime; measure your own.
 PCIE4_EFFICIENCY = 0.8
-PCIE5_EFFICIENCY = 0.87
+PCIE5_EFFICIENCY = 0.81
+JAX_COPY_LATENCY_S = 0.29e-3
+# Decode kernels at batch 1 on Hopper, measured in the same run (bf16, one XLA program over 8 layers, so no
+# dispatch): an expert costs 30 us beside its bytes, which stream at 87-90 % of HBM3e's rate (a least-squares
+# fit over Mixtral, Qwen1.5-MoE, Phi-3.5-MoE, Qwen3-MoE and OLMoE, within 20 % of each); the attention block
+# with its router takes 0.06-0.10 ms at 512 cached tokens, almost none of it bytes. At batch 1 the small
+# models' layers are thus 5-10x their roofline: the fixed costs are most of a decode iteration.
+HOPPER_DECODE = dict(hbm_efficiency=0.88, expert_kernel_s=30e-6, attention_kernel_s=65e-6)
 
 # NVIDIA H100 Tensor Core GPU datasheet (SXM5 80 GB): HBM3 3.35 TB/s; BF16 tensor core 1,979 TFLOPS *with
 # sparsity*, so 989 TFLOPS dense; PCIe Gen5.
@@ -84,6 +111,20 @@ H100_SXM = HardwarePreset(
     link_bytes_per_s=PCIE5_X16,
     memory_bytes=80 * GiB,
     link_efficiency=PCIE5_EFFICIENCY,
+    copy_latency_s=JAX_COPY_LATENCY_S,
+    **HOPPER_DECODE,
+)
+# NVIDIA H200 Tensor Core GPU datasheet (SXM 141 GB): HBM3e 4.8 TB/s; BF16 tensor core 1,979 TFLOPS with
+# sparsity, 989 dense; PCIe Gen5.
+H200_SXM = HardwarePreset(
+    "H200 SXM 141GB, PCIe 5.0 x16",
+    hbm_bytes_per_s=4.8e12,
+    flops_per_s=989e12,
+    link_bytes_per_s=PCIE5_X16,
+    memory_bytes=141 * 10**9,
+    link_efficiency=PCIE5_EFFICIENCY,
+    copy_latency_s=JAX_COPY_LATENCY_S,
+    **HOPPER_DECODE,
 )
 # Same datasheet, H100 PCIe 80 GB: HBM2e 2.0 TB/s; BF16 1,513 TFLOPS with sparsity, 756 dense; PCIe Gen5.
 H100_PCIE = HardwarePreset(
@@ -93,6 +134,8 @@ H100_PCIE = HardwarePreset(
     link_bytes_per_s=PCIE5_X16,
     memory_bytes=80 * GiB,
     link_efficiency=PCIE5_EFFICIENCY,
+    copy_latency_s=JAX_COPY_LATENCY_S,
+    **HOPPER_DECODE,
 )
 # NVIDIA A100 Tensor Core GPU datasheet (80 GB SXM4): HBM2e 2,039 GB/s; BF16 tensor core 312 TFLOPS dense
 # (624 with sparsity); PCIe Gen4.
@@ -114,12 +157,15 @@ RTX_3090 = HardwarePreset(
     memory_bytes=24 * GiB,
     link_efficiency=PCIE4_EFFICIENCY,
 )
-# The efficiency defaults (HBM 0.8, FLOPs 0.7) are assumptions typical of tuned GEMV/GEMM kernels, not
-# datasheet values; pass `dataclasses.replace(preset, hbm_efficiency=1.0, ...)` for the ideal roofline.
+# The Hopper presets' copy and decode numbers are the measurements above (an H200's, on the H100s too: the
+# same link generation and architecture). The others keep assumed efficiencies typical of tuned GEMV/GEMM
+# kernels (HBM 0.8, FLOPs 0.7) and no fixed costs: nothing was measured on them. Pass
+# `dataclasses.replace(preset, hbm_efficiency=1.0, expert_kernel_s=0.0, ...)` for the ideal roofline.
 
 HARDWARE: dict[str, HardwarePreset] = {
     "h100_sxm": H100_SXM,
     "h100_pcie": H100_PCIE,
+    "h200_sxm": H200_SXM,
     "a100_sxm": A100_SXM,
     "rtx_3090": RTX_3090,
 }
@@ -525,21 +571,24 @@ class CostModel:
         keys = float(np.sum(new * past + new * (new + 1) / 2))  # causal: query j sees past + j + 1 keys
         bytes_read = self._attention_bytes + float(np.sum(past + new)) * m.kv_bytes_per_token
         flops = 2 * float(new.sum()) * self._attention_params + self._score_flops * keys
-        return self.hardware.roofline_s(bytes_read, flops)
+        return self.hardware.attention_kernel_s + self.hardware.roofline_s(bytes_read, flops)
 
     def experts_s(self, tokens_per_expert: list[int]) -> float:
         """One chunk of routed experts, each with the given number of tokens routed to it."""
         m = self.model
         bytes_read = len(tokens_per_expert) * m.expert_bytes
         flops = 2.0 * m.expert_params * sum(tokens_per_expert)
-        return self.hardware.roofline_s(bytes_read, flops)
+        fixed = len(tokens_per_expert) * self.hardware.expert_kernel_s
+        return fixed + self.hardware.roofline_s(bytes_read, flops)
 
     def shared_s(self, tokens: int) -> float:
         """One layer's always-active shared expert (zero for models without one)."""
         m = self.model
         if not m.shared_params:
             return 0.0
-        return self.hardware.roofline_s(m.shared_params * m.bytes_per_param, 2.0 * m.shared_params * tokens)
+        return self.hardware.expert_kernel_s + self.hardware.roofline_s(
+            m.shared_params * m.bytes_per_param, 2.0 * m.shared_params * tokens
+        )
 
     def head_s(self, rows: int) -> float:
         """The LM head for `rows` last tokens."""

@@ -29,7 +29,8 @@ class Copy:
 class SimulatedLink:
     """A `Mover` over one host-to-device link with a simulated clock, copying in chunks.
 
-    An expert goes over in `chunks` equal pieces (one per weight matrix by default), one piece at a time.
+    An expert goes over in `chunks` equal pieces (one per weight matrix by default), one piece at a time,
+    each taking `chunk_latency_s` (the copy's fixed cost, `HardwarePreset.copy_latency_s`) beside its bytes.
     The link serves urgent copies (on-demand loads) before any prefetch piece it has not started, so a
     miss waits behind at most the one piece already under way; prefetches are served in the order asked,
     back to back while any wait; a prefetch can be cancelled before its first piece (or between pieces,
@@ -41,16 +42,24 @@ class SimulatedLink:
     """
 
     def __init__(
-        self, expert_bytes: int, bytes_per_s: float, *, chunks: int = 3, finish_started: bool = True
+        self,
+        expert_bytes: int,
+        bytes_per_s: float,
+        *,
+        chunks: int = 3,
+        finish_started: bool = True,
+        chunk_latency_s: float = 0.0,
     ):
         if bytes_per_s <= 0:
             raise ValueError(f"link bandwidth must be positive, got {bytes_per_s} bytes/s")
         if chunks < 1:
             raise ValueError(f"an expert goes over in at least one chunk, got chunks={chunks}")
-        self.copy_s = expert_bytes / bytes_per_s
+        if chunk_latency_s < 0:
+            raise ValueError(f"a chunk's fixed cost must be >= 0, got {chunk_latency_s} s")
         self.chunks = chunks
         self.finish_started = finish_started
-        self.chunk_s = self.copy_s / chunks
+        self.chunk_s = chunk_latency_s + expert_bytes / bytes_per_s / chunks  # each piece pays the fixed cost
+        self.copy_s = chunks * self.chunk_s
         self.clock = 0.0
         self.free_at = 0.0  # when the last piece the link has started completes
         self.urgent: collections.deque[Copy] = collections.deque()

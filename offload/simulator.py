@@ -237,7 +237,11 @@ class Replay:
         total = self.num_layers * num_experts
         self.capacity = total if self.policy.preload_all else offload.slots(model.expert_bytes, total)
         self.link = SimulatedLink(
-            model.expert_bytes, hardware.link_effective, chunks=chunks, finish_started=finish_started
+            model.expert_bytes,
+            hardware.link_effective,
+            chunks=chunks,
+            finish_started=finish_started,
+            chunk_latency_s=hardware.copy_latency_s,
         )
         self.cache = DeviceExpertCache(
             self.link,
@@ -265,7 +269,7 @@ class Replay:
             router_weights=tuple(np.asarray(w, np.float32) for w in router_weights)
             if self.policy.needs_hidden
             else (),
-            copy_s=model.expert_bytes / hardware.link_effective,
+            copy_s=hardware.copy_s(model.expert_bytes, chunks),
             layer_s=decode_layer_s,
             matcher_s=matcher_s,
             clock=(lambda: self.link.clock) if matcher_s > 0 else None,
