@@ -433,6 +433,60 @@ def main() -> None:
     print(f"latency: {payload['latency'].get('fit')}")
     print_table(payload["layers"])
     write_markdown(payload, args.out)
+    plot(payload, Path(args.out) / "link_compute.png")
+
+
+def plot(payload: dict, path: Path) -> None:
+    """Copy time against size (the fitted line: the fixed cost plus the streaming rate; each expert whole
+    and one matrix at a time) and each way of issuing a copy beside compute."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    sizes = payload.get("latency", {}).get("sizes", [])
+    if sizes:
+        mb = np.array([r["mb"] for r in sizes])
+        left.loglog(mb, [r["ms"] for r in sizes], "o", color="tab:grey", label="one array")
+        fit = payload["latency"]["fit"]
+        line = np.geomspace(mb.min(), mb.max() * 2, 50)
+        left.loglog(
+            line,
+            fit["latency_ms"] + line / fit["rate_gbs"],
+            "--",
+            color="tab:grey",
+            label=f"{fit['latency_ms']:.2f} ms + size / {fit['rate_gbs']:.1f} GB/s",
+        )
+    copies = payload.get("copies", [])
+    if copies:
+        left.loglog([r["mb"] for r in copies], [r["whole_ms"] for r in copies], "s", label="an expert, whole")
+        left.loglog(
+            [r["mb"] for r in copies],
+            [r["per_matrix_ms"] for r in copies],
+            "^",
+            label="an expert, per matrix",
+        )
+    left.set_xlabel("MB copied")
+    left.set_ylabel("ms")
+    left.set_title("pinned_host -> device copies")
+    left.legend(fontsize=8)
+    rows = [r for r in payload.get("overlap", []) if "both_ms" in r]
+    if rows:
+        x = np.arange(len(rows))
+        for i, (key, label) in enumerate((("compute_ms", "compute alone"), ("copy_ms", "copy alone"))):
+            right.bar(x + (i - 1) * 0.27, [r[key] for r in rows], 0.27, label=label)
+        bars = right.bar(x + 0.27, [r["both_ms"] for r in rows], 0.27, label="both")
+        right.bar_label(bars, labels=[f"{r['overlap']:.0%}" for r in rows], fontsize=8)
+        right.set_xticks(x, [r["issue"].replace(", ", "\n") for r in rows], fontsize=8)
+        right.set_ylabel("ms")
+        right.set_title(f"copy beside compute ({payload.get('overlap_expert')}): share hidden")
+        right.legend(fontsize=8)
+    fig.suptitle(f"live, {payload['device_kind']}: the link and the decode kernels")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 def write_markdown(payload: dict, out: Path) -> None:

@@ -44,6 +44,10 @@ BENCHMARKS = [
         "external_routing",
         "routing without embeddings, each request after the others (issue 16's held-out protocol)",
     ),
+    (
+        "link_compute",
+        "on the accelerator: host-to-device copies, copy/compute overlap, batch-1 decode layers",
+    ),
     ("convert_speed", "checkpoint conversion throughput and peak memory"),
     ("multi_device", "expert-parallel decoding over several devices"),
     ("quantization", "int8 / int4 experts: bytes, held-out NLL, expert-kernel speed, simulated TPOT"),
@@ -220,6 +224,14 @@ def conclusion(results: Path = RESULTS) -> str:
     external = results / "external_routing.json"
     if external.exists():
         text.append(_external_sentence(json.loads(external.read_text())))
+    link = results / "link_compute.json"
+    if link.exists():
+        gpu_live = results / "offload_overhead_h200.json"
+        text.append(
+            _device_sentence(
+                json.loads(link.read_text()), json.loads(gpu_live.read_text()) if gpu_live.exists() else None
+            )
+        )
     hybrid = results / "exp8_hybrid.json"
     if hybrid.exists():
         text.append(_hybrid_sentence(json.loads(hybrid.read_text())))
@@ -282,6 +294,45 @@ def _foresight_sentence(payload: dict, budget: float = 0.25) -> str:
         text + f". fMoE is at least as fast as the oracle seeing the current token alone at {current} of "
         f"{len(rows)} points, and as the one seeing one more token at {more}."
     )
+
+
+def _device_sentence(link: dict, live: dict | None) -> str:
+    """`benchmarks/link_compute.py` on an accelerator: what a copy and a batch-1 decode layer cost there (the
+    Hopper presets carry these numbers), whether copies overlap compute, and fMoE live against LRU there
+    (`offload_overhead` run on the same kind of machine, saved as `offload_overhead_h200.json`)."""
+    fit = link.get("latency", {}).get("fit")
+    if not fit or link["machine"]["backend"] == "cpu":
+        return ""
+    hidden = {r["issue"]: r["overlap"] for r in link.get("overlap", []) if "overlap" in r}
+    text = (
+        f"Measured on an {link['device_kind']} (`link_compute`; the simulator's Hopper presets use these "
+        f"numbers): a pinned-host copy costs {fit['latency_ms']:.2f} ms plus its bytes at "
+        f"{fit['rate_gbs']:.1f} GB/s, so small experts pay mostly the fixed cost"
+    )
+    if hidden:
+        after = hidden.get("pinned, after compute")
+        others = [v for k, v in hidden.items() if k != "pinned, after compute" and not k.startswith("numpy")]
+        if after is not None and others:
+            span = _span([100 * v for v in others], "{:.0f}")
+            text += (
+                f"; a copy issued while a compute is in flight hid only {100 * after:.0f} % behind it, one "
+                f"issued before it, from another thread or inside one program {span} %"
+            )
+    text += "."
+    if live:
+        rows = live["rows"]
+        lru = next((r for k, r in rows.items() if k.startswith("on_demand_lru,")), None)
+        fmoe = next((r for k, r in rows.items() if k.startswith("fmoe,")), None)
+        if lru and fmoe:
+            ratio = fmoe["tpot_ms"] / lru["tpot_ms"]
+            text += (
+                f" Live there (bench-s, 25 %), fMoE decodes at {ratio:.2f}x on-demand "
+                f"LRU's TPOT ({fmoe['tpot_ms']:.1f} against {lru['tpot_ms']:.1f} ms) with a hit rate of "
+                f"{fmoe['hit_rate']:.2f} against {lru['hit_rate']:.2f}: its host work "
+                f"({fmoe['critical_path_policy_ms']:.1f} ms a token against "
+                f"{lru['critical_path_policy_ms']:.1f}) costs more than its hits save."
+            )
+    return text
 
 
 def _external_sentence(payload: dict) -> str:
