@@ -56,6 +56,9 @@ def main() -> None:
         "--chunked", action="store_true", help="also both policies with `OffloadConfig(chunked_copies=True)`"
     )
     parser.add_argument(
+        "--thread", action="store_true", help="also both policies with `OffloadConfig(transfer_thread=True)`"
+    )
+    parser.add_argument(
         "--out", type=Path, default=RESULTS, help="directory for the JSON, PNG and markdown results"
     )
     args = parser.parse_args()
@@ -76,10 +79,13 @@ def main() -> None:
         f"on_demand_lru, {args.budget:.0%}": fj.OffloadConfig(policy="on_demand_lru", cache_experts=slots),
         f"fmoe, {args.budget:.0%}": fj.OffloadConfig(policy="fmoe", cache_experts=slots, prefetch_distance=1),
     }
-    if args.chunked:  # copies from the transfer thread, one matrix at a time (`ChunkedJaxMover`)
-        for policy in ("on_demand_lru", "fmoe"):
-            configs[f"{policy} chunked, {args.budget:.0%}"] = dataclasses.replace(
-                configs[f"{policy}, {args.budget:.0%}"], chunked_copies=True
+    for flag, option, label in (
+        (args.chunked, "chunked_copies", "chunked"),
+        (args.thread, "transfer_thread", "thread"),
+    ):
+        for policy in ("on_demand_lru", "fmoe") if flag else ():  # copies from the transfer thread
+            configs[f"{policy} {label}, {args.budget:.0%}"] = dataclasses.replace(
+                configs[f"{policy}, {args.budget:.0%}"], **{option: True}
             )
 
     for name, offload in configs.items():

@@ -36,6 +36,11 @@ class OffloadConfig:
         on-demand loads first (`ChunkedJaxMover`): a miss waits behind at most one matrix of a prefetch, and
         a prefetch no longer wanted is stopped between matrices. Off: each copy is one `jax.device_put`
         issued at once, and the runtime orders them.
+      transfer_thread: copies are issued from a transfer thread, whole (one `jax.device_put` each; with
+        `chunked_copies`, one array at a time), on-demand loads first: issuing a copy leaves the thread
+        that runs the layers. On an H200 (bench-s, 25 %, `benchmarks/results/offload_overhead_h200.json`)
+        it did not pay: fmoe 29.6 against 29.8 ms a token, on-demand LRU 24.0 against 23.2 (the driver's
+        share of issuing prefetches fell from 2.5 to 1.6 ms a token, its waits for misses rose more).
       preload: warm start: fill the cache before serving, layer by layer in expert order, up to its
         budget. These loads count in no request's statistics (a warm cache, as after earlier requests).
       policy_options: keyword arguments of the policy: every setting a policy has (fmoe's store, ablation
@@ -64,6 +69,7 @@ class OffloadConfig:
     max_inflight: int = 4
     synchronous_transfers: bool = False
     chunked_copies: bool = False
+    transfer_thread: bool = False
     preload: bool = False
     policy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     execution: str = "copy"

@@ -75,7 +75,7 @@ class JaxMover:
 class _Transfer:
     """One expert's copy by `ChunkedJaxMover`: its host arrays (the chunks), sent in order."""
 
-    def __init__(self, key: Key, leaves: list[Any], treedef: Any):
+    def __init__(self, key: Key, leaves: list[Any], treedef: Any):  # treedef None: one chunk, the whole
         self.key, self.leaves, self.treedef = key, leaves, treedef
         self.sent: list[jax.Array] = []  # the device arrays of the chunks that have landed
         self.sending = False  # a chunk is on the link
@@ -86,9 +86,19 @@ class _Transfer:
 
     def unsent_share(self) -> float:
         """The share of the expert's bytes not sent and not under way."""
-        total = sum(leaf.nbytes for leaf in self.leaves)
+
+        def nbytes(chunk: Any) -> int:
+            return sum(leaf.nbytes for leaf in jax.tree.leaves(chunk))
+
+        total = sum(nbytes(leaf) for leaf in self.leaves)
         later = self.leaves[len(self.sent) + self.sending :]
-        return sum(leaf.nbytes for leaf in later) / max(total, 1)
+        return sum(nbytes(leaf) for leaf in later) / max(total, 1)
+
+    def landed(self) -> Any:
+        """The expert's device arrays from its landed chunks."""
+        if self.treedef is None:  # sent whole
+            return self.sent[0]
+        return jax.tree.unflatten(self.treedef, self.sent)
 
 
 class _Link:
@@ -139,7 +149,7 @@ class _Link:
                     line.remove(transfer)
                     transfer.error = error
                     if error is None:
-                        transfer.arrays = jax.tree.unflatten(transfer.treedef, transfer.sent)
+                        transfer.arrays = transfer.landed()
                     transfer.done.set()
 
 
@@ -157,7 +167,11 @@ class ChunkedJaxMover:
     wasted link time, and the prediction it served was often right after all.
 
     The cost: a chunk waits for the previous one to land before it is issued (the link is never given two
-    at once, so that the order stays ours), and each chunk is a thread hand-off.
+    at once, so that the order stays ours), and each chunk is a thread hand-off; on a GPU each chunk also
+    pays the copy's fixed cost (~0.3 ms on an H200, `benchmarks/link_compute.py`). With `whole=True` an
+    expert is one chunk (one `device_put` of all its arrays): copies still leave the caller's thread and
+    on-demand loads still go first, but a miss may wait behind a whole prefetch.
+    `OffloadConfig(transfer_thread=True)`.
     """
 
     def __init__(
@@ -166,17 +180,22 @@ class ChunkedJaxMover:
         device: jax.sharding.Sharding,
         *,
         finish_started: bool = True,
+        whole: bool = False,
     ):
         self.host = host
         self.finish_started = finish_started
+        self.whole = whole
         self._link = _Link(device)
         thread = threading.Thread(target=self._link.run, name="fmoe-expert-transfers", daemon=True)
         thread.start()
         self._closer = weakref.finalize(self, self._link.close)
 
     def start(self, key: Key, *, urgent: bool = False) -> _Transfer:
-        leaves, treedef = jax.tree.flatten(self.host(key))
-        transfer = _Transfer(key, leaves, treedef)
+        expert = self.host(key)
+        if self.whole:  # one chunk: the whole pytree in one device_put
+            transfer = _Transfer(key, [expert], None)
+        else:
+            transfer = _Transfer(key, *jax.tree.flatten(expert))
         with self._link.cv:
             if self._link.closed:
                 raise RuntimeError("the expert transfer thread was closed")

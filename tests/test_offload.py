@@ -426,16 +426,20 @@ def test_chunked_copies_are_lossless(family, hf_dirs, resident_runs):
                     np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=atol, err_msg=where)
 
 
-def test_chunked_copies_are_bit_identical_in_bfloat16(name="fmoe-tiny-mixtral"):
-    """A shipped model, in the dtype it ships in, at 1 and 4 slots (layers in chunks)."""
+@pytest.mark.parametrize("copies", [dict(chunked_copies=True), dict(transfer_thread=True)])
+def test_chunked_copies_are_bit_identical_in_bfloat16(copies, name="fmoe-tiny-mixtral"):
+    """A shipped model, in the dtype it ships in, at 1 and 4 slots (layers in chunks), with copies per
+    matrix or whole from the transfer thread."""
     ids = [[5, 100, 200, 300, 400, 17, 9]]
     resident = fj.load_model(name)
     reference = np.asarray(fj.forward(resident, ids))
     tokens = fj.generate(resident, ["def fibonacci(n):"], 12, stop_at_eos=False).tokens
     for slots in (1, 4):
-        offload = OffloadConfig(policy="fmoe", cache_experts=slots, chunked_copies=True)
+        offload = OffloadConfig(policy="fmoe", cache_experts=slots, **copies)
         with fj.load_model(name, offload=offload) as model:
             assert model.module.dtype == jnp.bfloat16
+            mover = model.engine.cache.mover.inner
+            assert isinstance(mover, ChunkedJaxMover) and mover.whole == ("transfer_thread" in copies)
             np.testing.assert_array_equal(np.asarray(fj.forward(model, ids)), reference)
             assert fj.generate(model, ["def fibonacci(n):"], 12, stop_at_eos=False).tokens == tokens
 
@@ -512,6 +516,31 @@ def test_chunked_mover_sends_on_demand_loads_between_a_prefetchs_chunks():
         mover.wait([second])
     arrays = mover.result(urgent)
     assert [a.shape for a in arrays] == [(4,), (4,), (8,)] and float(arrays[2][0]) == 3.0
+    mover.close()
+
+
+def test_transfer_thread_sends_whole_experts_on_demand_loads_first():
+    """`whole=True`: one `device_put` per expert, from the thread; a miss goes ahead of queued prefetches."""
+    mover, _ = chunked_mover(hold=0, whole=True)
+    sent, holding, release = [], threading.Event(), threading.Event()
+
+    def send(expert):
+        sent.append(int(expert[0][0]))
+        if len(sent) == 1:
+            holding.set()
+            assert release.wait(10)
+        return jax.device_put(expert)
+
+    mover._link.send = send
+    first = mover.start((0, 1))
+    assert holding.wait(10)
+    second, urgent = mover.start((0, 2)), mover.start((0, 3), urgent=True)
+    assert mover.cancel(first) is None and first.unsent_share() == 0.0  # under way: it lands
+    release.set()
+    mover.wait([first, second, urgent])
+    assert sent == [1, 3, 2]
+    arrays = mover.result(second)
+    assert [a.shape for a in arrays] == [(4,), (4,), (8,)] and float(arrays[1][0]) == 2.0
     mover.close()
 
 

@@ -150,10 +150,13 @@ class OffloadEngine:
         self._movers: list[TimedMover] = []
 
         def one(index: int, capacity: int) -> DeviceExpertCache:
-            mover_cls = ChunkedJaxMover if self.offload.chunked_copies else JaxMover
-            jax_mover = mover_cls(
-                functools.partial(_host_expert, self.module), self.devices.cache_target(index)
-            )
+            host, target = functools.partial(_host_expert, self.module), self.devices.cache_target(index)
+            if self.offload.chunked_copies:
+                jax_mover = ChunkedJaxMover(host, target)
+            elif self.offload.transfer_thread:
+                jax_mover = ChunkedJaxMover(host, target, whole=True)
+            else:
+                jax_mover = JaxMover(host, target)
             mover = TimedMover(jax_mover)
             self._movers.append(mover)
             return DeviceExpertCache(
