@@ -317,10 +317,12 @@ class OffloadEngine:
             routing.ids.block_until_ready()  # the layer's one sync point: attention and router done
             start = time.perf_counter()
             routed = Routed(
-                devices.host(routing.ids),  # [N, k]
-                devices.host(routing.probs) if want_probs else None,
-                # [N, D] router input; the policy may stop wanting it (see `Policy.needs_hidden`)
-                devices.host(z_f32) if record_hidden or policy.needs_hidden else None,
+                *devices.hosts(
+                    routing.ids,  # [N, k]
+                    routing.probs if want_probs else None,
+                    # [N, D] router input; the policy may stop wanting it (see `Policy.needs_hidden`)
+                    z_f32 if record_hidden or policy.needs_hidden else None,
+                )
             )
             timers["context_collection"] += time.perf_counter() - start
             state.update(h=h, z=z, routing=routing, acc=[None] * len(devices), next=layer_id + 1)
