@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, HelpFormatter, print_table, save
+from benchmarks.common import RESULTS, HelpFormatter, median_ms, print_table, save
 
 BENCH_S = dict(hidden_size=1024, expert_intermediate_size=3584)  # fmoe_jax.testing.PRESETS["bench-s"]
 
@@ -71,14 +71,7 @@ def pcie_link() -> str | None:
 
 def timed(fn, repeats: int, warmup: int = 2) -> float:
     """Median seconds of `fn()` (which blocks until its work is done)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return median_ms(fn, repeats, warmup) / 1e3
 
 
 def random_matrix(key, shape, dtype, sharding):
