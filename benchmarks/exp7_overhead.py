@@ -12,12 +12,12 @@ Mixtral-8x7B, Qwen1.5-MoE-A2.7B and Phi-3.5-MoE on each `--hardware` preset from
 one expert copy), next to fMoE's host work at those shapes, measured here with
 `benchmarks/matcher_overhead.py`'s `measure` (store of 1,024 maps): its parts (one semantic search, the L - d
 trajectory searches, one map update and one reuse hint (`future_of`) per iteration) and the whole policy's
-iteration (`fmoe_host_ms`: the same plus selection, admission, the calibration and forecast updates, with the
-searches `skip_confirmed` leaves out left out; `matcher_share` is it over the compute; `no_search_ms` the
-same without searches), and the simulated iteration of the workload's own routing at its preset's sizes
-(compute, stall), with fmoe's matcher free (as the other experiments simulate it) and taking the host time
-measured here (`simulate(matcher_s=...)`), beside on_demand_lru. (c) The expert-map store's host memory
-by capacity for each real model.
+iteration (`fmoe_host_ms`: the same plus selection, admission, the calibration and forecast updates, less
+the searches `skip_confirmed` and resting after repeated matches leave out; `matcher_share` is it over the
+compute; `no_search_ms` the same without searches), and the simulated iteration of the workload's own
+routing at its preset's sizes (compute, stall), with fmoe's matcher free (as the other experiments simulate
+it) and taking the host time measured here (`simulate(matcher_s=...)`), beside on_demand_lru. (c) The
+expert-map store's host memory by capacity for each real model.
 Writes `exp7_overhead.{json,md,png}` to --out.
 """
 

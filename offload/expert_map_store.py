@@ -100,6 +100,9 @@ class ExpertMapStore:
         width = num_layers * num_experts
 
         self._size = 0
+        # (version, [1, L*J] map, [1, C] cosines with every stored map): the last single map `add` stored
+        # into a full store, with the cosines its redundancy rule computed, until the next write.
+        self._added: tuple[int, np.ndarray, np.ndarray] | None = None
         self.version = 0  # counts writes of maps (a `PrefixDots` started before one starts over)
         # Arrays a policy keeps beside the maps (fmoe's calibration tables), saved and loaded with them.
         self.attachments: dict[str, np.ndarray] = {}
@@ -156,6 +159,7 @@ class ExpertMapStore:
         self,
         embeds: np.ndarray,  # [B, H]
         maps: np.ndarray,  # [B, L, J]
+        dots: np.ndarray | None = None,  # [B, n] maps . stored maps, from `PrefixDots.full_dots`
     ) -> np.ndarray:  # [B] int64
         """Stores B new expert maps; returns the slot each one went to.
 
@@ -171,7 +175,8 @@ class ExpertMapStore:
         rows arrived and some rows are lost without being compared with each other.
 
         One matrix product scores all B rows against the store; the sequential replacement then
-        updates only the replaced columns, from the batch's own [B, B] similarities.
+        updates only the replaced columns, from the batch's own [B, B] similarities. `dots`, the rows' dot
+        products with every stored map already summed (a full store's), replace that product's map half.
         """
         embeds = self._rows(embeds, (self.embed_dim,), "embeds")  # [B, H]
         maps = self._rows(maps, (self.num_layers, self.num_experts), "maps")  # [B, L, J]
@@ -205,7 +210,10 @@ class ExpertMapStore:
         unit_embeds = embeds[rest] * inv_embed[rest, None]  # [r, H]
         unit_maps = flat[rest] * inv_prefix[rest, -1:]  # [r, L*J]
         sem = self._semantic_scores(unit_embeds, None if sketch is None else sketch[rest])  # [r, C]
-        traj = _scores(self._maps, unit_maps) * self._inv_prefix_norm[-1]  # [r, C]
+        if dots is not None and take == 0 and np.shape(dots) == (num_rows, self.capacity):
+            traj = dots * inv_prefix[:, -1:] * self._inv_prefix_norm[-1]  # [r, C] cosines
+        else:
+            traj = _scores(self._maps, unit_maps) * self._inv_prefix_norm[-1]  # [r, C]
         # Replaced columns take the same kind of value as the rest of `sem` (sketch or exact), so a
         # batch shortlists exactly as the equivalent single-row calls would.
         sem_batch = unit_embeds @ unit_embeds.T if sketch is None else sketch[rest] @ sketch[rest].T  # [r, r]
@@ -231,6 +239,9 @@ class ExpertMapStore:
             )
             sem[i + 1 :, slot] = sem_batch[i + 1 :, i]
             traj[i + 1 :, slot] = traj_batch[i + 1 :, i]
+        if num_rows == 1:  # decode: `future_of` the same map next (fmoe's reuse hint) reuses its cosines
+            traj[0, slot] = traj_batch[0, 0]
+            self._added = (self.version, flat.copy(), traj)
         return slots
 
     def add_future(self, slots: np.ndarray, maps: np.ndarray) -> None:
@@ -253,7 +264,11 @@ class ExpertMapStore:
         if not has.size:
             return np.zeros(maps.shape, np.float32)
         flat = maps.reshape(len(maps), -1)
-        sims = _scores(self._maps[:n], flat * _inv_norm(flat)[:, None]) * self._inv_prefix_norm[-1, :n]
+        added = self._added
+        if added is not None and added[0] == self.version and np.array_equal(added[1], flat):
+            sims = added[2]  # the map `add` has just stored: the cosines it computed
+        else:
+            sims = _scores(self._maps[:n], flat * _inv_norm(flat)[:, None]) * self._inv_prefix_norm[-1, :n]
         sims = sims[:, has]  # [B, m]
         k = min(neighbours, has.size)
         if k == 1:
@@ -551,6 +566,30 @@ class PrefixDots:
         self._done = 0
         self._dots: np.ndarray | None = None  # [B, n]
         self._squares: np.ndarray | None = None  # [B] float64, squared norm of the summed prefix
+
+    def full_dots(self, store: ExpertMapStore, maps: np.ndarray) -> np.ndarray | None:
+        """The dot products of whole maps `[B, L, J]` with every stored map `[B, n]` (float32), by finishing
+        the sums of this iteration's searches, when those were of the same store and of `maps`' first layers
+        (the layers after the last search are added: n x J multiply-adds each); None otherwise. `add` takes
+        them for its redundancy rule (`dots`): decode's map update needs no pass of its own over the store."""
+        rows = len(maps)
+        if self._key != (id(store), store.version, rows) or not self._done:
+            return None
+        done = self._done
+        if maps.shape[1:] != self._query.shape[1:] or not np.array_equal(
+            maps[:, :done], self._query[:, :done]
+        ):
+            return None
+        rest = np.ascontiguousarray(maps[:, done:], dtype=np.float32)
+        if not np.isfinite(rest).all():
+            return None
+        n = store._size
+        for i in range(rest.shape[1]):
+            self._dots += _scores(store._by_layer[done + i, :n], rest[:, i])
+        self._squares += np.square(rest, dtype=np.float64).sum(axis=(1, 2))
+        self._query[:, done:] = rest
+        self._done = maps.shape[1]
+        return self._dots
 
     def search(self, store: ExpertMapStore, trajs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`store.match_traj(trajs, self)`: `trajs` [B, l, J] already shape-checked by the store."""

@@ -46,6 +46,7 @@ class Calibration:
         self._counts = np.zeros((3, *shape))
         self._pooled = np.zeros((3, *shape[:-1]))
         self.prior_strength = prior_strength
+        self._table: np.ndarray | None = None  # `predict_binned`'s answer per bin, from the counts (NaN: p)
 
     needed = property(lambda self: self._counts[0])
     seen = property(lambda self: self._counts[1])
@@ -73,11 +74,13 @@ class Calibration:
         self.observe_binned(p, self.bins(p, score, distance, recency), needed)
 
     def observe_binned(self, p: np.ndarray, bins: np.ndarray, needed: np.ndarray) -> None:
-        bins = np.asarray(bins).ravel()
-        values = np.stack([np.asarray(needed, np.float64).ravel(), np.ones(bins.size), np.ravel(p)])
-        rows = np.arange(3)[:, None]
-        np.add.at(self._counts.reshape(3, -1), (rows, bins[None]), values)
-        np.add.at(self._pooled.reshape(3, -1), (rows, bins[None] // RECENCY_BINS), values)
+        bins = np.asarray(bins, np.int64).ravel()
+        size = self._counts[0].size
+        for row, weights in enumerate((np.asarray(needed, np.float64).ravel(), None, np.ravel(p))):
+            counts = np.bincount(bins, weights, minlength=size)  # exact: sums of whole numbers, and of p
+            self._counts[row] += counts.reshape(self._counts.shape[1:])
+            self._pooled[row] += counts.reshape(-1, RECENCY_BINS).sum(axis=1).reshape(self._pooled.shape[1:])
+        self._table = None
 
     def predict(
         self, p: np.ndarray, score: np.ndarray, distance: np.ndarray, recency: np.ndarray | int = 0
@@ -85,13 +88,22 @@ class Calibration:
         return self.predict_binned(p, self.bins(p, score, distance, recency))
 
     def predict_binned(self, p: np.ndarray, bins: np.ndarray) -> np.ndarray:
-        p = np.asarray(p, np.float64)
+        """The need probability of each observation from its raw map probability `p` and its bin. Every bin
+        whose pooled bin has counts answers a number of its own (`_prepare`, once after each `observe`); the
+        rest answer `p` itself (no counts anywhere near: the prior alone)."""
+        if self._table is None:
+            self._prepare()
+        known = self._table.take(bins)
+        return np.where(np.isnan(known), np.asarray(p, np.float64), known)
+
+    def _prepare(self) -> None:
         k = self.prior_strength
-        needed_pool, seen_pool, p_pool = self._pooled.reshape(3, -1)[:, bins // RECENCY_BINS]
-        raw = np.where(seen_pool > 0, p_pool / np.maximum(seen_pool, 1.0), p)
+        needed_pool, seen_pool, p_pool = self._pooled.reshape(3, -1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            raw = p_pool / seen_pool  # NaN where the pooled bin is empty: `predict_binned` answers p there
         prior = (needed_pool + k * raw) / (seen_pool + k)
-        needed, seen = self._counts.reshape(3, -1)[:2, bins]
-        return (needed + k * prior) / (seen + k)
+        needed, seen = self._counts.reshape(3, -1)[:2]
+        self._table = (needed + k * np.repeat(prior, RECENCY_BINS)) / (seen + k)
 
     def state(self) -> dict[str, np.ndarray]:
         return {"needed": self.needed, "seen": self.seen, "p_sum": self.p_sum}
@@ -102,6 +114,7 @@ class Calibration:
         if all(np.shape(state.get(name)) == self._counts.shape[1:] for name in names):
             self._counts = np.stack([np.asarray(state[name], np.float64) for name in names])
             self._pooled = self._counts.sum(axis=-1)
+            self._table = None
 
 
 class ReuseForecast:

@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 import pytest
+from fmoe_jax.offload import expert_map_store as store_module
 from fmoe_jax.offload.expert_map_store import ExpertMapStore, PrefixDots
 from fmoe_jax.offload.fmoe_select import (
     MASS_TOLERANCE,
@@ -474,3 +475,41 @@ def test_future_of_averages_the_followers_of_the_most_similar_maps():
     np.testing.assert_allclose(store.future_of(query, 50)[0], expected, atol=1e-5)
     with pytest.raises(ValueError, match="neighbours must be >= 1"):
         store.future_of(query, 0)
+
+
+def test_future_of_the_map_just_added_reuses_its_cosines_and_answers_the_same():
+    """Decode adds one map to a full store and asks what follows it: `future_of` takes the cosines `add`
+    computed for its redundancy rule instead of a second pass over the store, with the same answer (to
+    float32 rounding) as a store that computes them afresh; any other map, or a later write, is searched."""
+    embeds, maps = _data(0, 12)
+    _, followers = _data(1, 12)
+    stores = [_store(capacity=8) for _ in range(2)]
+    for store in stores:
+        slots = store.add(embeds[:8], maps[:8])
+        store.add_future(slots, followers[:8])
+    new_embed, new_map = _data(2, 1)
+    fresh, reusing = stores
+    fresh.add(new_embed, new_map)
+    fresh._added = None  # forget the cosines: a second pass over the store
+    reusing.add(new_embed, new_map)
+    assert reusing._added is not None and reusing._added[0] == reusing.version
+    for neighbours in (1, 3, 8):
+        np.testing.assert_allclose(
+            reusing.future_of(new_map, neighbours), fresh.future_of(new_map, neighbours), atol=1e-6
+        )
+    calls = []
+    original = store_module._scores
+    try:
+        store_module._scores = lambda *a: calls.append(1) or original(*a)
+        reusing.future_of(new_map, 3)
+        assert not calls  # the map just added: no pass over the store
+        reusing.future_of(maps[:1], 3)
+        assert calls  # another map is searched
+        for store in stores:
+            store.add(*_data(3, 2))  # a later write (two rows: nothing stashed)
+        calls.clear()
+        hint = reusing.future_of(new_map, 3)
+        assert calls  # the cosines of `new_map` are stale: searched
+        np.testing.assert_allclose(hint, fresh.future_of(new_map, 3), atol=1e-6)
+    finally:
+        store_module._scores = original

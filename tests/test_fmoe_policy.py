@@ -105,9 +105,64 @@ def test_a_search_the_last_match_foresaw_is_skipped_where_a_chance_match_is_rare
     # confirm it (layer 5, the last, is searched after by no one).
     assert searches(16, 4) == (1, 4)
     assert searches(16, 4, depart=2) == (2, 3)  # layer 2 departs: searched again, and confirmed after
-    assert searches(16, 4, skip_confirmed=False) == (5, 0)
-    assert searches(8, 2) == (5, 0)  # 2 of 8 (4.8 bits) agree by chance too often to confirm anything
+    # Without confirmation the searches find map 0 again and again, and rest (`_resting`): after layers
+    # 0, 1 (a repeat: layer 2 rests) and 3 (the second repeat: layer 4 rests).
+    assert searches(16, 4, skip_confirmed=False) == (3, 0)
+    assert searches(8, 2) == (3, 0)  # 2 of 8 (4.8 bits) agree by chance too often to confirm anything
     assert searches(16, 4, traj_target="single") == (5, 0)  # each search guides one layer: none is skipped
+
+
+def test_searches_rest_longer_while_they_keep_finding_the_same_map():
+    """After n repeated matches in a row the next 2 ** (n - 1) layers' searches are left out (their
+    routing still counts: the next search sums it); a new iteration searches after every layer again."""
+    rng = np.random.default_rng(0)
+    layers = 12
+    store = ExpertMapStore(capacity=4, num_layers=layers, num_experts=8, embed_dim=3, prefetch_distance=1)
+    maps = rng.dirichlet(np.ones(8), size=(4, layers)).astype(np.float32)
+    store.add(rng.standard_normal((4, 3)).astype(np.float32), maps)
+    policy, cache = bound_policy(store, top_k=2)  # 2 of 8: no layer is skipped as confirmed
+    valid = np.ones((1, 1), bool)
+    searched = []
+    for _ in range(2):
+        iteration_start(policy, np.ones((1, 3), np.float32), valid)
+        before = policy.stats().get("trajectory_matches", 0)
+        for layer in range(layers):
+            probs = maps[0, layer]  # the routing of stored map 0 throughout: every search finds it
+            matches = policy.stats().get("trajectory_matches", 0)
+            layer_routed(policy, layer, probs[None], np.argsort(-probs)[:2][None], valid)
+            if policy.stats().get("trajectory_matches", 0) > matches:
+                searched.append(layer)
+        assert policy.stats()["trajectory_matches"] - before == 4
+        policy.on_iteration_end()
+    # Layer 0 finds map 0, layer 1 repeats it (rest 1 layer: 2), 3 repeats (rest 2: 4, 5), 6 repeats
+    # (rest 4: 7-10); layer 11 guides nothing. The next iteration starts over.
+    assert searched == [0, 1, 3, 6, 0, 1, 3, 6]
+    assert policy.stats()["rested_layers"] == 2 * (1 + 2 + 4)
+
+
+def test_a_search_that_finds_the_same_map_again_keeps_the_prefetches_it_asked_for():
+    """Band targets: a search that finds the map the search before it found (same iteration) selects
+    nothing new (that one selected for every layer this one would guide); it only drops requests gone
+    stale. A search that finds another map selects from it as usual."""
+    rng = np.random.default_rng(0)
+    store = ExpertMapStore(capacity=4, num_layers=6, num_experts=8, embed_dim=3, prefetch_distance=1)
+    maps = rng.dirichlet(np.ones(8), size=(4, 6)).astype(np.float32)
+    maps[1, :2] = maps[0, :2]  # maps 0 and 1 agree on layers 0 and 1, then part
+    store.add(rng.standard_normal((4, 3)).astype(np.float32), maps)
+    policy, cache = bound_policy(store, top_k=2)
+    valid = np.ones((1, 1), bool)
+    iteration_start(policy, np.ones((1, 3), np.float32), valid)
+    cache.requests.clear()
+    for layer in range(6):  # routing follows map 1: the first searches find map 0 (the lower slot of a tie)
+        probs = maps[1, layer]
+        layer_routed(policy, layer, probs[None], np.argsort(-probs)[:2][None], valid)
+    (first, f_kw), (again, a_kw), rested, (changed, c_kw), _ = cache.requests  # after layers 0..4
+    assert f_kw["replace"] is True and {layer for (layer, _), _ in first} == {1, 2, 3, 4, 5}
+    assert (again, a_kw) == ([], {"replace": False, "stale_before": 2})  # map 0 again
+    assert rested == ([], {"replace": False, "stale_before": 3})  # after a repeat, layer 2 rests
+    assert c_kw["replace"] is True and {layer for (layer, _), _ in changed} == {4, 5}  # map 1 now
+    stats = policy.stats()
+    assert (stats["trajectory_matches"], stats["repeated_matches"], stats["rested_layers"]) == (4, 2, 1)
 
 
 def test_the_matcher_works_only_while_the_link_time_it_could_save_pays_for_it():
@@ -138,10 +193,11 @@ def test_the_matcher_works_only_while_the_link_time_it_could_save_pays_for_it():
     # A cache that misses 1 access in 4 puts a quarter of that at stake: 0.25 ms a layer pays for a
     # 0.5 ms search after layer 1 (not 0 or 2), and for the update at the end.
     assert counts(hits=3, misses=1, matcher_s=0.5e-3) == (0, 1, 1, 2, 0)
-    assert counts(matcher_s=0.0) == (1, 3, 0, 0, 0)  # the simulator's hint: the matcher costs nothing
-    assert counts(matcher_s=2.5e-3, pay_for_matching=False) == (1, 3, 0, 0, 0)
+    # The simulator's hint: the matcher costs nothing (layer 1's search finds layer 0's map again: 2 rests).
+    assert counts(matcher_s=0.0) == (1, 2, 0, 0, 0)
+    assert counts(matcher_s=2.5e-3, pay_for_matching=False) == (1, 2, 0, 0, 0)
     # Unmeasured costs: everything goes, and each kind's host time is measured from the work itself.
-    assert counts() == (1, 3, 0, 0, 0)
+    assert counts() == (1, 2, 0, 0, 0)
     # Each kind's host time is known once the first context (cold: not timed) and `_COST_WARMUP` more are.
     policy, _ = bound_policy(one_map_store(), copy_s=1e-3, layer_s=1e-3)
     valid = np.ones((1, 1), bool)
@@ -179,7 +235,9 @@ def test_live_fmoe_wants_maps_copied_out_only_when_a_paid_context_can_use_them(c
         # What they left out is counted as unpaid work, as when the credit refuses a context.
         assert stats["unpaid_semantic"] >= 2 and stats["unpaid_trajectory"] >= 2 * 3
     else:
-        assert "unrecorded_iterations" not in stats and matches[-1] == matches[-2] + 4
+        # Each iteration: the semantic search and two trajectory searches (the third layer rests after a
+        # repeat, `_resting`).
+        assert "unrecorded_iterations" not in stats and matches[-1] == matches[-2] + 3
 
 
 def test_slow_first_contexts_do_not_price_the_matcher_out(monkeypatch):
@@ -396,6 +454,25 @@ def test_a_prefetch_and_its_victim_are_scored_alike():
     assert need < victim < incoming  # its need alone would lose to the victim's forecast and popularity
     assert policy.admit_prefetch((0, 0), 0.7, victim=(3, 0))
     assert not policy.admit_prefetch((0, 2), 0.1, victim=(3, 0))  # unguided and never used: worth less
+
+
+def test_a_prefetch_evicts_only_a_victim_worth_less_than_it_net_of_its_price():
+    """Eviction "reuse" with cost admission: the incoming expert's score less the admission threshold (the
+    share of its copy taken from on-demand loads, `threshold`) must beat the victim's. Here the link delays
+    the next layer's misses by half of what the prefetch moves (T = 2 ms in one piece, 1 ms a layer, every
+    layer missing): f = 0.5."""
+    policy, cache = bound_policy(one_map_store(), copy_s=2e-3, layer_s=1e-3, popularity=False)
+    iteration_start(policy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
+    policy.forecast.scores[:] = 0.0  # no reuse forecast: the scores are the need probabilities alone
+    policy._need[3, 0] = 0.1  # the victim, an expert of a layer still to route
+    assert policy.keep_score((3, 0), Entry()) == pytest.approx(0.1)
+    for need, misses, admitted in ((0.4, 1, False), (0.7, 1, True), (0.4, 0, True)):
+        # No misses: nothing delays the copy, which then cannot land before layer 0 (inf); asked again when
+        # it leaves the queue, a prefetch already admitted is not priced for that (0).
+        cache.book.stats.misses = misses
+        policy._need[0, 0] = need
+        assert policy.threshold(0, -1) == (0.5 if misses else np.inf)
+        assert policy.admit_prefetch((0, 0), need, victim=(3, 0)) is admitted
 
 
 def test_without_a_profile_fmoe_profiles_what_it_serves_and_saves_it_with_the_store(tmp_path):

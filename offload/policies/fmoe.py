@@ -3,8 +3,10 @@
 The engine publishes contexts; a matcher thread subscribes to them, searches the `ExpertMapStore`
 (semantic search at iteration start for layers [0, d), trajectory search after each layer for the layers
 d ahead, except after a layer the last match foresaw, `skip_confirmed`), picks experts by similarity-aware
-selection, and queues prefetches by priority p / (l - l_now). It searches only while the copy time its work
-could save covers the host time the work takes (`pay_for_matching`).
+selection, and queues prefetches by priority p / (l - l_now). A search that finds the maps the one before it
+found selects nothing anew (`_repeats`), and after repeats the next layers' searches rest (`_resting`). It
+searches only while the copy time its work could save covers the host time the work takes
+(`pay_for_matching`).
 The paper's eviction keeps the experts with the highest p * freq; ours by default ("reuse") keeps those most
 likely needed soon (see `keep_score`). The engine never waits for matching.
 
@@ -233,6 +235,9 @@ class FMoE(Policy):
         self.link = link
         self.skip_confirmed = skip_confirmed and traj_target == "band"
         self._foreseen: tuple[int, np.ndarray] | None = None  # (iteration, [B, L, k] sorted top-k of a match)
+        self._matched: tuple[int, np.ndarray] | None = None  # (iteration, [B, L, J]): the last trajectory
+        self._streak, self._streak_iteration = 0, -1  # trajectory matches in a row that found the same maps
+        self._rest = (-1, -1)  # (iteration, layer): searches after layers up to it are left out (`_resting`)
         self.pay_for_matching = pay_for_matching
         self._credit = 0.0  # link seconds the matcher may still spend (`pay_for_matching`; engine thread)
         # Host seconds per context of each kind: the context's hint, else the median of the last
@@ -481,18 +486,11 @@ class FMoE(Policy):
         if self._measure:
             self._measure_costs()
         needed = np.asarray(event.needed, np.int64)
-        if self._latest[layer]:  # what this layer's guides were worth: the calibration learns it
-            outcome = np.zeros(self.ctx.num_experts, bool)
-            outcome[needed] = True
-            # A copy of the mask: the matcher thread may guide the layer from another distance meanwhile
-            # (a torn read only mixes two of its guides; the shapes must agree).
-            guided = self._guided[:, layer].copy()
-            p, bins = self._guide_p[guided, layer], self._guide_bin[guided, layer]  # [count, J]
-            self.calibration.observe_binned(p.ravel(), bins.ravel(), np.tile(outcome, len(p)))
-        self._current = layer
+        self._current = layer  # from now on no guide of this layer is written (`_select`)
         self._used[layer, needed] = True
         if self._counting:  # the popularity profile grows with every token served
-            np.add.at(self._counts[layer], np.asarray(event.ids)[event.token_valid].ravel(), 1.0)
+            routed = np.asarray(event.ids)[event.token_valid].ravel()
+            self._counts[layer] += np.bincount(routed, minlength=self.ctx.num_experts)
         self.forecast.mark_used(layer, needed)
         if event.probs is None:  # the engine skipped them: no search or update from this iteration
             self._recording = False
@@ -517,9 +515,23 @@ class FMoE(Policy):
             self.counts["confirmed_layers"] += 1
             # What a search would drop: waiting requests for this layer and those before it.
             self.cache.request_prefetch((), replace=False, stale_before=layer + 1)
+        elif active.size and self._resting(layer):
+            self.counts["rested_layers"] += 1
+            self.cache.request_prefetch((), replace=False, stale_before=layer + 1)
         elif active.size and self._affords("trajectory", self._recording):
             data = self._maps[active, : layer + 1].copy()
             self._publish(_Context("trajectory", layer=layer, data=data, iteration=self._iteration))
+
+    def _resting(self, layer: int) -> bool:
+        """Whether the search after `layer` is left out because the searches before it kept finding the same
+        maps (`_repeats`): after n repeats in a row the next 2 ** (n - 1) layers go unsearched (their routing
+        still counts: the next search sums it). At Qwen1.5-MoE's shapes in `matcher_overhead` this halved
+        the searches of a decode iteration (17.4 -> 8.3); on the validation split (3 models x 12.5 / 25 /
+        50 % x RTX 3090 / H100, simulated, matcher free) the TPOT was 1.003x searching after every layer in
+        geometric mean, 0.996-1.020x at each point (the most at fmoe-tiny-mixtral's 50 %, where the guides
+        rank the experts eviction keeps; resting one layer after each repeat gave the same TPOTs)."""
+        rest = self._rest
+        return rest[0] == self._iteration and layer <= rest[1]
 
     def _priced(self) -> bool:
         return self.pay_for_matching and self.copy_s is not None
@@ -622,6 +634,7 @@ class FMoE(Policy):
         return stalls / per_layer, per_layer
 
     def on_iteration_end(self) -> None:
+        self._observe_guides()
         self.forecast.end_iteration(self._used)
         if self._counting:
             self._update_rate()
@@ -632,6 +645,18 @@ class FMoE(Policy):
             context.request, context.iteration = self._request, self._iteration
             self._publish(context)
         self._plan_recording(updates)
+
+    def _observe_guides(self) -> None:
+        """What the iteration's guides were worth: the calibration learns, for every layer and distance bin a
+        match guided, whether each expert was needed. Once per iteration (the guides of a layer are final
+        when it routes, `_select`), so predictions within an iteration use the counts of those before."""
+        guided = self._guided.copy()  # [D, L]; the matcher thread may still add guides of later layers
+        guided[:, self._current + 1 :] = False
+        if not guided.any():
+            return
+        p, bins = self._guide_p[guided], self._guide_bin[guided]  # [count, J]
+        outcome = np.broadcast_to(self._used, self._guide_p.shape)[guided]
+        self.calibration.observe_binned(p.ravel(), bins.ravel(), outcome.ravel())
 
     def _plan_recording(self, updates: bool) -> None:
         """Live, whether the next iteration's embeddings and router probabilities are worth copying out of
@@ -806,6 +831,12 @@ class FMoE(Policy):
         else:
             scores, maps = self.store.match_traj(context.data, self._prefix_dots)
             current = context.layer
+            if self._repeats(context, maps):  # the prefetches its last search asked for stand
+                self._record_match(context.kind, scores)
+                self.counts["repeated_matches"] += 1
+                self.timers["matching"] += time.perf_counter() - start
+                self.cache.request_prefetch((), replace=False, stale_before=current + 1)
+                return
             if self._skipping and context.iteration == self._iteration and len(self.store):
                 expected = np.zeros((*maps.shape[:2], self.ctx.top_k), np.int64)  # layers <= current: unused
                 for row, expert_map in enumerate(maps):
@@ -816,18 +847,40 @@ class FMoE(Policy):
             targets = (
                 range(first, self.ctx.num_layers) if self.traj_target == "band" else range(first, first + 1)
             )
-        self.counts[f"{context.kind}_matches"] += 1
-        if len(self.scores[context.kind]) < 100_000:
-            self.scores[context.kind].extend(scores.tolist())
+        self._record_match(context.kind, scores)
         items = self._select(scores, maps, targets, current, fresh=context.iteration == self._iteration)
         self.timers["matching"] += time.perf_counter() - start
         replace = True if self.traj_target == "band" or context.kind == "semantic" else targets
         self.cache.request_prefetch(items, replace=replace, stale_before=current + 1)
 
+    def _record_match(self, kind: str, scores: np.ndarray) -> None:
+        self.counts[f"{kind}_matches"] += 1
+        if len(self.scores[kind]) < 100_000:
+            self.scores[kind].extend(scores.tolist())
+
+    def _repeats(self, context: _Context, maps: np.ndarray) -> bool:
+        """Whether a trajectory match of the current iteration found the same maps as the one before it
+        (band targets: that one selected from them for every layer this one would guide). Most decode
+        searches do: the best of a thousand stored prefixes rarely changes as one more layer is summed.
+        Counts the repeats in a row, for `_resting`."""
+        if self.traj_target != "band" or context.iteration != self._iteration:
+            return False
+        last, self._matched = self._matched, (context.iteration, maps)
+        repeated = last is not None and last[0] == context.iteration and np.array_equal(last[1], maps)
+        streak = (
+            self._streak + 1 if repeated and self._streak_iteration == context.iteration else int(repeated)
+        )
+        self._streak, self._streak_iteration = streak, context.iteration
+        if repeated:  # the match holds: the next searches would most likely find it again
+            self._rest = (context.iteration, context.layer + 2 ** (streak - 1))
+        return repeated
+
     def _learn(self, context: _Context) -> None:
         """Adds the iteration's maps to the store and records each as a follower of the same request's
         previous `reuse_horizon` tokens (`ExpertMapStore.add_future`)."""
-        slots = self.store.add(context.data, context.extra)
+        # In decode the iteration's searches have summed most of these maps' dot products with the store's.
+        dots = self._prefix_dots.full_dots(self.store, context.extra)
+        slots = self.store.add(context.data, context.extra, dots)
         for slot, row, token_map in zip(slots, context.rows, context.extra, strict=True):
             key = (context.request, int(row)) if context.requests is None else (context.requests[row],)
             recent = self._recent.get(key)
@@ -865,12 +918,13 @@ class FMoE(Policy):
         match = float(scores.max()) if len(scores) else 0.0  # the guides' similarity
         bins = self.calibration.bins(guide, match, dist, self.forecast.recency[layers])  # [n, J]
         need = self.calibration.predict_binned(guide, bins) if self.calibrate else guide  # [n, J]
-        if fresh:
-            depth = np.minimum(dist[:, 0], MAX_DISTANCE) - 1  # [n] each target's distance bin
-            self._guide_p[depth, layers], self._guide_bin[depth, layers] = guide, bins
-            self._guided[depth, layers] = True
-            self._latest_p[layers], self._latest[layers] = guide, True
-            self._need[layers] = need
+        if fresh:  # guides of the layers still to route (from a late match, a routed layer's guide is moot)
+            ahead = slice(max(0, self._current + 1 - int(layers[0])), None)  # `layers` ascend one by one
+            at, depth = layers[ahead], np.minimum(dist[ahead, 0], MAX_DISTANCE) - 1  # distance bin
+            self._guide_p[depth, at], self._guide_bin[depth, at] = guide[ahead], bins[ahead]
+            self._guided[depth, at] = True
+            self._latest_p[at], self._latest[at] = guide[ahead], True
+            self._need[at] = need[ahead]
         q = np.where(best > 0, need, 0.0)
         thresholds = self.threshold(layers, current)  # [n]
         admitted = (q > 0) & (q >= thresholds[:, None])
@@ -943,16 +997,31 @@ class FMoE(Policy):
         """A prefetch evicts only an expert worth less than the one it brings. ("reuse": both scored by
         `keep_score`. Scoring the incoming expert by its need probability alone, as before, let a victim's
         forecast and popularity outweigh nearly every prefetch once popularity was counted online; on the
-        validation split of experiment 8 the change is neutral with a profile, 1-2 % faster without.)"""
+        validation split of experiment 8 the change is neutral with a profile, 1-2 % faster without.)
+
+        With cost admission the incoming expert's score is net of its price, the admission threshold: a
+        wrong copy costs that share of its link time in on-demand waits, on top of the victim's misses.
+        (Before, the threshold only admitted the prefetch and the eviction compared the scores alone: at
+        12.5 % on fmoe-tiny-mixtral's validation routing at Mixtral-8x7B sizes, where a cache of one expert a
+        layer makes every prefetch evict an expert of some later layer, fmoe was 0.731x on-demand LRU's TPOT
+        on the RTX 3090 (on-demand LFU 0.746x) and with the price 0.690x; on the H100 0.730x and 0.688x.)"""
         if self.eviction in ("lru", "lfu"):
             return True
         layer, expert = key
         if self.eviction == "fmoe":
             p = self._latest_p[layer, expert] if self._latest[layer] else 0.0
             incoming = float(keep_priority(p, self.cache.freq(key)))
-        else:  # scored as it would be once resident, like the victim
-            incoming = self._reuse_score(layer, expert)
+            return self.keep_score(victim, self.cache.entry(victim)) < incoming
+        # Scored as it would be once resident, like the victim, less what the copy costs when wrong: the
+        # admission threshold (the share of its link time taken from on-demand loads).
+        incoming = self._reuse_score(layer, expert) - self._price(layer)
         return self.keep_score(victim, self.cache.entry(victim)) < incoming
+
+    def _price(self, layer: int) -> float:
+        """`threshold` of a prefetch for `layer` decided now, 0 where it is infinite (a prefetch already
+        admitted no longer asks whether it lands in time) or not priced."""
+        price = self.threshold(layer, self._current) if self.admission == "cost" else 0.0
+        return price if math.isfinite(price) else 0.0
 
     def stats(self) -> dict[str, Any]:
         out = {"store_size": len(self.store) if self.store is not None else 0, **dict(self.counts)}
