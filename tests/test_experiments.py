@@ -388,7 +388,7 @@ def test_link_compute_runs_on_the_cpu_and_the_readme_reports_an_accelerators_run
     assert [r["expert"] for r in payload["copies"]] == ["bench-s", "Qwen3-30B-A3B"]
     assert {r["issue"] for r in payload["overlap"]} >= {"pinned, after compute", "pinned, other thread"}
     assert payload["layers"][0]["experts_kernel_ms"] > 0 and (tmp_path / "link_compute.png").exists()
-    assert _device_sentence(payload, None) == ""  # measured on the CPU
+    assert _device_sentence(payload, []) == ""  # measured on the CPU
     gpu = dict(payload, machine=dict(payload["machine"], backend="gpu"), device_kind="NVIDIA H200")
     gpu["latency"] = dict(gpu["latency"], fit=dict(latency_ms=0.3, rate_gbs=50.0))
     gpu["overlap"] = [
@@ -398,6 +398,9 @@ def test_link_compute_runs_on_the_cpu_and_the_readme_reports_an_accelerators_run
     ]
     row = dict(tpot_ms=30.0, hit_rate=0.75, critical_path_policy_ms=9.0)
     live = dict(rows={"on_demand_lru, 25%": dict(row, tpot_ms=24.0, hit_rate=0.6), "fmoe, 25%": row})
-    text = _device_sentence(gpu, live)
+    text = _device_sentence(gpu, [live])
     assert "0.30 ms plus its bytes at 50.0 GB/s" in text and "hid only 10 %" in text and "90–95 %" in text
-    assert "fMoE decodes at 1.25x on-demand LRU's TPOT" in text
+    assert "1 run(s)), fMoE decodes at 1.25x on-demand LRU's TPOT" in text and "costs more" in text
+    faster = dict(rows={"on_demand_lru, 25%": dict(row, tpot_ms=33.0), "fmoe, 25%": row})
+    text = _device_sentence(gpu, [live, faster])
+    assert "2 run(s)), fMoE decodes at 0.91–1.25x" in text and "about what its hits save" in text
