@@ -11,9 +11,10 @@ measures what each token of foresight is worth under the same transfer engine. n
 of the current token alone (what within-token prediction could at best give); fMoE's reuse forecast tries
 to guess what n >= 1 knows.
 
-For every model, `--hardware` preset and budget, every policy is simulated at the preset's real sizes on
-the replayed prompts (each after warming on the first store prompts, as in experiment 4). Each row gives
-the best baseline (lowest median TPOT among the non-oracle policies other than fmoe), the oracle's TPOT and
+For every model, `--hardware` preset and budget, every policy is simulated at the preset's real sizes (and
+Mixtral-family routing also at Phi-3.5-MoE's, as in experiment 8) on the replayed prompts (each after
+warming on the first store prompts, as in experiment 4). Each row gives the best baseline (lowest median
+TPOT among the non-oracle policies other than fmoe), the oracle's TPOT and
 the closure of fmoe and of each limited oracle: (best - x) / (best - oracle); 1 is the oracle, 0 the best
 baseline, below 0 slower than it. `fmoe_matches` is the most tokens of foresight whose oracle fmoe is at
 least as fast as (-1: slower than the oracle that knows the current token). Simulated only.
@@ -60,6 +61,16 @@ def summarise(tpot: dict[str, float], horizons: list[int]) -> dict[str, Any]:
     return row
 
 
+def sizes(workload: h.Workload) -> list:
+    """The real models a workload's traces replay at: its own family's, and also Phi-3.5-MoE's for Mixtral's
+    traces (both top-2 over 4096-wide experts; the trace keeps its 8 experts a layer), as in experiment 8."""
+    from fmoe_jax.offload.cost_model import PHI35_MOE
+
+    if workload.args.sim_model == "own" or workload.config.family != "mixtral":
+        return [workload.preset]
+    return [workload.preset, PHI35_MOE]
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     h.add_arguments(parser)
@@ -71,14 +82,16 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.model:
         w = h.load_workload(name, args)
         notes.append(h.settings_note(w) + " (the budget varies here)")
-        for budget in args.budgets:
-            for hw in args.hardware:
-                tpot = {}
-                for v in group:
-                    print(f"[{w.name}] {budget:.3g} {hw}: {v.label}", flush=True)
-                    tpot[v.label] = h.run_sim(w, v, hw, budget=budget).median_tpot_s
-                point = dict(model=w.name, hardware=hw, budget=budget, slots=w.slots(budget))
-                rows.append(point | summarise(tpot, args.horizons) | {"tpot_s": tpot})
+        for size in sizes(w):
+            label = w.name if size is w.preset else f"{w.name} @ {size.name}"
+            for budget in args.budgets:
+                for hw in args.hardware:
+                    tpot = {}
+                    for v in group:
+                        print(f"[{label}] {budget:.3g} {hw}: {v.label}", flush=True)
+                        tpot[v.label] = h.run_sim(w, v, hw, budget=budget, model=size).median_tpot_s
+                    point = dict(model=label, hardware=hw, budget=budget, slots=w.slots(budget))
+                    rows.append(point | summarise(tpot, args.horizons) | {"tpot_s": tpot})
         w.model.close()
     table = [{k: v for k, v in r.items() if k != "tpot_s"} for r in rows]
     notes.append(

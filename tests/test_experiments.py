@@ -304,7 +304,10 @@ def test_foresight_compares_fmoe_with_oracles_of_limited_foresight(hf_dirs, tmp_
     ]
     subprocess.run(command, cwd=ROOT, check=True, timeout=600)
     rows = json.loads((out / "foresight.json").read_text())["rows"]
-    assert [r["budget"] for r in rows] == [0.25, 0.5]
+    # Mixtral-family routing replays at its own sizes and at Phi-3.5-MoE's.
+    name = hf_dirs["mixtral"].name
+    expected = [(name, 0.25), (name, 0.5), (f"{name} @ Phi-3.5-MoE", 0.25), (f"{name} @ Phi-3.5-MoE", 0.5)]
+    assert [(r["model"], r["budget"]) for r in rows] == expected
     for r in rows:
         tpot = r["tpot_s"]
         baselines = {p: t for p, t in tpot.items() if p != "fmoe" and not p.startswith("oracle")}
