@@ -365,6 +365,9 @@ def _external_sentence(payload: dict) -> str:
 FREE, CHARGED = "fmoe, matcher free", "fmoe, matcher at this CPU's speed"  # experiment 7's simulated rows
 
 
+MATCHER_TARGET = 0.30  # issue 16: fMoE's host work <= 30 % of a decode iteration's compute (Qwen1.5 / H100)
+
+
 def _matcher_sentence(payload: dict) -> str:
     """Experiment 7: what the simulated TPOT becomes when fMoE's matcher takes the host time it takes on the
     machine that ran it (the other experiments simulate it free), against on_demand_lru's."""
@@ -382,11 +385,21 @@ def _matcher_sentence(payload: dict) -> str:
     machine, budget = payload["machine"], float(payload["args"].get("budget", "nan"))
     cpu = f"a {machine['cpus']}-core {machine['backend'].upper()}" if "cpus" in machine else "its machine"
     rise = _span([100 * r for r in rises], "{:.0f}")
-    return (
+    text = (
         f"These simulations treat fMoE's matcher as free; charged the host time it takes on {cpu} at real "
         f"sizes (experiment 7, {budget:.0%} cached), its simulated TPOT rises by {rise} % and stays "
         f"{_relative(vs_lru, 'on-demand LRU')}."
     )
+    rows = payload.get("real_size", [])
+    share = next((r for r in rows if r["model"].startswith("Qwen1.5") and r["hardware"] == "h100_sxm"), None)
+    if share:
+        verdict = "within" if share["matcher_share"] <= MATCHER_TARGET else "above"
+        text += (
+            f" That host work is {share['fmoe_host_ms']:.1f} ms a decode iteration at Qwen1.5-MoE's shapes, "
+            f"{share['matcher_share']:.2f} of an H100's compute for the iteration ({verdict} issue 16's "
+            f"target of {MATCHER_TARGET:.2f})."
+        )
+    return text
 
 
 def _hybrid_sentence(payload: dict) -> str:

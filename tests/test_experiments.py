@@ -153,8 +153,8 @@ def test_conclusion_is_computed_from_the_results(tmp_path):
     assert "in 0 of 1 settings" in slower and "10 % above on-demand LRU (ratio 1.10x)" in slower
     assert "matcher as free" not in slower  # no experiment 7 yet
 
-    def overhead(charged_ms):  # experiment 7's simulated rows: fmoe's matcher free and charged, and LRU
-        tpot = {
+    def overhead(charged_ms, share=None):  # experiment 7's simulated rows (fmoe's matcher free and charged,
+        tpot = {  # and LRU) and its real-size row at Qwen1.5-MoE / H100
             "fmoe, matcher free": 8.0,
             "fmoe, matcher at this CPU's speed": charged_ms,
             "on_demand_lru": 10.0,
@@ -162,6 +162,12 @@ def test_conclusion_is_computed_from_the_results(tmp_path):
         rows = [{"policy": p, "hardware": "h100_sxm", "median_tpot_ms": t} for p, t in tpot.items()]
         payload = {"machine": {"backend": "cpu", "cpus": 2}, "args": {"budget": "0.25"}, "models": {}}
         payload["models"]["m"] = {"live": [], "sim": rows}
+        if share is not None:
+            real = dict(model="Qwen1.5-MoE-A2.7B", hardware="h100_sxm", fmoe_host_ms=share * 6.8)
+            payload["real_size"] = [
+                dict(real, hardware="rtx_3090", matcher_share=9.9),
+                real | {"matcher_share": share},
+            ]
         (tmp_path / "exp7_overhead.json").write_text(json.dumps(payload))
         return conclusion(tmp_path)
 
@@ -169,6 +175,14 @@ def test_conclusion_is_computed_from_the_results(tmp_path):
     assert "charged the host time it takes on a 2-core CPU at real sizes (experiment 7, 25% cached)" in cheap
     assert "rises by 12 % and stays 10 % below on-demand LRU (ratio 0.90x)" in cheap
     assert "rises by 50 % and stays 20 % above on-demand LRU (ratio 1.20x)" in overhead(12.0)
+    assert "Qwen1.5-MoE" not in cheap  # no real-size rows
+    assert (
+        "3.8 ms a decode iteration at Qwen1.5-MoE's shapes, 0.56 of an H100's compute for the iteration "
+        "(above issue 16's target of 0.30)" in overhead(9.0, share=0.56)
+    )
+    assert "0.25 of an H100's compute for the iteration (within issue 16's target" in overhead(
+        9.0, share=0.25
+    )
 
     def foresight(fmoe_closure, matches):  # benchmarks/foresight.py's rows; only 25 % is reported
         row = dict(budget=0.25, fmoe_closure=fmoe_closure, fmoe_matches=matches)
