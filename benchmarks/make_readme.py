@@ -226,7 +226,7 @@ def conclusion(results: Path = RESULTS) -> str:
         text.append(_external_sentence(json.loads(external.read_text())))
     link = results / "link_compute.json"
     if link.exists():
-        runs = [results / f"offload_overhead_h200_resting{tail}.json" for tail in ("", "_rerun")]
+        runs = [results / f"offload_overhead_h200_resting{tail}.json" for tail in ("", "_rerun", "_third")]
         live = [json.loads(run.read_text()) for run in runs if run.exists()]
         text.append(_device_sentence(json.loads(link.read_text()), live))
     hybrid = results / "exp8_hybrid.json"
