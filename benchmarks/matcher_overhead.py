@@ -111,9 +111,11 @@ def policy_iteration(
     store: ExpertMapStore, queries: list, top_k: int, prefetch_distance: int, **options: Any
 ) -> dict:
     """The whole fmoe policy's host work per decode iteration (batch 1), as the matcher thread and the engine
-    thread do it together: semantic search, the trajectory searches (less those `skip_confirmed` leaves
-    out), selection and admission of the selected experts, the calibration and forecast updates, the map
+    thread do it together: semantic search, the trajectory searches (less those `skip_confirmed` and resting
+    leave out), selection and admission of the selected experts, the calibration and forecast updates, the map
     update (`learn`) and the reuse hint. Each query's map is the iteration's routing (its top k per layer).
+    Besides the time: searches, layers confirmed (`skip_confirmed`) and layers rested (after repeated matches)
+    per iteration.
     Every selected expert is admitted (no cost hints): the most prefetch requests a search can make.
     `options` go to `FMoE` (`semantic=False, trajectory=False`: the same iteration without searches)."""
     from fmoe_jax.offload.events import IterationStart, LayerRouted, needed_experts
@@ -148,6 +150,7 @@ def policy_iteration(
         "policy_iteration": _stats(times),
         "searches_per_iteration": counts.get("trajectory_matches", 0) / iterations,
         "skipped_per_iteration": counts.get("confirmed_layers", 0) / iterations,
+        "rested_per_iteration": counts.get("rested_layers", 0) / iterations,  # after repeated matches
     }
 
 
