@@ -236,7 +236,7 @@ class FMoE(Policy):
         self.skip_confirmed = skip_confirmed and traj_target == "band"
         self._foreseen: tuple[int, np.ndarray] | None = None  # (iteration, [B, L, k] sorted top-k of a match)
         self._matched: tuple[int, np.ndarray] | None = None  # (iteration, [B, L, J]): the last trajectory
-        self._streak, self._streak_iteration = 0, -1  # trajectory matches in a row that found the same maps
+        self._streak = 0  # trajectory matches in a row that found the same maps as the one before
         self._rest = (-1, -1)  # (iteration, layer): searches after layers up to it are left out (`_resting`)
         self.pay_for_matching = pay_for_matching
         self._credit = 0.0  # link seconds the matcher may still spend (`pay_for_matching`; engine thread)
@@ -867,12 +867,10 @@ class FMoE(Policy):
             return False
         last, self._matched = self._matched, (context.iteration, maps)
         repeated = last is not None and last[0] == context.iteration and np.array_equal(last[1], maps)
-        streak = (
-            self._streak + 1 if repeated and self._streak_iteration == context.iteration else int(repeated)
-        )
-        self._streak, self._streak_iteration = streak, context.iteration
+        # An iteration's first search never repeats, so a streak never runs across iterations.
+        self._streak = self._streak + 1 if repeated else 0
         if repeated:  # the match holds: the next searches would most likely find it again
-            self._rest = (context.iteration, context.layer + 2 ** (streak - 1))
+            self._rest = (context.iteration, context.layer + 2 ** (self._streak - 1))
         return repeated
 
     def _learn(self, context: _Context) -> None:
