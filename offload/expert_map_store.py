@@ -583,13 +583,17 @@ class PrefixDots:
         rest = np.ascontiguousarray(maps[:, done:], dtype=np.float32)
         if not np.isfinite(rest).all():
             return None
-        n = store._size
-        for i in range(rest.shape[1]):
-            self._dots += _scores(store._by_layer[done + i, :n], rest[:, i])
-        self._squares += np.square(rest, dtype=np.float64).sum(axis=(1, 2))
-        self._query[:, done:] = rest
-        self._done = maps.shape[1]
+        self._sum(store, rest, done)
         return self._dots
+
+    def _sum(self, store: ExpertMapStore, new: np.ndarray, done: int) -> None:
+        """Adds layers `done`, `done + 1`, ... of the query (`new` [B, m, J], float32) to the sums."""
+        n = store._size
+        for i in range(new.shape[1]):
+            self._dots += _scores(store._by_layer[done + i, :n], new[:, i])
+        self._squares += np.square(new, dtype=np.float64).sum(axis=(1, 2))
+        self._query[:, done : done + new.shape[1]] = new
+        self._done = done + new.shape[1]
 
     def search(self, store: ExpertMapStore, trajs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`store.match_traj(trajs, self)`: `trajs` [B, l, J] already shape-checked by the store."""
@@ -606,11 +610,8 @@ class PrefixDots:
             self._dots = np.zeros((rows, n), np.float32)
             self._squares = np.zeros(rows, np.float64)
             self._query = np.empty((rows, layers, experts), np.float32)
-        for i in range(new.shape[1]):
-            self._dots += _scores(store._by_layer[done + i, :n], new[:, i])
-        self._squares += np.square(new, dtype=np.float64).sum(axis=(1, 2))
-        self._query[:, done:observed] = new
-        self._key, self._done = key, observed
+        self._key = key
+        self._sum(store, new, done)
         inv_query = (1.0 / np.maximum(np.sqrt(self._squares), _NORM_FLOOR)).astype(np.float32)
         sims = self._dots * store._inv_prefix_norm[observed - 1, :n] * inv_query[:, None]
         best = np.argmax(sims, axis=1)  # [B]
