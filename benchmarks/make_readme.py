@@ -326,13 +326,16 @@ def _device_sentence(link: dict, live: list[dict]) -> str:
             pairs.append((fmoe, lru))
     if pairs:
         ratios = [f["tpot_ms"] / r["tpot_ms"] for f, r in pairs]
-        fmoe, lru = pairs[0]
+
+        def spans(key: str, fmt: str) -> tuple[str, str]:  # fmoe's and LRU's values over the runs
+            return _span([f[key] for f, _ in pairs], fmt), _span([r[key] for _, r in pairs], fmt)
+
+        hits, host = spans("hit_rate", "{:.2f}"), spans("critical_path_policy_ms", "{:.1f}")
         text += (
             f" Live there (bench-s, 25 %, {len(pairs)} run(s)), fMoE decodes at "
-            f"{_span(ratios, '{:.2f}')}x on-demand LRU's TPOT with a hit rate of {fmoe['hit_rate']:.2f} "
-            f"against {lru['hit_rate']:.2f}; its host work on the critical path "
-            f"({fmoe['critical_path_policy_ms']:.1f} ms a token against "
-            f"{lru['critical_path_policy_ms']:.1f}) "
+            f"{_span(ratios, '{:.2f}')}x on-demand LRU's TPOT with a hit rate of {hits[0]} against "
+            f"{hits[1]}; "
+            f"its host work on the critical path ({host[0]} ms a token against {host[1]}) "
             + (
                 "costs more than its hits save."
                 if min(ratios) > 1
