@@ -103,6 +103,10 @@ class ExpertMapStore:
         # (version, [1, L*J] map, [1, C] cosines with every stored map): the last single map `add` stored
         # into a full store, with the cosines its redundancy rule computed, until the next write.
         self._added: tuple[int, np.ndarray, np.ndarray] | None = None
+        # (version, [B, H] embeddings, their inverse norms [B], sketch [B, k], semantic scores [B, n]): the
+        # last `match_embed`, until the next write. fmoe's decode map update (`add`) stores the embedding
+        # its iteration's semantic search has just scored against the same maps, and reuses the lot.
+        self._matched_embeds: tuple[int, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray] | None = None
         self.version = 0  # counts writes of maps (a `PrefixDots` started before one starts over)
         # Arrays a policy keeps beside the maps (fmoe's calibration tables), saved and loaded with them.
         self.attachments: dict[str, np.ndarray] = {}
@@ -187,7 +191,12 @@ class ExpertMapStore:
         if np.any(maps < 0):
             raise ValueError("expert maps hold router probabilities and must be >= 0.")
         flat = maps.reshape(len(maps), self.num_layers * self.num_experts)  # [B, L*J]
-        inv_embed, inv_prefix, sketch = self._row_stats(embeds, flat)
+        inv_prefix = self._prefix_stats(flat)
+        scored = self._matched_embeds  # the same rows' `match_embed` against the same maps, if it was last
+        if scored is not None and scored[0] == self.version and np.array_equal(scored[1], embeds):
+            inv_embed, sketch, scored_sem = scored[2], scored[3], scored[4]
+        else:
+            (inv_embed, sketch), scored_sem = self._embed_stats(embeds), None
         num_rows = embeds.shape[0]
         slots = np.empty((num_rows,), np.int64)
 
@@ -209,7 +218,10 @@ class ExpertMapStore:
         rest = slice(take, num_rows)
         unit_embeds = embeds[rest] * inv_embed[rest, None]  # [r, H]
         unit_maps = flat[rest] * inv_prefix[rest, -1:]  # [r, L*J]
-        sem = self._semantic_scores(unit_embeds, None if sketch is None else sketch[rest])  # [r, C]
+        if scored_sem is not None and take == 0:  # the same product of the same rows and stored embeddings
+            sem = scored_sem.copy()
+        else:
+            sem = self._semantic_scores(unit_embeds, None if sketch is None else sketch[rest])  # [r, C]
         if dots is not None and take == 0 and np.shape(dots) == (num_rows, self.capacity):
             traj = dots * inv_prefix[:, -1:] * self._inv_prefix_norm[-1]  # [r, C] cosines
         else:
@@ -249,8 +261,12 @@ class ExpertMapStore:
         slot reused since holds another map: the caller passes slots it has just been given)."""
         slots = np.asarray(slots, np.int64)
         flat = self._rows(maps, (self.num_layers, self.num_experts), "maps").reshape(len(slots), -1)
-        np.add.at(self._future, slots, flat)
-        np.add.at(self._future_count, slots, 1.0)
+        if len(set(slots.tolist())) == len(slots):  # distinct slots (decode, mostly): one add each
+            self._future[slots] += flat
+            self._future_count[slots] += 1.0
+        else:
+            np.add.at(self._future, slots, flat)
+            np.add.at(self._future_count, slots, 1.0)
 
     def future_of(self, maps: np.ndarray, neighbours: int = 1) -> np.ndarray:  # [B, L, J] -> [B, L, J]
         """What followed the stored maps most like each of `maps` (cosine over whole maps, among maps with
@@ -294,9 +310,10 @@ class ExpertMapStore:
         embeds = self._rows(embeds, (self.embed_dim,), "embeds")  # [B, H]
         if self._size == 0:
             return self._empty_match(embeds.shape[0])
-        inv_embed, _, sketch = self._row_stats(embeds, None)
+        inv_embed, sketch = self._embed_stats(embeds)
         unit = embeds * inv_embed[:, None]  # [B, H]
         sims = self._semantic_scores(unit, sketch)  # [B, n]
+        self._matched_embeds = (self.version, embeds.copy(), inv_embed, sketch, sims)
         if self._sketch is None or self._size <= self.rerank:
             best = np.argmax(sims, axis=1)  # [B]
             return self._answer(sims[np.arange(len(best)), best], best)
@@ -481,24 +498,24 @@ class ExpertMapStore:
             raise ValueError(f"{name} holds NaN or inf; the store only takes finite values.")
         return x
 
-    def _row_stats(
+    def _embed_stats(
         self,
         embeds: np.ndarray,  # [B, H]
-        flat_maps: np.ndarray | None,  # [B, L*J]
-    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:  # [B], [B, L], [B, k]
-        """Inverse norms of new rows (embedding, every map prefix) and their unit sketch."""
+    ) -> tuple[np.ndarray, np.ndarray | None]:  # [B], [B, k]
+        """Inverse norms of new embeddings and their unit sketch (None without a sketch)."""
         inv_embed = _inv_norm(embeds)
-        inv_prefix = None
-        if flat_maps is not None:
-            per_layer = flat_maps.reshape(-1, self.num_layers, self.num_experts).astype(np.float64)
-            prefix_norm = np.sqrt(np.cumsum(np.einsum("blj,blj->bl", per_layer, per_layer), axis=1))
-            inv_prefix = (1.0 / np.maximum(prefix_norm, _NORM_FLOOR)).astype(np.float32)
         sketch = None
         if self._sketch is not None:
             signed = embeds[:, self._sketch_order] * (self._sketch_sign * inv_embed[:, None])  # [B, H]
             sketch = np.add.reduceat(signed, self._sketch_starts, axis=1)  # [B, k]
             sketch *= _inv_norm(sketch)[:, None]
-        return inv_embed, inv_prefix, sketch
+        return inv_embed, sketch
+
+    def _prefix_stats(self, flat_maps: np.ndarray) -> np.ndarray:  # [B, L*J] -> [B, L]
+        """Inverse norms of every prefix of new maps (layers 0..l, for each l)."""
+        per_layer = flat_maps.reshape(-1, self.num_layers, self.num_experts).astype(np.float64)
+        prefix_norm = np.sqrt(np.cumsum(np.einsum("blj,blj->bl", per_layer, per_layer), axis=1))
+        return (1.0 / np.maximum(prefix_norm, _NORM_FLOOR)).astype(np.float32)
 
     def _write(
         self,

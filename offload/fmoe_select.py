@@ -9,6 +9,8 @@ per layer, K = top_k experts activated per layer, p the probability of an expert
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 # Cumulative sums of float32 router probabilities stop short of 1.0 by a few ulp. Without slack, a
@@ -102,12 +104,13 @@ class SortedMaps:
         key = expert_map.tobytes()
         found = self._sorted.pop(key, None)
         if found is None:
-            rows = np.asarray(expert_map, dtype=np.float64)
+            rows = np.asarray(expert_map)  # float32 from the store: sorted as is, summed in float64
             _check_rows(rows)
+            layers = np.arange(rows.shape[0])[:, None]
             order = np.argsort(-rows, axis=1, kind="stable")
-            mass = np.cumsum(np.take_along_axis(rows, order, axis=1), axis=1)
+            mass = np.cumsum(rows[layers, order], axis=1, dtype=np.float64)
             rank = np.empty_like(order)
-            np.put_along_axis(rank, order, np.arange(order.shape[1]), axis=1)
+            rank[layers, order] = np.arange(order.shape[1])
             found = tuple(_frozen(a) for a in (order, mass, rank, rows.any(axis=1)))
             if len(self._sorted) >= self.capacity:
                 del self._sorted[next(iter(self._sorted))]  # the least recently used
@@ -115,18 +118,23 @@ class SortedMaps:
         return found
 
     def select_mask(
-        self, maps: np.ndarray, layers: np.ndarray, score: np.ndarray, top_k: int
+        self, maps: np.ndarray, layers: np.ndarray | slice, score: np.ndarray, top_k: int
     ) -> np.ndarray:  # [B, n, J] bool
-        """`select_mask` of the rows `maps[b, layers]` with `score[b]` for every map `[B, L, J]`."""
+        """`select_mask` of the rows `maps[b, layers]` with `score[b]` for every map `[B, L, J]` (`layers`:
+        layer ids, or a slice of them)."""
         batch, _, num_experts = maps.shape
         _check_top_k(top_k, num_experts)
-        delta = selection_threshold(score)  # [B]
-        out = np.empty((batch, len(layers), num_experts), bool)
-        for b in range(batch):
+        masks = []
+        for b, s in enumerate(np.asarray(score, np.float64).tolist()):
+            if not math.isfinite(s):
+                raise ValueError(f"match score must be finite, got {s}; an empty store reports 0, not NaN.")
+            delta = min(max(1.0 - s, 0.0), 1.0)  # `selection_threshold`, in Python floats (same float64)
             _, mass, rank, nonzero = self.sorted(maps[b])
-            count = _count(mass[layers], nonzero[layers], delta[b], top_k)
-            np.less(rank[layers], count[:, None], out=out[b])
-        return out
+            count = _count(mass[layers], nonzero[layers], delta, top_k)
+            masks.append(rank[layers] < count[:, None])
+        if len(masks) != batch:
+            raise ValueError(f"select_mask needs one score per map, got {len(masks)} for {batch}.")
+        return masks[0][None] if batch == 1 else np.stack(masks)
 
 
 def _check_top_k(top_k: int, num_experts: int) -> None:

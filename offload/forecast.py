@@ -229,21 +229,18 @@ class ReuseForecast:
         if len(self.pending) > self.horizon:  # the oldest snapshot has seen its whole horizon
             bins, later = self.pending.popleft()
             outcome = functools.reduce(np.logical_or, later[1 : self.horizon + 1])  # the iterations after it
-            # Counts of whole numbers: one bincount adds them exactly, as np.add.at one by one would.
+            # Counts of whole numbers, split by whether the snapshot's own iteration used the expert: two
+            # bincounts over (used, bin) add them exactly, as np.add.at one by one would.
             size = self.seen.size
-            self.seen += np.bincount(bins.ravel(), minlength=size).reshape(self.seen.shape)
-            self.reused += np.bincount(bins.ravel(), outcome.ravel(), minlength=size).reshape(self.seen.shape)
-            missed = ~later[0].ravel()  # not used at the snapshot's own iteration
-            bins_missed = bins.ravel()[missed]
-            self.seen_missed += np.bincount(bins_missed, minlength=size).reshape(self.seen.shape)
-            self.reused_missed += np.bincount(bins_missed, outcome.ravel()[missed], minlength=size).reshape(
-                self.seen.shape
-            )
-            bins_hit = bins.ravel()[~missed]
-            self.seen_hit += np.bincount(bins_hit, minlength=size).reshape(self.seen.shape)
-            self.reused_hit += np.bincount(bins_hit, outcome.ravel()[~missed], minlength=size).reshape(
-                self.seen.shape
-            )
+            split = bins.ravel() + size * later[0].ravel()  # [0, size): missed; [size, 2 size): used
+            seen = np.bincount(split, minlength=2 * size).reshape(2, *self.seen.shape)
+            reused = np.bincount(split, outcome.ravel(), minlength=2 * size).reshape(2, *self.seen.shape)
+            self.seen += seen[0] + seen[1]
+            self.reused += reused[0] + reused[1]
+            self.seen_missed += seen[0]
+            self.reused_missed += reused[0]
+            self.seen_hit += seen[1]
+            self.reused_hit += reused[1]
         self.last_use = np.where(used, self.iteration, self.last_use)
         self.share = self.decay * self.share + (1 - self.decay) * used
         self.iteration += 1

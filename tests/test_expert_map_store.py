@@ -384,6 +384,10 @@ def test_sorted_maps_select_what_select_mask_selects():
             rows = maps[:, layers].reshape(-1, 8)
             want = select_mask(rows, np.repeat(scores, len(layers)), top_k).reshape(got.shape)
             np.testing.assert_array_equal(got, want)
+            start = int(layers[0])  # the matcher's targets: consecutive layers, as a slice
+            span = sorted_maps.select_mask(maps[:1], slice(start, 6), scores[:1], top_k)
+            want = select_mask(maps[0, start:], np.repeat(scores[:1], 6 - start), top_k)
+            np.testing.assert_array_equal(span[0], want)
     assert len(sorted_maps._sorted) == 2
     with pytest.raises(ValueError, match="non-negative"):
         sorted_maps.select_mask(-maps, np.arange(6), np.ones(5), 1)
@@ -513,3 +517,57 @@ def test_future_of_the_map_just_added_reuses_its_cosines_and_answers_the_same():
         np.testing.assert_allclose(hint, fresh.future_of(new_map, 3), atol=1e-6)
     finally:
         store_module._scores = original
+
+
+@pytest.mark.parametrize("mode", SEARCH_MODES, ids=["exact", "sketch"])
+def test_add_after_match_embed_reuses_its_scores_and_stores_the_same(mode):
+    """Decode searches an embedding (`match_embed`) and stores it with its map at the iteration's end: `add`
+    then takes the embedding's norm, sketch and semantic scores from that search instead of a pass of its
+    own over the stored embeddings, and the store ends bit-identical to one that never searched; a write in
+    between, or another embedding, is scored afresh."""
+    rng = np.random.default_rng(5)
+    searching, plain = (_store(capacity=10, prefetch_distance=2, **mode) for _ in range(2))
+    for store in (searching, plain):
+        store.add(*_data(0, 10))  # full: every later add replaces the most redundant map
+    calls = []
+    original = store_module._scores
+    try:
+        store_module._scores = lambda *a: calls.append(a[0].shape) or original(*a)
+        for step in range(40):
+            embed, expert_map = _data(100 + step, 1)
+            if step % 3 == 0:  # a repeated context: the search finds it, the add replaces near it
+                embed = embed + searching.embeds[rng.integers(10)]
+            searching.match_embed(embed)
+            if step % 5 == 4:  # a write between the search and the add: its scores are stale
+                other = _data(500 + step, 1)
+                searching.add(*other)
+                plain.add(*other)
+            if step % 7 == 6:  # another embedding stored than searched
+                embed = embed + 1.0
+            calls.clear()
+            slots = searching.add(embed, expert_map)
+            reused = not any(shape[1] in (H, searching.sketch_dim) for shape in calls)
+            assert reused == (step % 5 != 4 and step % 7 != 6)
+            np.testing.assert_array_equal(slots, plain.add(embed, expert_map))
+    finally:
+        store_module._scores = original
+    for name in ("_embeds", "_maps", "_inv_embed_norm", "_inv_prefix_norm"):
+        np.testing.assert_array_equal(getattr(searching, name), getattr(plain, name))
+
+
+def test_add_future_counts_a_slot_named_twice_twice():
+    """Followers of the same slot in one call add up, as one call per follower would (a request's recent
+    tokens can share a slot when a later one replaced the map of an earlier); distinct slots add once."""
+    embeds, maps = _data(0, 4)
+    once, twice = _store(capacity=4), _store(capacity=4)
+    for store in (once, twice):
+        store.add(embeds, maps)
+    _, followers = _data(1, 3)
+    twice.add_future(np.array([2, 0, 2]), followers)
+    for slot, follower in zip((2, 0, 2), followers, strict=True):
+        once.add_future(np.array([slot]), follower[None])
+    np.testing.assert_array_equal(twice._future, once._future)
+    np.testing.assert_array_equal(twice._future_count, [1.0, 0.0, 2.0, 0.0])
+    np.testing.assert_allclose(
+        twice.future_of(maps[2:3]), ((followers[0] + followers[2]) / 2)[None], atol=1e-6
+    )

@@ -234,7 +234,8 @@ class FMoE(Policy):
         self.copy_s, self.layer_s = copy_s, layer_s
         self.link = link
         self.skip_confirmed = skip_confirmed and traj_target == "band"
-        self._foreseen: tuple[int, np.ndarray] | None = None  # (iteration, [B, L, k] sorted top-k of a match)
+        # (iteration, [L][B][k] nested lists): each row's matched map's top k per layer, in ascending ids
+        self._foreseen: tuple[int, list] | None = None
         self._matched: tuple[int, np.ndarray] | None = None  # (iteration, [B, L, J]): the last trajectory
         self._streak = 0  # trajectory matches in a row that found the same maps as the one before
         self._rest = (-1, -1)  # (iteration, layer): searches after layers up to it are left out (`_resting`)
@@ -490,7 +491,10 @@ class FMoE(Policy):
         self._used[layer, needed] = True
         if self._counting:  # the popularity profile grows with every token served
             routed = np.asarray(event.ids)[event.token_valid].ravel()
-            self._counts[layer] += np.bincount(routed, minlength=self.ctx.num_experts)
+            if routed.size <= self.ctx.top_k:  # one token: distinct experts, one count each
+                self._counts[layer, routed] += 1
+            else:
+                self._counts[layer] += np.bincount(routed, minlength=self.ctx.num_experts)
         self.forecast.mark_used(layer, needed)
         if event.probs is None:  # the engine skipped them: no search or update from this iteration
             self._recording = False
@@ -573,10 +577,8 @@ class FMoE(Policy):
         foreseen = self._foreseen
         if not (self._skipping and self._decoding) or foreseen is None or foreseen[0] != self._iteration:
             return False
-        expected = foreseen[1]
-        if expected.shape[0] != len(active):
-            return False
-        return bool(np.array_equal(np.sort(np.asarray(ids)[active], axis=1), expected[:, layer]))
+        expected = foreseen[1][layer]  # [B][k]
+        return len(expected) == len(active) and np.sort(np.asarray(ids)[active], axis=1).tolist() == expected
 
     def _measure_costs(self) -> None:
         """Live estimates of T and of one layer's compute (exponential averages), from the cache's on-demand
@@ -842,7 +844,7 @@ class FMoE(Policy):
                 for row, expert_map in enumerate(maps):
                     order = self._sorted.sorted(expert_map)[0]  # [L, J]
                     expected[row, current + 1 :] = np.sort(order[current + 1 :, : self.ctx.top_k], axis=-1)
-                self._foreseen = (context.iteration, expected)
+                self._foreseen = (context.iteration, expected.transpose(1, 0, 2).tolist())
             first = current + self.ctx.prefetch_distance
             targets = (
                 range(first, self.ctx.num_layers) if self.traj_target == "band" else range(first, first + 1)
@@ -902,19 +904,20 @@ class FMoE(Policy):
         probability (calibrated p), for the selected experts whose q pays for their copy."""
         if not len(targets):
             return []
-        layers = np.asarray(targets)
+        span = slice(targets.start, targets.stop)  # targets are consecutive layers: slices read views
+        layers = np.arange(targets.start, targets.stop)
         dist = (layers - current)[:, None]  # [n, 1]
-        probs = maps[:, layers, :]  # [B, n, J]
+        probs = maps[:, span]  # [B, n, J]
         score = scores if self.dynamic_delta else np.ones_like(scores)  # [B]
-        chosen = self._sorted.select_mask(maps, layers, score, self.ctx.top_k)  # [B, n, J]
-        selected = np.where(chosen, probs, 0.0)
+        chosen = self._sorted.select_mask(maps, span, score, self.ctx.top_k)  # [B, n, J]
         if len(probs) == 1:  # decode at batch 1: one map, nothing to merge
-            best, guide = selected[0], probs[0]
+            guide = probs[0]
+            picked = chosen[0] & (guide > 0)  # selected, with a probability above 0
         else:
-            best = selected.max(axis=0)  # [n, J] selected experts' best probability
+            picked = np.where(chosen, probs, 0.0).max(axis=0) > 0  # [n, J] selected from any map
             guide = probs.max(axis=0)  # [n, J] every expert's best probability in the matched maps
         match = float(scores.max()) if len(scores) else 0.0  # the guides' similarity
-        bins = self.calibration.bins(guide, match, dist, self.forecast.recency[layers])  # [n, J]
+        bins = self.calibration.bins(guide, match, dist, self.forecast.recency[span])  # [n, J]
         need = self.calibration.predict_binned(guide, bins) if self.calibrate else guide  # [n, J]
         if fresh:  # guides of the layers still to route (from a late match, a routed layer's guide is moot)
             ahead = slice(max(0, self._current + 1 - int(layers[0])), None)  # `layers` ascend one by one
@@ -923,10 +926,10 @@ class FMoE(Policy):
             self._guided[depth, at] = True
             self._latest_p[at], self._latest[at] = guide[ahead], True
             self._need[at] = need[ahead]
-        q = np.where(best > 0, need, 0.0)
+        q = np.where(picked, need, 0.0)
         thresholds = self.threshold(layers, current)  # [n]
         admitted = (q > 0) & (q >= thresholds[:, None])
-        self.counts["not_admitted"] += int(((best > 0) & ~admitted).sum())
+        self.counts["not_admitted"] += int((picked & ~admitted).sum())
         pos, experts = np.nonzero(admitted)
         priority = q[pos, experts] / (layers[pos] - current)  # `prefetch_priority`, checks left out
         if self.link == "queue" and self.admission == "cost" and len(pos) and thresholds.max() > 0:
