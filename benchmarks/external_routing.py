@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fmoe_jax.offload.policies.base import Policy
 
 from benchmarks import harness as h
 from benchmarks.common import HelpFormatter, grouped_bars
@@ -41,6 +42,30 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     ("Belady, whole future", "oracle", {"prefetch": False}),
     ("oracle", "oracle", {}),
 ]
+# Synthetic routing only: the best a policy that does not see the future can keep when tokens are drawn
+# independently from their request's distribution (`KnownShares`).
+KNOWN = "request's shares known"
+
+
+class KnownShares(Policy):
+    """Eviction by each request's true expert shares (`synthetic_routing.generate_with_shares`): on-demand
+    loads, and the expert its request chooses least often goes first (ties: least recently used). No causal
+    policy knows the shares; one that learns them can at best approach this row, since a token's draw says
+    nothing more about the next one (beyond the regime's `persistence`). Belady's rows see the draws.
+
+    `shares`: one `[L, J]` array per request the policy will be told of (`RequestStart`), in that order."""
+
+    name = "known_shares"
+
+    def __init__(self, shares: list[np.ndarray]):
+        self.shares, self.request = shares, -1
+
+    def on_request_start(self, event: Any) -> None:
+        self.request += 1
+
+    def keep_score(self, key: Any, entry: Any) -> float:
+        layer, expert = key
+        return float(self.shares[self.request][layer, expert]) + 1e-12 * entry.last_use
 
 
 def leave_one_out(
@@ -54,9 +79,11 @@ def leave_one_out(
     prefetch_distance: int,
     max_inflight: int,
     warm: int | None,
+    shares: list[np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Each request replayed after the others (the first `warm` of them, in order, when set), through a fresh
-    policy and cache; the medians and means over requests."""
+    policy and cache; the medians and means over requests. `shares` (synthetic routing): each request's
+    expert shares, for the `KNOWN` row."""
     from fmoe_jax.offload.config import OffloadConfig
     from fmoe_jax.offload.policies import POLICIES as ALL
     from fmoe_jax.offload.simulator import simulate
@@ -65,10 +92,14 @@ def leave_one_out(
     slots = max(1, round(budget * meta["num_layers"] * meta["num_experts"]))
     tpot, hits, gb = [], [], []
     for i, target in enumerate(requests):
-        others = [r for j, r in enumerate(requests) if j != i][:warm]
-        made = (
-            ALL[policy](traces=[*others, target], **options) if policy == "oracle" else ALL[policy](**options)
-        )
+        order = [j for j in range(len(requests)) if j != i][:warm]
+        others = [requests[j] for j in order]
+        if policy == KNOWN:
+            made = KnownShares([shares[j] for j in (*order, i)])
+        elif policy == "oracle":
+            made = ALL[policy](traces=[*others, target], **options)
+        else:
+            made = ALL[policy](**options)
         offload = OffloadConfig(
             policy=made, cache_experts=slots, prefetch_distance=prefetch_distance, max_inflight=max_inflight
         )
@@ -85,8 +116,8 @@ def leave_one_out(
     )
 
 
-def routing_sets(args: argparse.Namespace) -> dict[str, list[Any]]:
-    """Name -> one single-request trace per request."""
+def routing_sets(args: argparse.Namespace) -> dict[str, tuple[list[Any], list[np.ndarray] | None]]:
+    """Name -> (one single-request trace per request, each request's expert shares: synthetic only)."""
     from fmoe_jax.research import synthetic_routing
 
     import fmoe_jax as fj
@@ -94,9 +125,9 @@ def routing_sets(args: argparse.Namespace) -> dict[str, list[Any]]:
     sets = {}
     for path in args.trace:
         whole = fj.RoutingTrace.load(path)
-        sets[Path(path).stem] = [fj.RoutingTrace(whole.meta, [r]) for r in whole.requests]
+        sets[Path(path).stem] = ([fj.RoutingTrace(whole.meta, [r]) for r in whole.requests], None)
     for name in args.regimes:
-        sets[name] = synthetic_routing.generate(
+        sets[name] = synthetic_routing.generate_with_shares(
             synthetic_routing.REGIMES[name], requests=args.requests, seed=args.seed
         )
     return sets
@@ -123,9 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     preset, hardware = MODELS[args.preset], HARDWARE[args.hardware]
     rows = []
-    for name, requests in routing_sets(args).items():
+    for name, (requests, shares) in routing_sets(args).items():
         base = None
-        for label, policy, options in POLICIES:
+        for label, policy, options in [*POLICIES, *([(KNOWN, KNOWN, {})] if shares is not None else [])]:
             start = time.perf_counter()
             r = leave_one_out(
                 requests,
@@ -137,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
                 prefetch_distance=args.prefetch_distance,
                 max_inflight=args.max_inflight,
                 warm=args.warm,
+                shares=shares,
             )
             base = r["median_tpot_s"] if base is None else base
             rows.append(dict(routing=name, policy=label, **r, tpot_vs_lru=r["median_tpot_s"] / base))
@@ -152,6 +184,9 @@ def main(argv: list[str] | None = None) -> dict:
         "TPOT the median over requests",
         "fmoe: trajectory matching only (semantic=False), store, calibration and reuse forecast learned "
         "online from the warm-up requests; Belady: on-demand loads, eviction by the next use it can see",
+        f"{KNOWN} (synthetic routing): on-demand loads, eviction of the expert the request chooses least "
+        "often by its true distribution, which no causal policy knows; with tokens drawn independently, "
+        "the most that learning the request's habits can reach",
     ]
     if args.regimes:
         notes.append(

@@ -20,6 +20,7 @@ over the chosen experts.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +29,8 @@ from fmoe_jax.trace import RoutingTrace
 # Logit added to the previous token's experts when persistence applies: large enough that they are
 # nearly always among the top k then.
 PERSISTENCE_BOOST = 5.0
+# Draws behind each request's expert shares (`generate_with_shares`): a share's standard error <= 0.004.
+SHARE_DRAWS = 16384
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +62,15 @@ REGIMES: dict[str, Regime] = {
 }
 
 
-def generate(
+def generate(regime: Regime, **kwargs: Any) -> list[RoutingTrace]:
+    """One `RoutingTrace` per request (batch 1): a prefill iteration of `prompt_tokens` tokens, then a number
+    of one-token decode iterations drawn from [decode_tokens[0], decode_tokens[1]). Ids and weights only
+    (as `RoutingTrace.from_external` imports published routing): no embeddings, no router inputs. Keyword
+    arguments: those of `generate_with_shares`."""
+    return generate_with_shares(regime, **kwargs)[0]
+
+
+def generate_with_shares(
     regime: Regime,
     *,
     requests: int,
@@ -69,10 +80,12 @@ def generate(
     prompt_tokens: int = 16,
     decode_tokens: tuple[int, int] = (48, 96),
     seed: int = 0,
-) -> list[RoutingTrace]:
-    """One `RoutingTrace` per request (batch 1): a prefill iteration of `prompt_tokens` tokens, then a number
-    of one-token decode iterations drawn from [decode_tokens[0], decode_tokens[1]). Ids and weights only
-    (as `RoutingTrace.from_external` imports published routing): no embeddings, no router inputs."""
+) -> tuple[list[RoutingTrace], list[np.ndarray]]:
+    """`generate`'s traces (the same ones), and what no causal policy is told: each request's chance that a
+    token chooses each expert, `[L, J]` (its top k drawn from the request's own distribution, without the
+    lean towards the previous token; estimated from `SHARE_DRAWS` draws of a separate generator, so the
+    traces are unchanged). Keeping the experts a request chooses most often is the best eviction that does
+    not see the future when tokens are drawn independently (`benchmarks/external_routing.py`'s bound)."""
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
     if prompt_tokens < 1 or not 1 <= decode_tokens[0] < decode_tokens[1]:
@@ -83,12 +96,18 @@ def generate(
     rng = np.random.default_rng(seed)
     popular = rng.dirichlet(np.full(num_experts, regime.popularity), size=num_layers)  # [L, J]
     meta = {"model_id": "synthetic", "regime": dataclasses.asdict(regime)}
-    out = []
+    share_rng = np.random.default_rng([seed, 1])  # the shares' draws: `rng`'s sequence stays the traces'
+    out, shares = [], []
     for _ in range(requests):
         # Each request's distribution: Dirichlet around the global one (a small floor keeps it defined).
         own = np.log(
             np.stack([rng.dirichlet(regime.topic * num_experts * p + 1e-3) for p in popular]) + 1e-12
         )  # [L, J] log-probabilities
+        draws = own + share_rng.gumbel(size=(SHARE_DRAWS, *own.shape))  # [S, L, J]
+        chosen = np.argsort(-draws, axis=-1, kind="stable")[..., :top_k]  # [S, L, k]
+        counts = np.zeros(own.shape)
+        np.add.at(counts, (np.arange(num_layers)[:, None], chosen), 1.0)
+        shares.append(counts / SHARE_DRAWS)
         previous = None
         iterations = []
         for tokens in (prompt_tokens, *[1] * int(rng.integers(*decode_tokens))):
@@ -111,4 +130,4 @@ def generate(
                 previous = chosen
             iterations.append({"ids": ids, "weights": weights})
         out.append(RoutingTrace.from_external([iterations], num_experts=num_experts, meta=meta))
-    return out
+    return out, shares
