@@ -365,9 +365,10 @@ def _external_sentence(payload: dict) -> str:
     if known:  # synthetic routing: the eviction bound of knowing each request's expert shares
         ratios = ", ".join(f"{r['tpot_vs_lru']:.2f}x on {name}" for name, r in known.items())
         text += (
-            " Told each synthetic request's true expert shares (what no causal policy knows; its tokens "
-            "are drawn independently from them), on-demand loading with eviction by those shares runs at "
-            f"{ratios}: what learning a request's habits can reach there, while Belady's rows see the draws."
+            " Told each synthetic request's true expert shares (what no causal policy knows), on-demand "
+            f"loading with eviction by those shares runs at {ratios}: the most that learning a request's "
+            "habits can reach where its tokens are drawn independently, and not a bound where they lean on "
+            "the previous token (recency's domain); Belady's rows see the draws themselves."
         )
     return text
 
