@@ -67,7 +67,10 @@ The experiments run live on this machine with the shipped trained models (`fmoe-
 sizes of Mixtral-8x7B, Qwen1.5-MoE-A2.7B and Phi-3.5-MoE on the hardware presets of
 `fmoe_jax.offload.cost_model` (H100 SXM / PCIe 5, A100, RTX 3090 / PCIe 4). Store-building and
 evaluation prompts are disjoint (7:3 split, `fmoe_jax.research.workloads`). Recorded traces and trained
-predictors are cached in `~/.cache/fmoe-jax-benchmarks` (`--cache-dir`).
+predictors are cached in `~/.cache/fmoe-jax-benchmarks` (`--cache-dir`). Design choices are made on a
+validation split of the store prompts, never on the evaluation prompts: `python -m
+benchmarks.validation_grid --variant ...` compares policy variants (options, whole or chunked copies, store
+capacity) against on-demand LRU there, simulated at every model, budget and hardware preset.
 
 ## Reading the results
 

@@ -422,3 +422,28 @@ def test_link_compute_runs_on_the_cpu_and_the_readme_reports_an_accelerators_run
     faster = dict(rows={"on_demand_lru, 25%": dict(row, tpot_ms=33.0), "fmoe, 25%": row})
     text = _device_sentence(gpu, [live, faster])
     assert "2 run(s)), fMoE decodes at 0.91–1.25x" in text and "about what its hits save" in text
+
+
+def test_validation_grid_compares_variants_on_the_validation_split_only(hf_dirs, tmp_path):
+    """Variants with policy options and settings (whole copies, store capacity) against on-demand LRU at each
+    point; the baseline's ratio is 1, whole copies change the simulated H100 TPOT (each chunk pays the
+    copy's fixed cost), and the evaluation split is refused."""
+    prompts = tiny_sharegpt(tmp_path)
+    saved = tmp_path / "grid.json"
+    command = [sys.executable, "-m", "benchmarks.validation_grid"]
+    common = [
+        *("--model", str(hf_dirs["mixtral"]), "--prompts", str(prompts), "--n-prompts", "6"),
+        *("--prompt-tokens", "8", "--new-tokens", "4", "--warmup", "1", "--hardware", "h100_sxm"),
+        *("--budgets", "0.25", "--cache-dir", str(tmp_path / "cache")),
+    ]
+    variants = ["--variant", 'lru_whole=on_demand_lru:{"chunks": 1}', 'small=fmoe:{"store_capacity": 8}']
+    subprocess.run([*command, *common, *variants, "--save", str(saved)], cwd=ROOT, check=True, timeout=600)
+    payload = json.loads(saved.read_text())
+    rows = {r["variant"]: r for r in payload["rows"]}
+    assert set(rows) == {"on_demand_lru", "lru_whole", "small"}
+    assert rows["on_demand_lru"]["vs_baseline"] == 1.0
+    assert rows["lru_whole"]["tpot_ms"] < rows["on_demand_lru"]["tpot_ms"]  # one fixed cost a copy, not 3
+    assert payload["summary"]["small"]["worst_vs_baseline"] == rows["small"]["vs_baseline"]
+    evaluation = [*command, *common, *variants, "--split", "eval"]
+    refused = subprocess.run(evaluation, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "validation split only" in refused.stderr
