@@ -9,8 +9,6 @@ per layer, K = top_k experts activated per layer, p the probability of an expert
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 # Cumulative sums of float32 router probabilities stop short of 1.0 by a few ulp. Without slack, a
@@ -125,10 +123,7 @@ class SortedMaps:
         batch, _, num_experts = maps.shape
         _check_top_k(top_k, num_experts)
         masks = []
-        for b, s in enumerate(np.asarray(score, np.float64).tolist()):
-            if not math.isfinite(s):
-                raise ValueError(f"match score must be finite, got {s}; an empty store reports 0, not NaN.")
-            delta = min(max(1.0 - s, 0.0), 1.0)  # `selection_threshold`, in Python floats (same float64)
+        for b, delta in enumerate(np.atleast_1d(selection_threshold(score)).tolist()):
             _, mass, rank, nonzero = self.sorted(maps[b])
             count = _count(mass[layers], nonzero[layers], delta, top_k)
             masks.append(rank[layers] < count[:, None])
