@@ -464,15 +464,19 @@ def _polling(fn: Callable, poll: Callable[[], None]) -> Callable:
 
 
 class _Signals:
-    """SIGINT and SIGTERM become a request honoured at the next safe point (`poll`), between tensors or
-    items: orbax writes each item on a thread of its own, and tearing the directory down under it would
-    spray its errors over the terminal. A second signal interrupts at once; the cleanup that follows
-    carries on through further signals (`destination.remove_tree`). Once `finished`, signals are only noted:
-    the outcome is being reported."""
+    """SIGINT and SIGTERM become a request honoured at the next safe point (`poll`): between tensors, after
+    each item, every 0.2 s of hashing. The handler itself never raises. An exception raised wherever the
+    main thread happens to be is not safe in orbax's and tensorstore's code: raised inside a lock or a
+    condition wait of their save it left "release unlocked lock" as the run's error, and once a process
+    that never exited (a thread the save left waiting, joined at shutdown; CI of stop 41). So a second
+    Ctrl-C does not hurry the stop, which comes after the item being written, seconds at most. Unless
+    `quiet`, the first signal says so on stderr. Once `finished`, signals are only noted: the outcome is
+    being reported."""
 
-    def __init__(self) -> None:
+    def __init__(self, quiet: bool = True) -> None:
         self.received: int | None = None
         self.finished = False
+        self.quiet = quiet
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Signals:
@@ -486,12 +490,14 @@ class _Signals:
             signal.signal(signum, handler)
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.received is not None and not self.finished:
-            raise KeyboardInterrupt
+        first = self.received is None
         self.received = signum
+        if first and not self.finished and not self.quiet:
+            # os.write, not print: the handler may run while the main thread is inside a print to stderr
+            os.write(2, f"\n{PROG}: stopping after the item being written\n".encode())
 
     def poll(self) -> None:
-        if self.received is not None:
+        if self.received is not None and not self.finished:
             raise KeyboardInterrupt
 
 
@@ -556,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     progress = not args.quiet and sys.stderr.isatty()
-    with _Signals() as signals, _quiet_background_failures():
+    with _Signals(quiet=args.quiet) as signals, _quiet_background_failures():
         try:
             summary, status = _run(args, is_verify, progress, signals.poll), 0
         except KeyboardInterrupt:
