@@ -135,15 +135,24 @@ def policy_iteration(
     policy.bind(ctx, _NullCache(ctx.capacity))
     valid = np.ones((1, 1), bool)
 
-    def iteration(embeds: np.ndarray, maps: np.ndarray) -> None:
-        policy.on_iteration_start(IterationStart(valid, embeds))
+    def events(embeds: np.ndarray, maps: np.ndarray) -> tuple[IterationStart, list[LayerRouted]]:
+        """The engine's events of one iteration: its routing (top k of the map) is the router's work, on
+        the device, and the needed experts are computed for every policy, so both are made untimed."""
+        routed = []
         for layer in range(layers):
             ids = np.argsort(-maps[:, layer], axis=-1, kind="stable")[:, :top_k]
-            needed = needed_experts(ids, valid.reshape(-1))
-            policy.on_layer_routed(LayerRouted(layer, ids, valid, needed, maps[:, layer]))
+            routed.append(
+                LayerRouted(layer, ids, valid, needed_experts(ids, valid.reshape(-1)), maps[:, layer])
+            )
+        return IterationStart(valid, embeds), routed
+
+    def iteration(start: IterationStart, routed: list[LayerRouted]) -> None:
+        policy.on_iteration_start(start)
+        for event in routed:
+            policy.on_layer_routed(event)
         policy.on_iteration_end()
 
-    times = _time_ms(iteration, queries)
+    times = _time_ms(iteration, [events(*query) for query in queries])
     counts = policy.stats()
     iterations = len(queries) + 1  # `_time_ms` runs the first once more, untimed
     return {
