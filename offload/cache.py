@@ -239,16 +239,23 @@ class CacheBook:
     def count_host(self, layer: int, keys: Iterable[Key]) -> None:
         """Counts needed experts the host computes (hybrid execution): misses, late prefetches when a copy of
         them is arriving, and a use each in `freq` (a use is a use, wherever it ran: LFU's and fMoE's
-        eviction rank by it). A cached copy of one is not used, so its entry does not change."""
+        eviction rank by it). A cached copy of one is not used, so its entry does not change; but a resident
+        expert the planner gave the host to balance the layer (`HybridPlanner`'s device cost) is a hit and a
+        use of its entry: it was on the device when needed."""
         keys = list(keys)
+        resident = [key for key in keys if key in self.entries and self.entries[key].ready]
         late = sum(1 for key in keys if key in self.entries and not self.entries[key].ready)
+        for key in resident:
+            self.record_use(key)
         for key in keys:
-            self.freq[key] = self.freq.get(key, 0) + 1
+            if key not in resident:
+                self.freq[key] = self.freq.get(key, 0) + 1
         s = self.stats
-        s.misses += len(keys)
+        s.hits += len(resident)
+        s.misses += len(keys) - len(resident)
         s.late_prefetches += late
         s.host_computed += len(keys)
-        s.layer_hits.setdefault(layer, 0)
+        s.layer_hits[layer] = s.layer_hits.get(layer, 0) + len(resident)
         s.layer_needed[layer] = s.layer_needed.get(layer, 0) + len(keys)
 
     def victim(

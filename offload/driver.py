@@ -18,8 +18,9 @@ host's share of the layer: the engine dispatches it to the CPU, the simulator bo
         route(l)                                    attention and router; the caller's one host read
         protect l's needed experts                  from here on no prefetch may evict them
         LayerRouted(l, trajectory context)          the policy may request prefetches now
-        hybrid: plan -> host(l, keys)               misses the host finishes before their copy would land;
-                                                    counted as misses and as `host_computed`
+        hybrid: plan -> host(l, keys)               misses the host finishes before their copy would land
+                                                    (and hits, to balance l, given a device cost);
+                                                    counted as `host_computed`
         for each chunk of l's other needed experts: one chunk unless l needs more than the cache holds
             ensure -> compute -> release            hits counted, misses loaded, weights pinned meanwhile
                                                     (per device, with several devices); the last `compute`
@@ -175,8 +176,8 @@ class Driver:
         self._tell(policy.on_iteration_end)
 
     def plan(self, layer: int, needed: tuple[int, ...], ids: np.ndarray, valid: np.ndarray) -> list[Key]:
-        """The needed experts the host computes (none without a planner), counted as misses and as
-        `host_computed` in the statistics of the device that holds them."""
+        """The needed experts the host computes (none without a planner), counted as `host_computed` in the
+        statistics of the device that holds them: misses, or hits where the planner balanced the layer."""
         if self.planner is None or not needed:
             return []
         start = time.perf_counter()

@@ -13,9 +13,19 @@ The decision (DESIGN.md, "One decode iteration", step c), per needed expert:
   finish time counts its call overhead once per layer (latency, the activations to the host) and, per
   expert, its compute and the result's trip back; experts go to the host in order of fewest tokens first,
   since host time grows with tokens and a copy's does not.
+- with a device cost (`DeviceCost`: the simulator's, from the hardware preset), resident experts too go to
+  the host, fewest tokens first, while that ends the layer sooner: the layer ends when both have finished,
+  and where the device's fixed cost per expert matches the host's (Hopper's 30 us kernel tails against a
+  server's 12 memory channels reading a 9 MiB Qwen3-30B-A3B expert) a device that computes every hit
+  leaves the host idle. On the validation split at Qwen3-30B-A3B sizes, H100 beside a 12-channel server,
+  25 / 50 % budgets, it lowered the TPOT of fiddler by 4 / 17 %, on-demand LRU + hybrid by 7 / 20 % and
+  fmoe + hybrid by 13 / 24 % (8-channel server: 1 / 8, 3 / 12, 6 / 15 %; Qwen1.5-MoE sizes 0-6 %); where a
+  device expert costs far less than a host one nothing moves (Mixtral-8x7B's 336 MiB experts on the H100,
+  every size on the RTX 3090 preset, which has no fixed kernel cost).
 So decode (one token per expert) mostly computes misses on the host and prefill (many tokens per expert)
-mostly copies; the cost model decides. Fiddler's rule (efeslab/fiddler, `src/fiddler/mixtral.py`) is the
-same comparison with fixed latencies (7 ms per token on the CPU against 70 ms per copy).
+mostly copies; the cost model decides.
+Fiddler's rule (efeslab/fiddler, `src/fiddler/mixtral.py`) is the miss rule with fixed latencies (7 ms per
+token on the CPU against 70 ms per copy).
 """
 
 from __future__ import annotations
@@ -42,6 +52,13 @@ class HostCost(Protocol):
         """One expert computed for `tokens` of the layer's tokens, its output's trip back included."""
 
 
+class DeviceCost(Protocol):
+    """Seconds of device work, as the balancing planner needs them."""
+
+    def expert_s(self, tokens: int) -> float:
+        """One resident expert computed on the device for `tokens` of the layer's tokens."""
+
+
 class Cache(Protocol):
     """What the planner reads of one device's expert cache (`DeviceExpertCache`)."""
 
@@ -55,10 +72,12 @@ class HybridPlanner:
 
     Args:
       cost: the host's cost (`ModelledHostCost` in the simulator, `MeasuredHostCost` live).
+      device: the device's cost per expert (`ModelledDeviceCost`); None: resident experts stay on the device.
     """
 
-    def __init__(self, cost: HostCost):
+    def __init__(self, cost: HostCost, device: DeviceCost | None = None):
         self.cost = cost
+        self.device = device
 
     def split(
         self, parts: Sequence[tuple[Cache, list[Key]]], tokens: Mapping[int, int], valid: int
@@ -72,8 +91,11 @@ class HybridPlanner:
         """
         on_host: list[Key] = []
         host_done = self.cost.overhead_s(valid)  # seconds from now, once the host has work
+        kept: list[tuple[Cache, list[Key], dict[Key, float]]] = []  # each device's: resident, copy landings
         for cache, keys in parts:
+            resident = [k for k in keys if _entry_state(cache.entry(k)) == "ready"]
             absent = [k for k in keys if _entry_state(cache.entry(k)) != "ready"]
+            lands: dict[Key, float] = {}
             ahead = 0  # on-demand loads already planned on this device's link
             for key in sorted(absent, key=lambda k: (tokens[k[1]], k)):
                 arriving = cache.entry(key) is not None
@@ -82,15 +104,67 @@ class HybridPlanner:
                 if done < land:
                     on_host.append(key)
                     host_done = done
-                elif not arriving:
-                    ahead += 1
+                else:
+                    lands[key] = land
+                    if not arriving:
+                        ahead += 1
+            kept.append((cache, resident, lands))
+        if self.device is not None:
+            for _, resident, lands in kept:
+                host_done = self._balance(resident, lands, tokens, valid, on_host, host_done)
         return on_host
+
+    def _balance(
+        self,
+        resident: list[Key],
+        lands: dict[Key, float],
+        tokens: Mapping[int, int],
+        valid: int,
+        on_host: list[Key],
+        host_done: float,
+    ) -> float:
+        """Moves one device's resident experts to the host (appended to `on_host`), fewest tokens first, while
+        that ends the layer sooner; returns when the host is done. The device is taken to compute its
+        resident experts while its copies land, then the copied ones."""
+        device_s = self.device.expert_s
+        busy = bool(on_host)
+        host_end = host_done if busy else 0.0
+        resident_s = sum(device_s(tokens[k[1]]) for k in resident)
+        copied_s = sum(device_s(tokens[k[1]]) for k in lands)
+        last_land = max(lands.values(), default=0.0)
+        for key in sorted(resident, key=lambda k: (tokens[k[1]], k)):
+            moved_host = (host_done if busy else self.cost.overhead_s(valid)) + self.cost.expert_s(
+                tokens[key[1]]
+            )
+            moved_resident = resident_s - device_s(tokens[key[1]])
+            now = max(host_end, max(resident_s, last_land) + copied_s)
+            if max(moved_host, max(moved_resident, last_land) + copied_s) >= now:
+                break
+            on_host.append(key)
+            host_done = host_end = moved_host
+            resident_s, busy = moved_resident, True
+        return host_done
 
 
 def _entry_state(entry: Any) -> str:
     if entry is None:
         return "absent"
     return "ready" if entry.ready else "arriving"
+
+
+class ModelledDeviceCost:
+    """The device's cost of one expert from the hardware and model presets (the simulator's `DeviceCost`): its
+    fixed kernel time beside its bytes, or its FLOPs, at the preset's efficiencies (`CostModel.experts_s` of
+    one expert)."""
+
+    def __init__(self, model: Any, hardware: Any):
+        self.model, self.hardware = model, hardware
+
+    def expert_s(self, tokens: int) -> float:
+        m = self.model
+        return self.hardware.expert_kernel_s + self.hardware.roofline_s(
+            m.expert_bytes, 2.0 * m.expert_params * tokens
+        )
 
 
 # -- host cost -----------------------------------------------------------------------------------------------

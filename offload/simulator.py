@@ -30,7 +30,7 @@ from .cache import Key
 from .config import OffloadConfig
 from .cost_model import CostModel, HardwarePreset, HostPreset, ModelPreset
 from .driver import Driver, Routed
-from .hybrid import HybridPlanner, ModelledHostCost
+from .hybrid import HybridPlanner, ModelledDeviceCost, ModelledHostCost
 from .policies import Policy, PolicyContext
 from .resources import Copy, SimulatedHost, SimulatedLink  # noqa: F401  (Copy: part of this module's API)
 from .transfer import DeviceExpertCache
@@ -61,7 +61,7 @@ class SimResult:
     device_bytes: int  # cache budget + resident weights (no KV cache, no activations)
     fits_device: bool  # device_bytes within the hardware's memory
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # the policy's `stats()`
-    host_computed: int = 0  # misses the host computed (hybrid execution; also in `misses`)
+    host_computed: int = 0  # experts the host computed (hybrid: misses, and hits given it to balance a layer)
     host_compute_s: float = 0.0  # the host's busy time (calls overlap the device's compute)
     host_wait_s: float = 0.0  # the device waiting for the host's results
 
@@ -282,7 +282,7 @@ class Replay:
         if offload.execution == "hybrid":
             cost = ModelledHostCost(model, host, hardware.link_effective)
             self.host = SimulatedHost(cost)
-            planner = HybridPlanner(cost)
+            planner = HybridPlanner(cost, ModelledDeviceCost(model, hardware))
         self.driver = Driver(self.policy, self.cache, planner)
         self._closed = False
         try:

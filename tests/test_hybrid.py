@@ -20,7 +20,13 @@ from fmoe_jax.offload.cost_model import (
     HostPreset,
     ModelPreset,
 )
-from fmoe_jax.offload.hybrid import FixedHostCost, HybridPlanner, MeasuredHostCost, ModelledHostCost
+from fmoe_jax.offload.hybrid import (
+    FixedHostCost,
+    HybridPlanner,
+    MeasuredHostCost,
+    ModelledDeviceCost,
+    ModelledHostCost,
+)
 from fmoe_jax.offload.policies import POLICIES, Fiddler, PolicyContext, StaticSplit
 from fmoe_jax.offload.policies.fiddler import expert_usage
 from fmoe_jax.offload.simulator import SimulatedLink, simulate
@@ -80,6 +86,60 @@ def test_planner_never_uses_a_host_slower_than_every_copy():
     cache = StandInCache(arriving={(1, 2): 0.2}, copy=0.1, wait=0.05)
     planner = HybridPlanner(FixedHostCost(per_expert_s=1.0))
     assert planner.split([(cache, [(1, 0), (1, 2)])], {0: 1, 2: 1}, valid=2) == []
+
+
+class FixedDeviceCost:
+    """A device that takes `per_expert_s` per expert, whatever its tokens."""
+
+    def __init__(self, per_expert_s: float):
+        self.per_expert_s = per_expert_s
+
+    def expert_s(self, tokens: int) -> float:
+        return self.per_expert_s
+
+    def __repr__(self) -> str:
+        return f"FixedDeviceCost({self.per_expert_s})"
+
+
+def test_planner_balances_resident_experts_only_while_the_layer_ends_sooner():
+    """Given the device's cost, hits go to the host too, fewest tokens first, while the later of the two
+    finishing times drops; without it (or with a device much faster than the host) hits stay."""
+    keys = [(0, e) for e in range(4)]
+    tokens = {0: 3, 1: 1, 2: 1, 3: 2}
+    cache = StandInCache(ready=set(keys))
+    host = FixedHostCost(per_expert_s=1.0, call_overhead_s=0.5)
+    assert HybridPlanner(host).split([(cache, keys)], tokens, valid=4) == []
+    # Device 2 s an expert: 8 s on the device alone. Host costs 0.5 + 1 s per token: (0,1) -> host 1.5,
+    # device 6; (0,2) -> 2.5 / 4; (0,3) -> 4.5 / 2 (max 4.5 > 4: stop).
+    assert HybridPlanner(host, FixedDeviceCost(2.0)).split([(cache, keys)], tokens, valid=4) == [
+        (0, 1),
+        (0, 2),
+    ]
+    assert HybridPlanner(host, FixedDeviceCost(0.1)).split([(cache, keys)], tokens, valid=4) == []
+
+
+def test_planner_balances_against_the_copies_the_device_waits_for():
+    """The device computes its hits while a copy lands (at 5 s), then the copied expert: a hit moves to the
+    host only if that ends the layer sooner than the device would."""
+    cache = StandInCache(ready={(0, 0), (0, 1)}, copy=5.0)
+    keys, tokens = [(0, 0), (0, 1), (0, 2)], {0: 1, 1: 1, 2: 1}
+    host = FixedHostCost(per_expert_s=5.5)  # slower than the copy: (0, 2) loads
+    # Device 1 s an expert: the layer ends at max(2, 5) + 1 = 6 s; a hit on the host (5.5 s) leaves it at
+    # max(1, 5) + 1 = 6: no sooner, so nothing moves.
+    assert HybridPlanner(host, FixedDeviceCost(1.0)).split([(cache, keys)], tokens, valid=3) == []
+    # Device 3 s an expert: max(6, 5) + 3 = 9 s; one hit on the host: max(5.5, max(3, 5) + 3) = 8; a second
+    # would keep the host until 11 s.
+    assert HybridPlanner(host, FixedDeviceCost(3.0)).split([(cache, keys)], tokens, valid=3) == [(0, 0)]
+
+
+def test_modelled_device_cost_is_the_cost_models_expert():
+    """An H100 expert at Qwen3-30B-A3B sizes: 30 us of kernel tails beside 9 MiB read at 88 % of 3.35 TB/s."""
+    from fmoe_jax.offload.cost_model import MODELS, CostModel
+
+    h100, model = HARDWARE["h100_sxm"], MODELS["qwen3_moe"]
+    cost = ModelledDeviceCost(model, h100)
+    assert cost.expert_s(1) == pytest.approx(30e-6 + model.expert_bytes / (3.35e12 * 0.88), rel=1e-9)
+    assert cost.expert_s(7) == pytest.approx(CostModel(model, h100, 128).experts_s([7]), rel=1e-12)
 
 
 def test_modelled_decode_goes_to_the_host_and_a_large_prefill_copies():
@@ -317,8 +377,10 @@ def mixtral(subjects) -> fj.Model:
     return subjects(("mixtral", "bfloat16")).offloaded
 
 
-def hybrid_model(base: fj.Model, offload: OffloadConfig, host_cost=None) -> fj.Model:
-    engine = OffloadEngine(base.module, offload, programs=base.engine.programs, host_cost=host_cost)
+def hybrid_model(base: fj.Model, offload: OffloadConfig, host_cost=None, device_cost=None) -> fj.Model:
+    engine = OffloadEngine(
+        base.module, offload, programs=base.engine.programs, host_cost=host_cost, device_cost=device_cost
+    )
     return dataclasses.replace(base, engine=engine, offload=offload)
 
 
@@ -326,8 +388,10 @@ def hybrid_model(base: fj.Model, offload: OffloadConfig, host_cost=None) -> fj.M
     ("policy", "options"), [("on_demand_lru", {}), ("fiddler", {}), ("static_split", {}), ("fmoe", None)]
 )
 def test_replay_counts_equal_live_hybrid_engine(policy, options, mixtral):
-    """Synchronous copies, every miss on the host in both (a free host live, an instant one replayed): the
-    replay's hits, misses, host-computed experts and loads (fills, restored placements) equal the engine's."""
+    """Synchronous copies, every miss on the host in both (a free host live, an instant one replayed), and
+    every hit too (the planner balances layers by the preset's device cost, here a second per expert, given
+    live as well): the replay's hits, misses, host-computed experts and loads (fills, restored placements)
+    equal the engine's."""
     options = {"asynchronous": False, "admission": 0.1} if options is None else options
     offload = OffloadConfig(
         policy=policy,
@@ -337,23 +401,25 @@ def test_replay_counts_equal_live_hybrid_engine(policy, options, mixtral):
         execution="hybrid",
         policy_options=options,
     )
-    model = hybrid_model(mixtral, offload, FixedHostCost(0.0))
+    preset = ModelPreset.from_config(mixtral.config)
+    hardware = dataclasses.replace(HARDWARE["rtx_3090"], expert_kernel_s=1.0)  # far slower than the host
+    model = hybrid_model(mixtral, offload, FixedHostCost(0.0), ModelledDeviceCost(preset, hardware))
     try:
         outs = [fj.generate(model, b, max_new_tokens=5, record_trace=True) for b in BATCHES]
         live = model.engine.cache.book.stats
         weights = router_weights(model.engine.module)
-        preset = ModelPreset.from_config(model.config)
     finally:
         model.close()
     sim = simulate(
         [out.trace for out in outs],
         offload,
         model=preset,
-        hardware=HARDWARE["rtx_3090"],
+        hardware=hardware,
         host=dataclasses.replace(INSTANT_HOST, call_latency_s=0.0, transfer_latency_s=0.0),
         router_weights=weights,
     )
     assert sim.host_computed == live.host_computed == sum(o.stats.host_computed for o in outs) > 0, policy
+    assert live.host_computed == live.hits + live.misses, policy  # every needed expert, hits balanced off
     assert (sim.hits, sim.misses, sim.prefetches) == (live.hits, live.misses, live.prefetches), policy
     assert sim.bytes_to_device // sim.expert_bytes == live.loads, policy
     assert sim.layer_needed == [live.layer_needed.get(m, 0) for m in range(len(sim.layer_needed))], policy
@@ -429,6 +495,26 @@ def test_hybrid_execution_is_bit_identical_for_every_policy(policy, subjects):
                 subject, policy, slots, BATCH_OF_3, HYBRID_NEW_TOKENS, host_cost, against_copy=True
             )
     assert host_computed > 0, f"{policy}: the host computed nothing; the test compares little"
+
+
+@pytest.mark.parametrize("policy", ["on_demand_lru", "fmoe"])
+def test_hybrid_balancing_is_bit_identical(policy, subjects):
+    """Resident experts given to the host to balance a layer (a device cost far above the host's): every
+    needed expert, hits included, runs on the host, or the single-token ones while the device computes
+    the rest; generation bit-identical to copy-only serving."""
+    subject = subjects(("mixtral", "bfloat16"))
+    for host_cost in (FixedHostCost(0.0), OneTokenOnHost()):
+        host_computed = check_lossless(
+            subject,
+            policy,
+            quarter(subject),
+            BATCH_OF_3,
+            HYBRID_NEW_TOKENS,
+            host_cost,
+            against_copy=True,
+            device_cost=FixedDeviceCost(1.0),
+        )
+        assert host_computed > 0, f"{policy}, {host_cost}: the host computed nothing"
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "phimoe", "deepseek_v2"])

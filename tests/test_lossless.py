@@ -92,10 +92,12 @@ def subjects(hf_dirs):
     return subject_loader(hf_dirs)
 
 
-def serve(subject: Subject, policy: str, slots: int, reference_trace=None, host_cost=None) -> fj.Model:
+def serve(
+    subject: Subject, policy: str, slots: int, reference_trace=None, host_cost=None, device_cost=None
+) -> fj.Model:
     """The subject's weights behind a fresh offload engine for `policy` at `slots` (no reload); with a
-    `host_cost`, hybrid execution deciding by it. `reference_trace`: the oracle's generation, and the
-    predictors' training data if they are not trained yet."""
+    `host_cost`, hybrid execution deciding by it (and by `device_cost`, if given). `reference_trace`: the
+    oracle's generation, and the predictors' training data if they are not trained yet."""
     traces = None if reference_trace is None else [reference_trace]
     if policy == "oracle":
         policy_obj = Oracle(reference_trace)
@@ -110,7 +112,9 @@ def serve(subject: Subject, policy: str, slots: int, reference_trace=None, host_
     execution = "copy" if host_cost is None else "hybrid"
     offload = OffloadConfig(policy=policy_obj, cache_experts=slots, prefetch_distance=1, execution=execution)
     base = subject.offloaded
-    engine = OffloadEngine(base.module, offload, programs=base.engine.programs, host_cost=host_cost)
+    engine = OffloadEngine(
+        base.module, offload, programs=base.engine.programs, host_cost=host_cost, device_cost=device_cost
+    )
     return dataclasses.replace(base, engine=engine, offload=offload)
 
 
@@ -168,16 +172,17 @@ def check_lossless(
     host_cost=None,
     *,
     against_copy: bool = False,
+    device_cost=None,
 ) -> int:
     """Asserts generation bit-identical to the resident model's (plus a full forward of the first prompt),
     or with `against_copy` to copy-only serving's (no resident programs to compile; the tests above hold
     copy-only serving to resident); returns how many experts the host computed (hybrid)."""
-    label = f"{policy} at {slots} slots, prompts {[len(p) for p in prompts]}, host {host_cost}"
+    label = f"{policy} at {slots} slots, prompts {[len(p) for p in prompts]}, host {host_cost} {device_cost}"
     if policy == "oracle":
         # The oracle serves exactly the generation it was given: compare `generate` calls, tokens and every
         # MoE layer's router input bit for bit (run_steps would be a different generation).
         ref = reference(subject, prompts, new_tokens, oracle=True, copy=against_copy)
-        model = serve(subject, policy, slots, ref.trace, host_cost)
+        model = serve(subject, policy, slots, ref.trace, host_cost, device_cost)
         try:
             out = fj.generate(
                 model, prompts, new_tokens, stop_at_eos=False, record_trace=True, record_hidden=True
@@ -193,7 +198,7 @@ def check_lossless(
     trace = None
     if policy in ("promoe", "duoserve") and against_copy:  # their predictors learn from copy-only serving
         trace = reference(subject, prompts, new_tokens, oracle=True, copy=True).trace
-    model = serve(subject, policy, slots, trace, host_cost=host_cost)
+    model = serve(subject, policy, slots, trace, host_cost=host_cost, device_cost=device_cost)
     try:
         tokens, logits = run_steps(model, prompts, new_tokens)
         full = None if against_copy else np.asarray(fj.forward(model, [prompts[0]]))

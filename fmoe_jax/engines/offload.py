@@ -32,7 +32,7 @@ from fmoe_jax.models.moe import ExpertWeights, Kernel, Routing
 from fmoe_jax.offload.cache import Key
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.driver import Driver, Routed
-from fmoe_jax.offload.hybrid import HostCost, HybridPlanner, MeasuredHostCost
+from fmoe_jax.offload.hybrid import DeviceCost, HostCost, HybridPlanner, MeasuredHostCost
 from fmoe_jax.offload.placement import CacheGroup, placement_from
 from fmoe_jax.offload.policies import PolicyContext
 from fmoe_jax.offload.transfer import ChunkedJaxMover, DeviceExpertCache, JaxMover
@@ -74,6 +74,9 @@ class OffloadEngine:
       programs: compiled programs to share with another engine of the same weights (default: its own).
       host_cost: hybrid execution: the host's cost the planner weighs (default: measured online,
         `MeasuredHostCost`); tests pass a `FixedHostCost` to send every miss to the host.
+      device_cost: hybrid execution: the device's cost per expert (`ModelledDeviceCost` from presets), with
+        which the planner also gives resident experts to the host where that ends a layer sooner; default
+        None: resident experts stay on the device (the device's cost is not measured online yet).
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class OffloadEngine:
         kernel: Kernel = "auto",
         programs: Programs | None = None,
         host_cost: HostCost | None = None,
+        device_cost: DeviceCost | None = None,
     ):
         cfg = module.config
         self.module, self.config, self.offload, self.kernel = module, cfg, offload, kernel
@@ -131,7 +135,7 @@ class OffloadEngine:
         if offload.execution == "hybrid":
             cost = host_cost if host_cost is not None else MeasuredHostCost()
             self.host = HostCompute(module, self.programs, kernel, offload.host_threads, cost)
-            planner = HybridPlanner(cost)
+            planner = HybridPlanner(cost, device_cost)
             for mover, key in zip(self._movers, self.all_keys, strict=False):
                 mover.calibrate(key)
         self._add_parts = add_parts(self.programs)
