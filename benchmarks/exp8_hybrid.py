@@ -1,6 +1,7 @@
 """Experiment 8 (issue 17): hybrid execution, simulated. Copy-only against hybrid execution (a miss the host
-CPU finishes sooner than its copy would land runs on the host) for on_demand_lru, fmoe and the oracle, and the
-two hybrid baselines, fiddler (popular experts placed, the rest on the host) and a llama.cpp-style static
+CPU finishes sooner than its copy would land runs on the host, and so does a resident expert where that ends
+the layer sooner: `HybridPlanner` with the preset's device cost) for on_demand_lru, fmoe and the oracle, and
+the two hybrid baselines, fiddler (popular experts placed, the rest on the host) and a llama.cpp-style static
 split (whole layers placed): median TPOT and TTFT at Mixtral-8x7B, Qwen1.5-MoE-A2.7B and Phi-3.5-MoE sizes,
 per budget, on an RTX 3090 beside desktop hosts and an H100 beside server hosts.
 

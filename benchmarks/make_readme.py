@@ -444,8 +444,8 @@ def _hybrid_sentence(payload: dict) -> str:
     )
     text = (
         "With hybrid execution (experiment 8, simulated: a miss the host CPU finishes sooner than its copy "
-        f"would land runs there), fmoe+hybrid is the fastest of every variant but the oracles at "
-        f"{points - lost} of {points} (model, system, budget) points"
+        "would land runs there, and a hit too where that ends the layer sooner), fmoe+hybrid is the fastest "
+        f"of every variant but the oracles at {points - lost} of {points} (model, system, budget) points"
         + (f"; it loses {detail}" if lost else "")
     )
     if vs_fiddler:

@@ -60,7 +60,7 @@ class GenerationStats:
     hits: int = 0
     misses: int = 0
     late_prefetches: int = 0
-    host_computed: int = 0  # hybrid execution: misses the host computed (also in `misses`)
+    host_computed: int = 0  # hybrid execution: experts the host computed (misses, and hits it balanced)
     host_compute_s: float = 0.0  # hybrid execution: seconds of the host's calls, dispatch to result
     link_busy_share: float = 0.0  # fraction of the call's time the host-to-device link was copying experts
     bytes_to_device: int = 0
