@@ -10,8 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +18,7 @@ import pytest
 from fmoe_jax.convert import cli, orbax_io
 from fmoe_jax.convert.cli import main
 from fmoe_jax.convert.hf import CheckpointError, SafetensorsFile, write_safetensors
+from test_convert_safety import converting
 
 import fmoe_jax as fj
 from fmoe_jax.testing import PRESETS, write_random_checkpoint
@@ -246,15 +245,7 @@ def test_sigterm_removes_partial_output(tmp_path):
     many_layers = dict(TINY, num_hidden_layers=24)  # ~25 orbax items: long enough to be caught mid-way
     src = write_random_checkpoint(tmp_path / "hf", many_layers)
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fmoe_jax.convert", str(src), str(out), "--quiet"],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".out.fmoe-tmp-*/experts_layer_000")) and proc.poll() is None:
-        assert time.monotonic() < deadline, "the conversion never started writing"
-        time.sleep(0.005)
+    proc = converting(src, out, "--quiet")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

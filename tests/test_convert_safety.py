@@ -238,6 +238,22 @@ def test_file_size_limit_inside_tensorstore_is_one_line(hf_dir, tmp_path):
 # Ctrl-C ------------------------------------------------------------------------------------------------
 
 
+def converting(src: Path, out: Path, *flags: str) -> subprocess.Popen:
+    """`fmoe-convert SRC OUT` in a subprocess, returned once it has started writing experts (stderr piped,
+    and stdout unless --quiet)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fmoe_jax.convert", str(src), str(out), *flags],
+        stdout=None if "--quiet" in flags else subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not list(out.parent.glob(f".{out.name}.fmoe-tmp-*/experts_layer_000")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the conversion never started writing"
+        time.sleep(0.002)
+    return proc
+
+
 def test_signal_handler_never_raises():
     """Signals are only recorded; the stop is raised by `poll`, at a safe point of fmoe-convert's own code."""
     signals = cli._Signals()
@@ -255,16 +271,7 @@ def test_signal_handler_never_raises():
 def test_ctrl_c_says_when_it_takes_effect(tmp_path):
     """Without --quiet, the first Ctrl-C is acknowledged at once on stderr, then the run ends interrupted."""
     src = write_random_checkpoint(tmp_path / "hf", dict(TINY, num_hidden_layers=24))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fmoe_jax.convert", str(src), str(tmp_path / "out")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".out.fmoe-tmp-*/experts_layer_000")) and proc.poll() is None:
-        assert time.monotonic() < deadline, "the conversion never started writing"
-        time.sleep(0.002)
+    proc = converting(src, tmp_path / "out")
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode in (130, -signal.SIGINT), err
@@ -281,16 +288,7 @@ def test_ctrl_c_twice_leaves_nothing(second_after_s, tmp_path):
     lock" (stop 41)."""
     root = tmp_path
     src = write_random_checkpoint(root / "hf", dict(TINY, num_hidden_layers=24))  # ~50 items: seconds
-    out = root / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fmoe_jax.convert", str(src), str(out), "--quiet"],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while not list(root.glob(".out.fmoe-tmp-*/experts_layer_000")) and proc.poll() is None:
-        assert time.monotonic() < deadline, "the conversion never started writing"
-        time.sleep(0.002)
+    proc = converting(src, root / "out", "--quiet")
     proc.send_signal(signal.SIGINT)
     if isinstance(second_after_s, float):
         time.sleep(second_after_s)
