@@ -581,6 +581,10 @@ class CostModel:
         fixed = len(tokens_per_expert) * self.hardware.expert_kernel_s
         return fixed + self.hardware.roofline_s(bytes_read, flops)
 
+    def expert_s(self, tokens: int) -> float:
+        """One routed expert with `tokens` tokens (`experts_s` of one): the hybrid planner's `DeviceCost`."""
+        return self.experts_s([tokens])
+
     def shared_s(self, tokens: int) -> float:
         """One layer's always-active shared expert (zero for models without one)."""
         m = self.model

@@ -13,16 +13,16 @@ The decision (DESIGN.md, "One decode iteration", step c), per needed expert:
   finish time counts its call overhead once per layer (latency, the activations to the host) and, per
   expert, its compute and the result's trip back; experts go to the host in order of fewest tokens first,
   since host time grows with tokens and a copy's does not.
-- with a device cost (`DeviceCost`: the simulator's, from the hardware preset), resident experts too go to
-  the host, fewest tokens first, while that ends the layer sooner: the layer ends when both have finished,
-  and where the device's fixed cost per expert matches the host's (Hopper's 30 us kernel tails against a
-  server's 12 memory channels reading a 9 MiB Qwen3-30B-A3B expert) a device that computes every hit
-  leaves the host idle. On the validation split at Qwen3-30B-A3B sizes, H100 beside a 12-channel server,
-  25 / 50 % budgets, it lowered the TPOT of fiddler by 4 / 17 %, on-demand LRU + hybrid by 7 / 20 % and
-  fmoe + hybrid by 13 / 24 % (8-channel server: 1 / 8, 3 / 12, 6 / 15 %; Qwen1.5-MoE sizes 0-6 %); where a
-  device expert costs far less than a host one hardly anything moves (Mixtral-8x7B's 336 MiB experts on the
-  H100: nothing; on the RTX 3090 preset, which has no fixed kernel cost, a few prefill experts: experiment
-  8's TPOTs there moved by at most 0.2 %).
+- with a device cost (`DeviceCost`: in the simulator its `CostModel`, from the hardware preset), resident
+  experts too go to the host, fewest tokens first, while that ends the layer sooner: the layer ends when
+  both have finished, and where the device's fixed cost per expert matches the host's (Hopper's 30 us kernel
+  tails against a server's 12 memory channels reading a 9 MiB Qwen3-30B-A3B expert) a device that computes
+  every hit leaves the host idle. On the validation split at Qwen3-30B-A3B sizes, H100 beside a 12-channel
+  server, 25 / 50 % budgets, it lowered the TPOT of fiddler by 4 / 17 %, on-demand LRU + hybrid by 7 / 20 %
+  and fmoe + hybrid by 13 / 24 % (8-channel server: 1 / 8, 3 / 12, 6 / 15 %; Qwen1.5-MoE sizes 0-6 %);
+  where a device expert costs far less than a host one hardly anything moves (Mixtral-8x7B's 336 MiB experts
+  on the H100: nothing; on the RTX 3090 preset, which has no fixed kernel cost, a few prefill experts:
+  experiment 8's TPOTs there moved by at most 0.2 %).
 So decode (one token per expert) mostly computes misses on the host and prefill (many tokens per expert)
 mostly copies; the cost model decides.
 Fiddler's rule (efeslab/fiddler, `src/fiddler/mixtral.py`) is the miss rule with fixed latencies (7 ms per
@@ -73,7 +73,8 @@ class HybridPlanner:
 
     Args:
       cost: the host's cost (`ModelledHostCost` in the simulator, `MeasuredHostCost` live).
-      device: the device's cost per expert (`ModelledDeviceCost`); None: resident experts stay on the device.
+      device: the device's cost per expert (`CostModel` in the simulator); None: resident experts stay on
+        the device.
     """
 
     def __init__(self, cost: HostCost, device: DeviceCost | None = None):
@@ -92,7 +93,7 @@ class HybridPlanner:
         """
         on_host: list[Key] = []
         host_done = self.cost.overhead_s(valid)  # seconds from now, once the host has work
-        kept: list[tuple[Cache, list[Key], dict[Key, float]]] = []  # each device's: resident, copy landings
+        kept: list[tuple[list[Key], dict[Key, float]]] = []  # each device's resident experts, copy landings
         for cache, keys in parts:
             resident = [k for k in keys if _entry_state(cache.entry(k)) == "ready"]
             absent = [k for k in keys if _entry_state(cache.entry(k)) != "ready"]
@@ -109,9 +110,9 @@ class HybridPlanner:
                     lands[key] = land
                     if not arriving:
                         ahead += 1
-            kept.append((cache, resident, lands))
+            kept.append((resident, lands))
         if self.device is not None:
-            for _, resident, lands in kept:
+            for resident, lands in kept:
                 host_done = self._balance(resident, lands, tokens, valid, on_host, host_done)
         return on_host
 
@@ -128,22 +129,19 @@ class HybridPlanner:
         that ends the layer sooner; returns when the host is done. The device is taken to compute its
         resident experts while its copies land, then the copied ones."""
         device_s = self.device.expert_s
-        busy = bool(on_host)
-        host_end = host_done if busy else 0.0
+        host_end = host_done if on_host else 0.0  # `host_done` counts the call's overhead even without work
         resident_s = sum(device_s(tokens[k[1]]) for k in resident)
         copied_s = sum(device_s(tokens[k[1]]) for k in lands)
         last_land = max(lands.values(), default=0.0)
         for key in sorted(resident, key=lambda k: (tokens[k[1]], k)):
-            moved_host = (host_done if busy else self.cost.overhead_s(valid)) + self.cost.expert_s(
-                tokens[key[1]]
-            )
+            moved_host = host_done + self.cost.expert_s(tokens[key[1]])
             moved_resident = resident_s - device_s(tokens[key[1]])
             now = max(host_end, max(resident_s, last_land) + copied_s)
             if max(moved_host, max(moved_resident, last_land) + copied_s) >= now:
                 break
             on_host.append(key)
             host_done = host_end = moved_host
-            resident_s, busy = moved_resident, True
+            resident_s = moved_resident
         return host_done
 
 
@@ -151,21 +149,6 @@ def _entry_state(entry: Any) -> str:
     if entry is None:
         return "absent"
     return "ready" if entry.ready else "arriving"
-
-
-class ModelledDeviceCost:
-    """The device's cost of one expert from the hardware and model presets (the simulator's `DeviceCost`): its
-    fixed kernel time beside its bytes, or its FLOPs, at the preset's efficiencies (`CostModel.experts_s` of
-    one expert)."""
-
-    def __init__(self, model: Any, hardware: Any):
-        self.model, self.hardware = model, hardware
-
-    def expert_s(self, tokens: int) -> float:
-        m = self.model
-        return self.hardware.expert_kernel_s + self.hardware.roofline_s(
-            m.expert_bytes, 2.0 * m.expert_params * tokens
-        )
 
 
 # -- host cost -----------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from .cache import Key
 from .config import OffloadConfig
 from .cost_model import CostModel, HardwarePreset, HostPreset, ModelPreset
 from .driver import Driver, Routed
-from .hybrid import HybridPlanner, ModelledDeviceCost, ModelledHostCost
+from .hybrid import HybridPlanner, ModelledHostCost
 from .policies import Policy, PolicyContext
 from .resources import Copy, SimulatedHost, SimulatedLink  # noqa: F401  (Copy: part of this module's API)
 from .transfer import DeviceExpertCache
@@ -282,7 +282,7 @@ class Replay:
         if offload.execution == "hybrid":
             cost = ModelledHostCost(model, host, hardware.link_effective)
             self.host = SimulatedHost(cost)
-            planner = HybridPlanner(cost, ModelledDeviceCost(model, hardware))
+            planner = HybridPlanner(cost, self.costs)
         self.driver = Driver(self.policy, self.cache, planner)
         self._closed = False
         try:

@@ -74,7 +74,7 @@ class OffloadEngine:
       programs: compiled programs to share with another engine of the same weights (default: its own).
       host_cost: hybrid execution: the host's cost the planner weighs (default: measured online,
         `MeasuredHostCost`); tests pass a `FixedHostCost` to send every miss to the host.
-      device_cost: hybrid execution: the device's cost per expert (`ModelledDeviceCost` from presets), with
+      device_cost: hybrid execution: the device's cost per expert (a `cost_model.CostModel` of presets), with
         which the planner also gives resident experts to the host where that ends a layer sooner; default
         None: resident experts stay on the device (the device's cost is not measured online yet).
     """
