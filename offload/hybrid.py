@@ -113,7 +113,7 @@ class HybridPlanner:
             kept.append((resident, lands))
         if self.device is not None:
             for resident, lands in kept:
-                host_done = self._balance(resident, lands, tokens, valid, on_host, host_done)
+                host_done = self._balance(resident, lands, tokens, on_host, host_done)
         return on_host
 
     def _balance(
@@ -121,7 +121,6 @@ class HybridPlanner:
         resident: list[Key],
         lands: dict[Key, float],
         tokens: Mapping[int, int],
-        valid: int,
         on_host: list[Key],
         host_done: float,
     ) -> float:
