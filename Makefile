@@ -32,8 +32,12 @@ $(RUNTIME): pyproject.toml | $(PY)
 demo: $(if $(wildcard $(DEV)),$(DEV),$(RUNTIME))
 	$(PY) -m fmoe_jax.demo
 
+# The tests start dozens of Python processes (two workers, CLIs, benchmarks), each importing jax, transformers
+# and torch. Where the environment sets PYTHONDONTWRITEBYTECODE, none of them would leave the bytecode of what
+# it compiled, and each would compile those packages' sources anew (~5 s a process here); the test run lets
+# them write it into .venv.
 test: $(DEV)
-	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers, one test file each at a time
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n 2 --dist loadfile  # two workers, a test file each at a time
 
 lint: $(DEV)
 	$(VENV)/bin/ruff check .
