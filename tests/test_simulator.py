@@ -4,6 +4,7 @@ policy; the replayed event layout; the cost model on hand-computed cases; preset
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import shutil
@@ -30,7 +31,7 @@ from fmoe_jax.offload.simulator import SimulatedLink, simulate
 from toy_costs import TOY_HARDWARE, TOY_MODEL, toy_trace
 
 import fmoe_jax as fj
-from fmoe_jax.engines.offload import router_weights
+from fmoe_jax.engines.offload import OffloadEngine, router_weights
 from fmoe_jax.trace import Iteration, RequestTrace, RoutingTrace
 
 
@@ -64,6 +65,7 @@ def trained_predictor(kind: str) -> Callable[[Path], dict]:
     return build
 
 
+@functools.cache  # one resident generation per model, for every budget that asks
 def future_traces(hf_dir: Path) -> dict:
     """The oracle's knowledge: the routing of the very generations the test will run."""
     resident = fj.load_model(hf_dir)
@@ -83,7 +85,7 @@ DETERMINISTIC_OPTIONS: dict[str, dict | Callable[[Path], dict]] = {
 
 def policy_options(policy: str, hf_dir: Path) -> dict:
     options = DETERMINISTIC_OPTIONS.get(policy, {})
-    return options(hf_dir) if callable(options) else options
+    return dict(options(hf_dir)) if callable(options) else options  # a copy: `future_traces` is cached
 
 
 # Two `generate` calls (the policy and cache carry over), rows of different lengths; one prefill bucket
@@ -94,8 +96,10 @@ BATCHES = [
 ]
 
 
-def live_and_replayed(hf_dir, policy: str, cache_experts: int | None):
-    """Live generation with synchronous transfers recording traces, then the replay of those traces."""
+def live_and_replayed(hf_dir, policy: str, cache_experts: int | None, base: fj.Model | None = None):
+    """Live generation with synchronous transfers recording traces, then the replay of those traces. With
+    `base` (a model loaded from `hf_dir` with any offload config), its weights and compiled programs serve
+    behind a fresh engine: no reload, nothing compiled twice."""
     offload = OffloadConfig(
         policy=policy,
         cache_experts=cache_experts,
@@ -103,7 +107,12 @@ def live_and_replayed(hf_dir, policy: str, cache_experts: int | None):
         prefetch_distance=1,
         policy_options=policy_options(policy, hf_dir),
     )
-    with fj.load_model(hf_dir, offload=offload) as model:
+    if base is None:
+        serving = fj.load_model(hf_dir, offload=offload)
+    else:
+        engine = OffloadEngine(base.module, offload, programs=base.engine.programs)
+        serving = dataclasses.replace(base, engine=engine, offload=offload)
+    with serving as model:
         outs = [
             fj.generate(model, batch, max_new_tokens=5, record_trace=True, record_hidden=True)
             for batch in BATCHES
@@ -143,7 +152,9 @@ def with_early_eos(hf_dir: Path, out: Path) -> Path:
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v2_lite"])  # top-2 of 4; dense + shared experts
 def test_replay_counts_equal_live_engine_for_every_policy(family, hf_dirs, tmp_path):
     hf_dir = with_early_eos(hf_dirs[family], tmp_path / family)
-    cfg = fj.load_model(hf_dir).config
+    base = fj.load_model(hf_dir, offload=OffloadConfig(cache_experts=1))  # weights and programs for every run
+    base.close()
+    cfg = base.config
     total = cfg.num_moe_layers * cfg.num_experts
     budgets = {"one_slot": 1, "top_k": cfg.top_k, "quarter": None, "half": total // 2}
     for policy, policy_cls in POLICIES.items():
@@ -151,7 +162,7 @@ def test_replay_counts_equal_live_engine_for_every_policy(family, hf_dirs, tmp_p
         for budget, slots in budgets.items():
             if policy_cls.preload_all and budget != "quarter":
                 continue  # the budget does not apply
-            outs, live, sim = live_and_replayed(hf_dir, policy, slots)
+            outs, live, sim = live_and_replayed(hf_dir, policy, slots, base)
             where = f"{family} {policy} {budget}"
             lengths = {len(r.iterations) for r in outs[0].trace.requests}
             assert len(lengths) > 1, f"{where}: no row finished early ({lengths})"
