@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import jax
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fmoe_jax as fj
+from fmoe_jax.engines.offload import OffloadEngine
 
 # Tiny models of conftest.HF_CONFIGS: every family, DeepSeek-V2 in both its shapes.
 FAMILIES = ["mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2_lite", "deepseek_v2"]
@@ -75,23 +77,41 @@ CASES = [(f, p) for p in BASE_POLICIES[:2] for f in FAMILIES] + [
 ]
 
 
+@pytest.fixture(scope="module")
+def offloaded(hf_dirs):
+    """`offloaded(family, offload)`: the family's model served by a fresh offload engine for `offload`, over
+    weights loaded once and the programs every engine before it compiled (as tests/test_lossless.py serves);
+    with no `offload`, the closed model they come from (for its config)."""
+    bases = {}
+
+    def serve(family: str, offload: OffloadConfig | None = None) -> fj.Model:
+        if family not in bases:
+            bases[family] = fj.load_model(hf_dirs[family], offload=OffloadConfig(cache_experts=1))
+            bases[family].close()  # its weights and programs serve on; its own engine does not
+        base = bases[family]
+        if offload is None:
+            return base
+        engine = OffloadEngine(base.module, offload, programs=base.engine.programs)
+        return dataclasses.replace(base, engine=engine, offload=offload)
+
+    return serve
+
+
 @pytest.mark.parametrize(("family", "policy"), CASES)
-def test_lossless_for_every_budget(family, policy, hf_dirs, resident_runs):
-    cfg = fj.load_model(hf_dirs[family]).config
+def test_lossless_for_every_budget(family, policy, offloaded, resident_runs):
+    cfg = offloaded(family).config
     for name, slots in budgets(cfg).items():
-        model = fj.load_model(hf_dirs[family], offload=OffloadConfig(policy=policy, cache_experts=slots))
-        for batch, prompts in PROMPTS.items():
-            tokens, logits = run_steps(model, prompts, 6)
-            ref_tokens, ref_logits = resident_runs[family, batch]
-            np.testing.assert_array_equal(
-                tokens, ref_tokens, err_msg=f"{family} {policy} {name} batch {batch}"
-            )
-            np.testing.assert_allclose(
-                logits, ref_logits, rtol=0, atol=1e-6, err_msg=f"{family} {policy} {name} batch {batch}"
-            )
-            book = model.engine.cache.book
-            assert book.stats.peak_bytes <= book.capacity * book.expert_bytes
-            assert book.capacity == (slots if policy != "resident" else cfg.num_moe_layers * cfg.num_experts)
+        with offloaded(family, OffloadConfig(policy=policy, cache_experts=slots)) as model:
+            for batch, prompts in PROMPTS.items():
+                tokens, logits = run_steps(model, prompts, 6)
+                ref_tokens, ref_logits = resident_runs[family, batch]
+                where = f"{family} {policy} {name} batch {batch}"
+                np.testing.assert_array_equal(tokens, ref_tokens, err_msg=where)
+                np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-6, err_msg=where)
+                book = model.engine.cache.book
+                assert book.stats.peak_bytes <= book.capacity * book.expert_bytes
+                total = cfg.num_moe_layers * cfg.num_experts
+                assert book.capacity == (slots if policy != "resident" else total)
 
 
 SELF_CONTAINED = sorted(name for name in POLICIES if not required_options(name))
