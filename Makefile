@@ -32,12 +32,17 @@ $(RUNTIME): pyproject.toml | $(PY)
 demo: $(if $(wildcard $(DEV)),$(DEV),$(RUNTIME))
 	$(PY) -m fmoe_jax.demo
 
-# The tests start dozens of Python processes (two workers, CLIs, benchmarks), each importing jax, transformers
-# and torch. Where the environment sets PYTHONDONTWRITEBYTECODE, none of them would leave the bytecode of what
-# it compiled, and each would compile those packages' sources anew (~5 s a process here); the test run lets
-# them write it into .venv.
+# Bytecode: the installs leave none (--no-compile), and where the environment sets PYTHONDONTWRITEBYTECODE no
+# process writes any, so each of the dozens of Python processes the tests start (two workers, CLIs,
+# benchmarks) would compile jax, transformers and torch from source (~5 s a process on this machine). The
+# test run first compiles whatever is stale, once (~25 s from nothing on two cores, ~4 s when all is fresh),
+# so no test process writes bytecode of its own (in a trial run that let them, concurrent writers left
+# truncated files that every later import failed on). compileall's exit status is ignored: torch ships a
+# helper only Python 3.12 compiles, which no test imports.
 test: $(DEV)
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n 2 --dist loadfile  # two workers, a test file each at a time
+	$(PY) -m compileall -qq -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
+		fmoe_jax models offload convert research benchmarks || true
+	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers, one test file each at a time
 
 lint: $(DEV)
 	$(VENV)/bin/ruff check .
