@@ -201,16 +201,17 @@ class ExpertMapStore:
         slots = np.empty((num_rows,), np.int64)
 
         take = min(self.capacity - self._size, num_rows)
-        slots[:take] = np.arange(self._size, self._size + take)
-        self._write(
-            slots[:take],
-            embeds[:take],
-            flat[:take],
-            inv_embed[:take],
-            inv_prefix[:take],
-            None if sketch is None else sketch[:take],
-        )
-        self._size += take
+        if take:  # free slots first
+            slots[:take] = np.arange(self._size, self._size + take)
+            self._write(
+                slots[:take],
+                embeds[:take],
+                flat[:take],
+                inv_embed[:take],
+                inv_prefix[:take],
+                None if sketch is None else sketch[:take],
+            )
+            self._size += take
         if take == num_rows:
             return slots
 

@@ -9,6 +9,8 @@ per layer, K = top_k experts activated per layer, p the probability of an expert
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 # Cumulative sums of float32 router probabilities stop short of 1.0 by a few ulp. Without slack, a
@@ -123,7 +125,10 @@ class SortedMaps:
         batch, _, num_experts = maps.shape
         _check_top_k(top_k, num_experts)
         masks = []
-        for b, delta in enumerate(np.atleast_1d(selection_threshold(score)).tolist()):
+        scores = np.asarray(score, np.float64).reshape(-1).tolist()  # delta in Python floats: a map at a time
+        if not all(map(math.isfinite, scores)):
+            selection_threshold(score)  # raises, naming the score
+        for b, delta in enumerate(min(max(1.0 - s, 0.0), 1.0) for s in scores):
             _, mass, rank, nonzero = self.sorted(maps[b])
             count = _count(mass[layers], nonzero[layers], delta, top_k)
             masks.append(rank[layers] < count[:, None])

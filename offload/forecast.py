@@ -26,6 +26,10 @@ MAX_DISTANCE = 4
 GAP_EDGES = np.array([1, 2, 3, 5, 9])  # gap 0, 1, 2, 3-4, 5-8, 9+ ; "never" is its own bin
 SHARE_EDGES = np.array([0.05, 0.15, 0.3, 0.5, 0.75])
 RECENCY_BINS = len(GAP_EDGES) + 2  # the gap bins and "never"
+# `ReuseForecast`'s prior per bin (flat, gap-major): 0.6 for experts used at the last iteration (gap 0),
+# 0.2 for the rest.
+_GAP_BIN_SIZE = (len(SHARE_EDGES) + 1) * (len(P_EDGES) + 1)
+_REUSE_PRIOR = np.where(np.arange((len(GAP_EDGES) + 2) * _GAP_BIN_SIZE) < _GAP_BIN_SIZE, 0.6, 0.2)
 
 
 class Calibration:
@@ -163,9 +167,7 @@ class ReuseForecast:
         each expert's bin without the hint (`_base` `[L, J]`: gap and share). A new hint then costs a search
         and a few takes: the reuse predictor refreshes the hint after every layer, on the engine thread."""
         # Laplace-smoothed; an unseen bin falls back to a weak prior of "recently used is likely reused".
-        flat = np.arange(self.seen.size)
-        prior = np.where(flat < (len(SHARE_EDGES) + 1) * (len(P_EDGES) + 1), 0.6, 0.2)  # gap 0 or more
-        self._table = (self.reused.ravel() + prior) / (self.seen.ravel() + 1.0)
+        self._table = (self.reused.ravel() + _REUSE_PRIOR) / (self.seen.ravel() + 1.0)
         self._table_missed = (self.reused_missed.ravel() + self._table) / (self.seen_missed.ravel() + 1.0)
         gap = np.where(
             self.last_use < 0,

@@ -490,10 +490,10 @@ class FMoE(Policy):
         self._current = layer  # from now on no guide of this layer is written (`_select`)
         self._used[layer, needed] = True
         if self._counting:  # the popularity profile grows with every token served
-            routed = np.asarray(event.ids)[event.token_valid].ravel()
-            if routed.size <= self.ctx.top_k:  # one token: distinct experts, one count each
-                self._counts[layer, routed] += 1
+            if len(event.ids) == 1:  # one token (decode at batch 1): its experts are `needed`, one count each
+                self._counts[layer, needed] += 1
             else:
+                routed = np.asarray(event.ids)[event.token_valid].ravel()
                 self._counts[layer] += np.bincount(routed, minlength=self.ctx.num_experts)
         self.forecast.mark_used(layer, needed)
         if event.probs is None:  # the engine skipped them: no search or update from this iteration
@@ -523,7 +523,7 @@ class FMoE(Policy):
             self.counts["rested_layers"] += 1
             self.cache.request_prefetch((), replace=False, stale_before=layer + 1)
         elif active.size and self._affords("trajectory", self._recording):
-            data = self._maps[active, : layer + 1].copy()
+            data = self._maps[active, : layer + 1]  # a copy (`active` indexes rows): the matcher's own
             self._publish(_Context("trajectory", layer=layer, data=data, iteration=self._iteration))
 
     def _resting(self, layer: int) -> bool:
@@ -657,7 +657,7 @@ class FMoE(Policy):
         if not guided.any():
             return
         p, bins = self._guide_p[guided], self._guide_bin[guided]  # [count, J]
-        outcome = np.broadcast_to(self._used, self._guide_p.shape)[guided]
+        outcome = self._used[np.nonzero(guided)[1]]  # each guide's layer's outcome, in the same order
         self.calibration.observe_binned(p.ravel(), bins.ravel(), outcome.ravel())
 
     def _plan_recording(self, updates: bool) -> None:
@@ -929,8 +929,8 @@ class FMoE(Policy):
         q = np.where(picked, need, 0.0)
         thresholds = self.threshold(layers, current)  # [n]
         admitted = (q > 0) & (q >= thresholds[:, None])
-        self.counts["not_admitted"] += int((picked & ~admitted).sum())
         pos, experts = np.nonzero(admitted)
+        self.counts["not_admitted"] += int(np.count_nonzero(picked)) - len(pos)  # admitted ones are picked
         priority = q[pos, experts] / (layers[pos] - current)  # `prefetch_priority`, checks left out
         if self.link == "queue" and self.admission == "cost" and len(pos) and thresholds.max() > 0:
             keep = self._after_queue(q[pos, experts], layers[pos], current, priority)
