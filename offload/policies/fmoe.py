@@ -489,12 +489,10 @@ class FMoE(Policy):
         needed = np.asarray(event.needed, np.int64)
         self._current = layer  # from now on no guide of this layer is written (`_select`)
         self._used[layer, needed] = True
-        if self._counting:  # the popularity profile grows with every token served
-            if len(event.ids) == 1:  # one token (decode at batch 1): its experts are `needed`, one count each
-                self._counts[layer, needed] += 1
-            else:
-                routed = np.asarray(event.ids)[event.token_valid].ravel()
-                self._counts[layer] += np.bincount(routed, minlength=self.ctx.num_experts)
+        if self._counting and len(event.ids) > 1:  # the popularity profile grows with every token served
+            # (one token, decode at batch 1: its experts are `needed`, counted with the others' at the end)
+            routed = np.asarray(event.ids)[event.token_valid].ravel()
+            self._counts[layer] += np.bincount(routed, minlength=self.ctx.num_experts)
         self.forecast.mark_used(layer, needed)
         if event.probs is None:  # the engine skipped them: no search or update from this iteration
             self._recording = False
@@ -639,6 +637,8 @@ class FMoE(Policy):
         self._observe_guides()
         self.forecast.end_iteration(self._used)
         if self._counting:
+            if self._valid.size == 1:  # one token: each routed layer's experts, one count each (`_used`)
+                self._counts += self._used
             self._update_rate()
         updates = self.learn or self.eviction == "reuse"
         if self._embeds.shape[0] and updates and self._affords("update", self._recording):
