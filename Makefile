@@ -2,7 +2,8 @@
 # Both install the project editable into .venv, so that .venv/bin/python imports the working tree from any
 # directory. `make demo` installs only the runtime dependencies (the test extras' torch alone is 750 MB);
 # `make test` and `make lint` add the test extras. Installs skip compiling every installed module to
-# bytecode (--no-compile: transformers alone has thousands of files); Python compiles what it imports.
+# bytecode (--no-compile: transformers alone has thousands of files); Python compiles what it imports, and
+# `make test` compiles the lot before its run (see there).
 #
 # setuptools emits one information-only note (its class is InformationOnly) on every editable install of a
 # package whose subpackages live outside its folder (fmoe_jax.models is models/, see pyproject.toml): "be
