@@ -3,7 +3,6 @@ their rules on hand-made event sequences (speculative gate, EAM matching and pro
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 
@@ -17,9 +16,9 @@ from fmoe_jax.offload.policies.mixtral_offload import MixtralOffload, layer_quot
 from fmoe_jax.offload.policies.moe_infinity import ActivationMatrixCollection, MoEInfinity, eamc_from_traces
 from fmoe_jax.offload.policies.oracle import Oracle
 from fmoe_jax.offload.transfer import DeviceExpertCache
+from serving import served
 
 import fmoe_jax as fj
-from fmoe_jax.engines.offload import OffloadEngine
 from fmoe_jax.trace import RoutingTrace
 
 # Routing shapes, not attention, matter to a policy: top-2 of 4, shared experts beside a dense layer, a dense
@@ -51,9 +50,7 @@ def serve(base: fj.Model, policy: Policy, slots: int, *, synchronous: bool = Fal
     offload = OffloadConfig(
         policy=policy, cache_experts=slots, synchronous_transfers=synchronous, prefetch_distance=1
     )
-    return dataclasses.replace(
-        base, engine=OffloadEngine(base.module, offload, programs=base.engine.programs), offload=offload
-    )
+    return served(base, offload)
 
 
 def budgets(cfg) -> dict[str, int]:

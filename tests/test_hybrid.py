@@ -30,11 +30,12 @@ from fmoe_jax.offload.hybrid import (
 from fmoe_jax.offload.policies import POLICIES, Fiddler, PolicyContext, StaticSplit
 from fmoe_jax.offload.policies.fiddler import expert_usage
 from fmoe_jax.offload.simulator import SimulatedLink, simulate
+from serving import served
 from test_lossless import Subject, check_lossless, subject_loader
 from toy_costs import TOY_HARDWARE, TOY_MODEL, toy_trace
 
 import fmoe_jax as fj
-from fmoe_jax.engines.offload import OffloadEngine, router_weights
+from fmoe_jax.engines.offload import router_weights
 from fmoe_jax.trace import RoutingTrace
 
 
@@ -378,10 +379,7 @@ def mixtral(subjects) -> fj.Model:
 
 
 def hybrid_model(base: fj.Model, offload: OffloadConfig, host_cost=None, device_cost=None) -> fj.Model:
-    engine = OffloadEngine(
-        base.module, offload, programs=base.engine.programs, host_cost=host_cost, device_cost=device_cost
-    )
-    return dataclasses.replace(base, engine=engine, offload=offload)
+    return served(base, offload, host_cost=host_cost, device_cost=device_cost)
 
 
 @pytest.mark.parametrize(

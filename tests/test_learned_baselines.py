@@ -3,8 +3,6 @@ prefetch requests and cache rules on hand-made events, and lossless serving in t
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 from fakes import RecordingCache, iteration_start, layer_routed
@@ -19,9 +17,9 @@ from fmoe_jax.offload.predictors import Predictor
 from fmoe_jax.offload.simulator import simulate
 from fmoe_jax.offload.transfer import DeviceExpertCache
 from fmoe_jax.research import predictor_training
+from serving import served
 
 import fmoe_jax as fj
-from fmoe_jax.engines.offload import OffloadEngine
 from fmoe_jax.trace import Iteration, RequestTrace, RoutingTrace
 
 
@@ -309,8 +307,7 @@ def test_lossless_for_every_budget_and_batch(family, hf_dirs, tmp_path):
         for budget, slots in budgets.items():
             policy = policy_cls(predictor=paths[policy_cls.name])
             offload = OffloadConfig(policy=policy, cache_experts=slots, prefetch_distance=1)
-            engine = OffloadEngine(base.module, offload, programs=base.engine.programs)
-            model = dataclasses.replace(base, engine=engine, offload=offload)
+            model = served(base, offload)
             for batch, prompts in PROMPTS.items():
                 got = fj.generate(model, prompts, NEW_TOKENS, stop_at_eos=False)
                 assert got.tokens == reference[batch], f"{family} {policy_cls.name} {budget} batch {batch}"

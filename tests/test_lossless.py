@@ -24,9 +24,9 @@ from fmoe_jax.offload.policies import POLICIES, DuoServe, FMoE, Oracle, ProMoE
 from fmoe_jax.research import predictor_training
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from serving import served
 
 import fmoe_jax as fj
-from fmoe_jax.engines.offload import OffloadEngine
 from fmoe_jax.generation import bucket_length
 
 SHIPPED = ["fmoe-tiny-mixtral", "fmoe-tiny-qwen-moe", "fmoe-tiny-qwen3-moe"]
@@ -111,11 +111,7 @@ def serve(
         policy_obj = policy
     execution = "copy" if host_cost is None else "hybrid"
     offload = OffloadConfig(policy=policy_obj, cache_experts=slots, prefetch_distance=1, execution=execution)
-    base = subject.offloaded
-    engine = OffloadEngine(
-        base.module, offload, programs=base.engine.programs, host_cost=host_cost, device_cost=device_cost
-    )
-    return dataclasses.replace(base, engine=engine, offload=offload)
+    return served(subject.offloaded, offload, host_cost=host_cost, device_cost=device_cost)
 
 
 def run_steps(model: fj.Model, prompts: list[list[int]], new_tokens: int):
@@ -282,10 +278,7 @@ def test_fmoe_lossless_while_it_stops_wanting_contexts(subjects):
     for slots in (1, 2, 4, cfg.num_moe_layers * cfg.num_experts):
         policy = FMoE(reuse_predictor=subject.predictor("reuse"), copy_s=1e-9, layer_s=1e-3)
         offload = OffloadConfig(policy=policy, cache_experts=slots, prefetch_distance=1)
-        base = subject.offloaded
-        model = dataclasses.replace(
-            base, engine=OffloadEngine(base.module, offload, programs=base.engine.programs), offload=offload
-        )
+        model = served(subject.offloaded, offload)
         try:
             tokens, logits = run_steps(model, prompts, new_tokens)
             stats = policy.stats()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import jax
@@ -16,9 +15,9 @@ from fmoe_jax.offload.policies import POLICIES, required_options
 from fmoe_jax.offload.transfer import ChunkedJaxMover, DeviceExpertCache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from serving import served
 
 import fmoe_jax as fj
-from fmoe_jax.engines.offload import OffloadEngine
 
 # Tiny models of conftest.HF_CONFIGS: every family, DeepSeek-V2 in both its shapes.
 FAMILIES = ["mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2_lite", "deepseek_v2"]
@@ -91,8 +90,7 @@ def offloaded(hf_dirs):
         base = bases[family]
         if offload is None:
             return base
-        engine = OffloadEngine(base.module, offload, programs=base.engine.programs)
-        return dataclasses.replace(base, engine=engine, offload=offload)
+        return served(base, offload)
 
     return serve
 

@@ -28,10 +28,11 @@ from fmoe_jax.offload.cost_model import (
 )
 from fmoe_jax.offload.policies import POLICIES, FMoE, Policy, store_from_traces
 from fmoe_jax.offload.simulator import SimulatedLink, simulate
+from serving import served
 from toy_costs import TOY_HARDWARE, TOY_MODEL, toy_trace
 
 import fmoe_jax as fj
-from fmoe_jax.engines.offload import OffloadEngine, router_weights
+from fmoe_jax.engines.offload import router_weights
 from fmoe_jax.trace import Iteration, RequestTrace, RoutingTrace
 
 
@@ -110,8 +111,7 @@ def live_and_replayed(hf_dir, policy: str, cache_experts: int | None, base: fj.M
     if base is None:
         serving = fj.load_model(hf_dir, offload=offload)
     else:
-        engine = OffloadEngine(base.module, offload, programs=base.engine.programs)
-        serving = dataclasses.replace(base, engine=engine, offload=offload)
+        serving = served(base, offload)
     with serving as model:
         outs = [
             fj.generate(model, batch, max_new_tokens=5, record_trace=True, record_hidden=True)
