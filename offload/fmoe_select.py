@@ -107,7 +107,7 @@ class SortedMaps:
             rows = np.asarray(expert_map)  # float32 from the store: sorted as is, summed in float64
             _check_rows(rows)
             layers = np.arange(rows.shape[0])[:, None]
-            order = np.argsort(-rows, axis=1, kind="stable")
+            order = descending_order(rows)
             mass = np.cumsum(rows[layers, order], axis=1, dtype=np.float64)
             rank = np.empty_like(order)
             rank[layers, order] = np.arange(order.shape[1])
@@ -135,6 +135,21 @@ class SortedMaps:
         if len(masks) != batch:
             raise ValueError(f"select_mask needs one score per map, got {len(masks)} for {batch}.")
         return masks[0][None] if batch == 1 else np.stack(masks)
+
+
+def descending_order(rows: np.ndarray) -> np.ndarray:  # [..., J] -> [..., J] int64
+    """Each row's positions by descending value, ties in ascending position: `np.argsort(-rows, axis=-1,
+    kind="stable")` for finite non-negative rows. For float32 rows each value and its position are packed
+    into one uint64 key (a non-negative float's bits ascend with its value) and the keys sorted unstably,
+    which is several times faster for wide rows (48 x 128 at Qwen3-30B's shapes: ~25 us against ~180 on
+    this CPU; stable sorting falls back to a merge sort there)."""
+    if rows.dtype != np.float32:
+        return np.argsort(-rows, axis=-1, kind="stable")
+    bits = (rows + np.float32(0.0)).view(np.uint32)  # + 0.0: a -0.0 keys as 0.0, which it equals
+    keys = (~bits).astype(np.uint64) << np.uint64(32)  # descending value in the high half
+    keys |= np.arange(rows.shape[-1], dtype=np.uint64)  # ascending position in the low half
+    keys.sort(axis=-1)
+    return (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
 
 
 def _check_top_k(top_k: int, num_experts: int) -> None:

@@ -9,6 +9,7 @@ from fmoe_jax.offload.expert_map_store import ExpertMapStore, PrefixDots
 from fmoe_jax.offload.fmoe_select import (
     MASS_TOLERANCE,
     SortedMaps,
+    descending_order,
     keep_priority,
     prefetch_priority,
     select_experts,
@@ -393,6 +394,22 @@ def test_sorted_maps_select_what_select_mask_selects():
         sorted_maps.select_mask(-maps, np.arange(6), np.ones(5), 1)
     with pytest.raises(ValueError, match="top_k"):
         sorted_maps.select_mask(maps, np.arange(6), np.ones(5), 9)
+
+
+def test_descending_order_is_the_stable_argsort():
+    """The packed-key sort orders float32 rows as `np.argsort(-rows, kind="stable")` does: ties (many), zeros,
+    -0.0, subnormals and 1.0, in rows as narrow as Mixtral's and as wide as Qwen3's and wider."""
+    rng = np.random.default_rng(3)
+    for width in (1, 2, 8, 60, 128, 300):
+        rows = rng.random((40, width), dtype=np.float32)
+        rows[:10] = np.round(rows[:10] * 3) / 3  # few distinct values: ties everywhere
+        rows[10, :] = 0.0
+        rows[11, ::2] = -0.0
+        rows[12, ::3] = np.float32(1e-45)  # the smallest subnormal
+        rows[13, ::2] = 1.0
+        np.testing.assert_array_equal(descending_order(rows), np.argsort(-rows, axis=1, kind="stable"))
+        wide = rows.astype(np.float64)  # other dtypes sort the stable way itself
+        np.testing.assert_array_equal(descending_order(wide), np.argsort(-wide, axis=1, kind="stable"))
 
 
 def test_selection_refuses_bad_arguments():
