@@ -313,15 +313,16 @@ def test_lossless_for_every_budget_and_batch(family, hf_dirs, tmp_path):
                 assert got.tokens == reference[batch], f"{family} {policy_cls.name} {budget} batch {batch}"
                 assert got.stats.peak_cache_bytes <= slots * got.stats.extra["expert_bytes"]
             model.close()
-        counts = live_and_replayed(hf_dirs[family], policy_cls, paths[policy_cls.name], budgets["quarter"])
+        counts = live_and_replayed(base, policy_cls, paths[policy_cls.name], budgets["quarter"])
         assert counts[0] == counts[1], f"{family} {policy_cls.name} live vs replayed: {counts}"
         assert counts[0][2] > 0, f"{family} {policy_cls.name} never prefetched"
 
 
-def live_and_replayed(hf_dir, policy_cls, predictor, slots: int) -> list[tuple[int, int, int, int]]:
-    """(hits, misses, prefetches, wasted prefetches) of live generation with synchronous transfers, then of
-    the trace-replay simulator driving a fresh policy through the same cache code over the recorded trace:
-    the policies are deterministic, so the two must agree."""
+def live_and_replayed(base, policy_cls, predictor, slots: int) -> list[tuple[int, int, int, int]]:
+    """(hits, misses, prefetches, wasted prefetches) of live generation with synchronous transfers (`base`'s
+    weights and programs behind a fresh engine), then of the trace-replay simulator driving a fresh policy
+    through the same cache code over the recorded trace: the policies are deterministic, so the two must
+    agree."""
 
     def config():
         policy = policy_cls(predictor=predictor)
@@ -329,7 +330,7 @@ def live_and_replayed(hf_dir, policy_cls, predictor, slots: int) -> list[tuple[i
             policy=policy, cache_experts=slots, prefetch_distance=1, synchronous_transfers=True
         )
 
-    with fj.load_model(hf_dir, offload=config()) as model:
+    with served(base, config()) as model:
         out = fj.generate(
             model, PROMPTS[3], NEW_TOKENS, stop_at_eos=False, record_trace=True, record_hidden=True
         )

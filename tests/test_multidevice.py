@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import pytest
 from fmoe_jax.offload.placement import round_robin
+from serving import served
 
 import fmoe_jax as fj
 
@@ -48,10 +49,26 @@ else:
             for family in ("mixtral", "qwen2_moe")
         }
 
+    @pytest.fixture(scope="module")
+    def four_devices(hf_dirs):
+        """`four_devices(family, offload)`: the family's weights, loaded once over the 4 devices, and the
+        programs every engine before it compiled, behind a fresh engine for `offload` (tests/serving.py);
+        with no `offload`, the closed model they come from (for its config)."""
+        bases = {}
+
+        def serve(family: str, offload: fj.OffloadConfig | None = None) -> fj.Model:
+            if family not in bases:
+                config = fj.OffloadConfig(cache_experts=DEVICES, devices=DEVICES)
+                bases[family] = fj.load_model(hf_dirs[family], offload=config)
+                bases[family].close()  # its weights and programs serve on; its own engine does not
+            return bases[family] if offload is None else served(bases[family], offload)
+
+        return serve
+
     @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
     @pytest.mark.parametrize("policy", ["resident", "on_demand_lru", "fmoe"])
-    def test_lossless_on_four_devices(family, policy, hf_dirs, references):
-        cfg = fj.load_model(hf_dirs[family]).config
+    def test_lossless_on_four_devices(family, policy, references, four_devices):
+        cfg = four_devices(family).config
         total = cfg.num_moe_layers * cfg.num_experts
         # resident holds every expert whatever the budget; the others at the smallest and half budget
         for slots in (total,) if policy == "resident" else (DEVICES, total // 2):
@@ -61,7 +78,7 @@ else:
                 devices=DEVICES,
                 policy_options=POLICY_OPTIONS.get(policy, {}),
             )
-            with fj.load_model(hf_dirs[family], offload=offload) as model:
+            with four_devices(family, offload) as model:
                 out = fj.generate(model, PROMPTS, max_new_tokens=6, stop_at_eos=False)
             assert out.tokens == references[family], (family, policy, slots)
             per_device = out.stats.extra["per_device"]

@@ -115,17 +115,23 @@ def test_lossless_for_every_budget(family, policy, offloaded, resident_runs):
 SELF_CONTAINED = sorted(name for name in POLICIES if not required_options(name))
 
 
+@pytest.fixture(scope="module")
+def resident_mixtral(hf_dirs):
+    model = fj.load_model(hf_dirs["mixtral"])
+    yield model
+    model.close()
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(slots=st.integers(1, 8), policy=st.sampled_from(SELF_CONTAINED), data=st.data())
-def test_random_budgets_policies_and_prompts(slots, policy, data, hf_dirs):
+def test_random_budgets_policies_and_prompts(slots, policy, data, resident_mixtral, offloaded):
     prompts = data.draw(
         st.lists(st.lists(st.integers(3, 255), min_size=1, max_size=30), min_size=1, max_size=3)
     )
     new_tokens = data.draw(st.integers(1, 6))
-    resident = fj.load_model(hf_dirs["mixtral"])
-    ref = fj.generate(resident, prompts, max_new_tokens=new_tokens, stop_at_eos=False)
-    model = fj.load_model(hf_dirs["mixtral"], offload=OffloadConfig(policy=policy, cache_experts=slots))
-    out = fj.generate(model, prompts, max_new_tokens=new_tokens, stop_at_eos=False)
+    ref = fj.generate(resident_mixtral, prompts, max_new_tokens=new_tokens, stop_at_eos=False)
+    with offloaded("mixtral", OffloadConfig(policy=policy, cache_experts=slots)) as model:
+        out = fj.generate(model, prompts, max_new_tokens=new_tokens, stop_at_eos=False)
     assert out.tokens == ref.tokens
     assert out.stats.peak_cache_bytes <= out.stats.extra["cache_slots"] * out.stats.extra["expert_bytes"]
     assert out.stats.hits + out.stats.misses > 0
