@@ -101,7 +101,7 @@ def prediction_hit_rates(w: h.Workload, distances: list[int]) -> dict[str, dict[
     num_layers, num_experts = cfg.num_moe_layers, cfg.num_experts
     tokens = decode_tokens(w.eval)
     store_traces = [r.trace for r in w.store]
-    eamc = eamc_from_traces(store_traces, capacity=w.args.store_capacity)["decode"]
+    eamc = eamc_from_traces(store_traces, capacity=w.args.eam_capacity)["decode"]
     popularity = np.zeros((num_layers, num_experts))
     for t in store_traces:
         for it in t.requests[0].iterations[1:]:

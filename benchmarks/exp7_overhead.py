@@ -10,7 +10,8 @@ updates run on the matcher thread, off the critical path, and are shown beside.
 (b) At real sizes: one decode iteration (batch 1) of
 Mixtral-8x7B, Qwen1.5-MoE-A2.7B and Phi-3.5-MoE on each `--hardware` preset from the cost model (compute,
 one expert copy), next to fMoE's host work at those shapes, measured here with
-`benchmarks/matcher_overhead.py`'s `measure` (store of 1,024 maps): its parts (one semantic search, the L - d
+`benchmarks/matcher_overhead.py`'s `measure` (a full store of `--store-capacity` maps, the experiments'
+and fmoe's default): its parts (one semantic search, the L - d
 trajectory searches, one map update and one reuse hint (`future_of`) per iteration) and the whole policy's
 iteration (`fmoe_host_ms`: the same plus selection, admission, the calibration and forecast updates, less
 the searches `skip_confirmed` and resting after repeated matches leave out; `matcher_share` is it over the
@@ -61,7 +62,9 @@ def live_breakdown(variant: h.Variant, r: dict) -> dict:
     return row
 
 
-def real_size_rows(hardware: list[str], repeats: int, prefetch_distance: int) -> list[dict]:
+def real_size_rows(
+    hardware: list[str], repeats: int, prefetch_distance: int, store_capacity: int
+) -> list[dict]:
     from fmoe_jax.offload.cost_model import HARDWARE, MODELS, CostModel
 
     from benchmarks import matcher_overhead as mo
@@ -78,7 +81,9 @@ def real_size_rows(hardware: list[str], repeats: int, prefetch_distance: int) ->
     rows = []
     for family, preset in MODELS.items():
         dims = mo.MODELS[names[family]]
-        m = mo.measure(names[family], dims, 1024, repeats, flush, prefetch_distance, top_k=preset.top_k)
+        m = mo.measure(
+            names[family], dims, store_capacity, repeats, flush, prefetch_distance, top_k=preset.top_k
+        )
         host = m["policy_iteration"]["p50_ms"]
         for hw in hardware:
             costs = CostModel(preset, HARDWARE[hw], preset.num_experts)
@@ -212,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=30, help="timed matcher calls per measurement")
     args = parser.parse_args(argv)
     tables, payload, notes = {}, {"models": {}}, []
-    real = real_size_rows(args.hardware, args.repeats, args.prefetch_distance)  # first: the sim charges it
+    # First: the simulated rows charge the host time measured here, at the experiments' store capacity.
+    real = real_size_rows(args.hardware, args.repeats, args.prefetch_distance, args.store_capacity)
     for name in args.model:
         w = h.load_workload(name, args)
         notes.append(h.settings_note(w))

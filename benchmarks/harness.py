@@ -68,6 +68,9 @@ PROMPT_LOADERS = {"sharegpt": "load_sharegpt", "mt_bench": "load_mt_bench", "alp
 
 def add_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     """The options every experiment shares; `defaults` overrides the experiment's quick defaults."""
+    from fmoe_jax.offload.cost_model import HARDWARE
+    from fmoe_jax.offload.policies.fmoe import STORE_CAPACITY
+
     d = (
         dict(
             model=default_models(),
@@ -77,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
             new_tokens=32,
             budget=0.25,
             prefetch_distance=3,
-            store_capacity=1000,
+            store_capacity=STORE_CAPACITY,
+            eam_capacity=1000,  # MoE-Infinity's own default
             warmup=2,
             max_inflight=4,
             live_requests=18,
@@ -98,12 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     a("--new-tokens", type=int, default=d["new_tokens"], help="tokens generated per request")
     a("--budget", type=float, default=d["budget"], help="expert cache, fraction of all routed experts")
     a("--prefetch-distance", type=int, default=d["prefetch_distance"], help="d (the paper's setting: 3)")
-    a("--store-capacity", type=int, default=d["store_capacity"], help="fmoe store / MoE-Infinity EAMs")
+    a("--store-capacity", type=int, default=d["store_capacity"], help="expert maps fmoe's store keeps")
+    a("--eam-capacity", type=int, default=d["eam_capacity"], help="MoE-Infinity's EAMs per phase")
     a("--max-inflight", type=int, default=d["max_inflight"], help="prefetch copies in flight at once")
     a("--warmup", type=int, default=d["warmup"], help="store prompts served first, not measured")
     a("--live-requests", type=int, default=d["live_requests"], help="eval prompts served live (first ones)")
-    from fmoe_jax.offload.cost_model import HARDWARE
-
     a(
         "--hardware",
         nargs="+",
@@ -412,7 +415,11 @@ def offload_config(
 
     args = workload.args
     d = prefetch_distance or args.prefetch_distance
+    # fmoe's store (`store_capacity` overrides it) and MoE-Infinity's EAM collection are sized apart, so
+    # that a change of fmoe's store leaves the baseline as it was; no other policy keeps maps.
     capacity = store_capacity or args.store_capacity
+    if variant.policy == "moe_infinity":
+        capacity = args.eam_capacity
     options: dict[str, Any] = dict(variant.options)
     if variant.policy == "fmoe":
         options.setdefault("asynchronous", not simulated)
@@ -663,13 +670,15 @@ def simulated_sizes(payload: dict[str, Any], model: str) -> str:
 
 def settings_note(workload: Workload) -> str:
     a, cfg = workload.args, workload.config
+    eams = "" if a.eam_capacity == a.store_capacity else f" (MoE-Infinity: {a.eam_capacity} EAMs)"
     return (
         f"{workload.name}: {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}; "
         f"prompts '{Path(a.prompts).name}', {len(workload.store)} store / {len(workload.eval)} "
         f"{getattr(a, 'split', 'eval')} (7:3, seed {a.seed}), prompts cut to {a.prompt_tokens} tokens, "
         f"{a.new_tokens} new tokens, "
         f"greedy; cache {workload.slots(a.budget)} of {workload.total_experts} experts ({a.budget:.0%}), "
-        f"d = {a.prefetch_distance}, store capacity {a.store_capacity}, {a.warmup} warm-up store prompts; "
+        f"d = {a.prefetch_distance}, store capacity {a.store_capacity}{eams}, "
+        f"{a.warmup} warm-up store prompts; "
         f"simulated sizes: {workload.preset.name} ({workload.preset.expert_bytes / 2**20:.0f} MiB per expert)"
     )
 

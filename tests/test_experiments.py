@@ -265,6 +265,29 @@ def test_exp3_serves_live_over_http_at_arrival_times_and_simulates(hf_dirs, tmp_
     assert (out / "exp3_online.png").stat().st_size > 10_000
 
 
+def test_fmoe_store_and_moe_infinity_eams_are_sized_apart():
+    """`--store-capacity` sizes fmoe's store (a run's `store_capacity` overrides it) and `--eam-capacity`
+    MoE-Infinity's EAM collection: changing fmoe's store leaves the baseline as it was."""
+    import argparse
+    import types
+
+    from benchmarks import harness as h
+
+    parser = argparse.ArgumentParser()
+    h.add_arguments(parser)
+    args = parser.parse_args(["--store-capacity", "7", "--eam-capacity", "9", "--max-inflight", "1"])
+    workload = types.SimpleNamespace(args=args, store=[], slots=lambda budget: 4)
+
+    def policy(variant, **kwargs):
+        return h.offload_config(workload, variant, calls=[], simulated=True, **kwargs).policy
+
+    fmoe = h.Variant("fmoe", "fmoe", (("eviction", "lru"),))  # no reuse predictor to train
+    assert policy(fmoe).store_capacity == 7
+    assert policy(fmoe, store_capacity=5).store_capacity == 5
+    assert policy(h.Variant("moe_infinity", "moe_infinity")).capacity == 9
+    assert policy(h.Variant("moe_infinity", "moe_infinity"), store_capacity=5).capacity == 9
+
+
 def test_validation_split_holds_out_the_store_prompts_only():
     from fmoe_jax.research.workloads import Prompt
 

@@ -67,6 +67,9 @@ _CONFIRMATION_BITS = 10
 # (2, 4 and 16 neighbours: 0.996x, 0.989x, 0.996x). On the evaluation prompts (experiment 4) it was 0.996x
 # overall but 0.99-1.01x at 25 %: most of its gain there was at 50 %.
 HINT_NEIGHBOURS = 8
+# Expert maps a store keeps unless told otherwise (`store_capacity`); the experiments' default too
+# (benchmarks/harness.py), and the store size at which experiment 7 times the matcher.
+STORE_CAPACITY = 1000
 # `pay_for_matching` prices a context at the median host time of the last `_COST_SAMPLES` of its kind, once
 # `_COST_WARMUP` are measured.
 _COST_SAMPLES, _COST_WARMUP = 15, 5
@@ -187,7 +190,7 @@ class FMoE(Policy):
         asynchronous: bool = True,
         learn: bool = True,
         store: ExpertMapStore | None = None,
-        store_capacity: int = 1000,
+        store_capacity: int = STORE_CAPACITY,
         store_path: str | os.PathLike | None = None,
         queue_size: int = 64,
         admission: Literal["cost", "all"] | float = "cost",
