@@ -39,6 +39,17 @@ import numpy as np
 
 from fmoe_jax.files import write_atomically
 
+# Defaults, chosen for the host time of a decode iteration at real shapes. Measured on this 2-core machine
+# (fmoe's whole policy per batch-1 iteration at Qwen1.5-MoE's shapes, `matcher_overhead.policy_iteration`,
+# medians of 9 runs): capacity 1,024 and rerank 128, 3.08 ms; 512 and 128, 2.41; 1,024 and 64, 2.84; 512
+# and 64, 2.07. On the validation split (benchmarks/validation_grid.py, the three shipped models x 12.5 / 25 /
+# 50 % x RTX 3090 / H100, simulated) a store of 512 maps decoded at 0.7446x on-demand LRU's TPOT in geometric
+# mean against 0.7442x for 1,000 (256: 0.7532x). A shortlist of 64 instead of 128 returned the exact best
+# semantic match for 90-94 % of the queries of `matcher_overhead`'s synthetic contexts at 512 maps (128:
+# 91-96 %, by model); the shipped models' 128-wide embeddings are searched exactly either way.
+CAPACITY = 512
+RERANK = 64
+
 # Norms below this are treated as zero: such a vector has cosine 0 with everything.
 _NORM_FLOOR = 1e-12
 _SKETCH_SEED = 0
@@ -66,13 +77,13 @@ class ExpertMapStore:
     def __init__(
         self,
         *,
-        capacity: int = 1000,
+        capacity: int = CAPACITY,
         num_layers: int,
         num_experts: int,
         embed_dim: int,
         prefetch_distance: int,
         sketch_dim: int | None = 256,
-        rerank: int = 128,
+        rerank: int = RERANK,
     ):
         for name, value in (
             ("capacity", capacity),
@@ -420,7 +431,7 @@ class ExpertMapStore:
         *,
         capacity: int | None = None,
         sketch_dim: int | None = 256,
-        rerank: int = 128,
+        rerank: int = RERANK,
     ) -> ExpertMapStore:
         """Reads a store written by `save`, refusing one built for another model.
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..cache import CacheView, Entry, Key
 from ..events import IterationStart, LayerRouted, RequestStart
-from ..expert_map_store import ExpertMapStore, PrefixDots
+from ..expert_map_store import CAPACITY, ExpertMapStore, PrefixDots
 from ..fmoe_select import SortedMaps, keep_priority
 from ..forecast import MAX_DISTANCE, Calibration, ReuseForecast
 from ..predictors import Predictor
@@ -68,8 +68,9 @@ _CONFIRMATION_BITS = 10
 # overall but 0.99-1.01x at 25 %: most of its gain there was at 50 %.
 HINT_NEIGHBOURS = 8
 # Expert maps a store keeps unless told otherwise (`store_capacity`); the experiments' default too
-# (benchmarks/harness.py), and the store size at which experiment 7 times the matcher.
-STORE_CAPACITY = 1000
+# (benchmarks/harness.py), and the store size at which experiment 7 times the matcher. Why 512 (it was
+# 1,000): offload/expert_map_store.py's `CAPACITY`.
+STORE_CAPACITY = CAPACITY
 # `pay_for_matching` prices a context at the median host time of the last `_COST_SAMPLES` of its kind, once
 # `_COST_WARMUP` are measured.
 _COST_SAMPLES, _COST_WARMUP = 15, 5
