@@ -47,8 +47,9 @@ from fmoe_jax.files import write_atomically
 # mean against 0.7442x for 1,000 (256: 0.7532x). A shortlist of 64 instead of 128 returned the exact best
 # semantic match for 90-94 % of the queries of `matcher_overhead`'s synthetic contexts at 512 maps (128:
 # 91-96 %, by model); the shipped models' 128-wide embeddings are searched exactly either way. The geometric
-# mean hides a split that the evaluation prompts showed too: the smaller store is 1-3 % faster at Mixtral's
-# points and 1-4 % slower at the tiny Qwen1.5-MoE's (its gap to the oracle closed at 25 %: 48-49 %, was 53).
+# mean hides a split: on the validation split the smaller store was 0-4 % faster at Mixtral's points and
+# 1-3 % slower at the tiny Qwen1.5-MoE's; on the evaluation prompts afterwards Mixtral's were 0-1.5 % slower
+# and Qwen1.5-MoE's 25 % points 3-4 % slower (its gap to the oracle closed: 48-49 %, was 53).
 CAPACITY = 512
 RERANK = 64
 
