@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import pytest
 from fmoe_jax.offload.placement import round_robin
-from serving import served
+from serving import loaded_once
 
 import fmoe_jax as fj
 
@@ -54,16 +54,8 @@ else:
         """`four_devices(family, offload)`: the family's weights, loaded once over the 4 devices, and the
         programs every engine before it compiled, behind a fresh engine for `offload` (tests/serving.py);
         with no `offload`, the closed model they come from (for its config)."""
-        bases = {}
-
-        def serve(family: str, offload: fj.OffloadConfig | None = None) -> fj.Model:
-            if family not in bases:
-                config = fj.OffloadConfig(cache_experts=DEVICES, devices=DEVICES)
-                bases[family] = fj.load_model(hf_dirs[family], offload=config)
-                bases[family].close()  # its weights and programs serve on; its own engine does not
-            return bases[family] if offload is None else served(bases[family], offload)
-
-        return serve
+        config = fj.OffloadConfig(cache_experts=DEVICES, devices=DEVICES)
+        return loaded_once(lambda family: fj.load_model(hf_dirs[family], offload=config))
 
     @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
     @pytest.mark.parametrize("policy", ["resident", "on_demand_lru", "fmoe"])

@@ -15,7 +15,7 @@ from fmoe_jax.offload.policies import POLICIES, required_options
 from fmoe_jax.offload.transfer import ChunkedJaxMover, DeviceExpertCache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving import served
+from serving import loaded_once
 
 import fmoe_jax as fj
 
@@ -81,18 +81,7 @@ def offloaded(hf_dirs):
     """`offloaded(family, offload)`: the family's model served by a fresh offload engine for `offload`, over
     weights loaded once and the programs every engine before it compiled (as tests/test_lossless.py serves);
     with no `offload`, the closed model they come from (for its config)."""
-    bases = {}
-
-    def serve(family: str, offload: OffloadConfig | None = None) -> fj.Model:
-        if family not in bases:
-            bases[family] = fj.load_model(hf_dirs[family], offload=OffloadConfig(cache_experts=1))
-            bases[family].close()  # its weights and programs serve on; its own engine does not
-        base = bases[family]
-        if offload is None:
-            return base
-        return served(base, offload)
-
-    return serve
+    return loaded_once(lambda family: fj.load_model(hf_dirs[family], offload=OffloadConfig(cache_experts=1)))
 
 
 @pytest.mark.parametrize(("family", "policy"), CASES)
