@@ -719,3 +719,24 @@ def test_follower_links_join_the_tokens_of_one_request(requests):
     followers = store._future_count[:4].tolist()
     assert followers == ([1.0, 1.0, 0.0, 0.0] if requests is None else [0.0, 1.0, 0.0, 0.0])
     policy.close()
+
+
+def test_auto_reuse_horizon_looks_further_ahead_in_a_bigger_cache():
+    """Horizon "auto": ceil(slots per layer / top_k) + 1 iterations, at most 4; resolved when the policy is
+    bound to a cache, and used by the forecast and the follower links alike."""
+    assert fmoe_module.auto_reuse_horizon(8, 8, 2) == 2  # tiny Mixtral at 12.5 %: half a token per layer
+    assert fmoe_module.auto_reuse_horizon(64, 8, 4) == 3  # tiny Qwen-MoE at 25 %: 2 tokens' experts
+    assert fmoe_module.auto_reuse_horizon(128, 8, 4) == 4  # 4 tokens' experts: 5, capped
+    for capacity, horizon in ((1, 2), (4, 2), (8, 3), (16, 4)):
+        ctx = PolicyContext(
+            num_layers=4, num_experts=4, top_k=1, embed_dim=3, prefetch_distance=1, capacity=capacity
+        )
+        policy = FMoE(store=one_map_store(), asynchronous=False, reuse_horizon="auto")
+        policy.bind(ctx, RecordingCache())
+        assert policy.reuse_horizon == policy.forecast.horizon == horizon
+        policy.close()
+    fixed, _ = bound_policy(one_map_store(), reuse_horizon=3)
+    assert fixed.forecast.horizon == 3
+    for bad in (0, "longest", 1.5):
+        with pytest.raises(ValueError, match="reuse_horizon"):
+            FMoE(reuse_horizon=bad)

@@ -67,6 +67,9 @@ _CONFIRMATION_BITS = 10
 # (2, 4 and 16 neighbours: 0.996x, 0.989x, 0.996x). On the evaluation prompts (experiment 4) it was 0.996x
 # overall but 0.99-1.01x at 25 %: most of its gain there was at 50 %.
 HINT_NEIGHBOURS = 8
+# `reuse_horizon="auto"` looks ceil(slots per layer / top_k) + 1 iterations ahead, at most this many
+# (`auto_reuse_horizon`).
+MAX_AUTO_HORIZON = 4
 # Expert maps a store keeps unless told otherwise (`store_capacity`); the experiments' default too
 # (benchmarks/harness.py), and the store size at which experiment 7 times the matcher. Why 512 (it was
 # 1,000): offload/expert_map_store.py's `CAPACITY`.
@@ -101,7 +104,8 @@ class FMoE(Policy):
         paper's rule: keep the highest p * freq), "lfu", or "lru".
       calibrate: turn matched-map probabilities into need probabilities learned online (`Calibration`)
         before admission, priority and eviction use them; off: the raw map probability (the paper).
-      reuse_horizon: iterations ahead the reuse forecast looks (eviction "reuse").
+      reuse_horizon: iterations ahead the reuse forecast looks (eviction "reuse"), or "auto": from the
+        cache's size at `bind` (`auto_reuse_horizon`).
       reuse_predictor: a learned `Predictor` of kind "reuse" (or the path of one; `from_traces` trains it
         from traces with router inputs): from each MoE layer's router input of a token, the chance each
         expert is used in the iterations after it. After every layer it replaces the store's hint in the
@@ -184,7 +188,7 @@ class FMoE(Policy):
         dynamic_delta: bool = True,
         eviction: Literal["reuse", "fmoe", "lfu", "lru"] = "reuse",
         calibrate: bool = True,
-        reuse_horizon: int = 2,
+        reuse_horizon: int | Literal["auto"] = 2,
         reuse_predictor: Predictor | str | os.PathLike | None = None,
         popularity: Any = None,
         traj_target: Literal["band", "single"] = "band",
@@ -211,6 +215,8 @@ class FMoE(Policy):
             raise ValueError(f"traj_target must be 'band' or 'single', got {traj_target!r}")
         if store_capacity < 1:
             raise ValueError(f"store_capacity must be >= 1, got {store_capacity}")
+        if reuse_horizon != "auto" and not (isinstance(reuse_horizon, int) and reuse_horizon >= 1):
+            raise ValueError(f"reuse_horizon must be an int >= 1 or 'auto', got {reuse_horizon!r}")
         self.semantic, self.trajectory, self.dynamic_delta = semantic, trajectory, dynamic_delta
         self.needs_semantic = semantic  # without semantic search, traces need no embeddings
         # Live, the engine copies embeddings and router probabilities out only for an iteration whose maps
@@ -218,7 +224,10 @@ class FMoE(Policy):
         self.needs_probs = True
         self._recording = True  # this iteration's maps are kept (`_maps`) for searches and the update
         self.eviction, self.traj_target = eviction, traj_target
-        self.calibrate, self.reuse_horizon = calibrate, reuse_horizon
+        self.calibrate = calibrate
+        # "auto" is resolved at `bind`, where the cache's size is known; until then the forecast's default.
+        self.reuse_horizon_option = reuse_horizon
+        self.reuse_horizon = 2 if reuse_horizon == "auto" else reuse_horizon
         if reuse_predictor is not None and eviction != "reuse":
             raise ValueError(f"a reuse_predictor serves eviction 'reuse' only, not {eviction!r}")
         if reuse_predictor is not None and not isinstance(reuse_predictor, Predictor):
@@ -282,6 +291,7 @@ class FMoE(Policy):
             from fmoe_jax.research.predictor_training import train_reuse
 
             horizon = options.get("reuse_horizon", 2)
+            horizon = 2 if horizon == "auto" else horizon  # the cache's size is not known yet
             options["reuse_predictor"] = None
             if traces:
                 options["reuse_predictor"] = train_reuse(traces, horizon=horizon, progress=False)
@@ -299,6 +309,8 @@ class FMoE(Policy):
         # Hybrid execution: a miss is computed on the host rather than waiting for the link, so a wasted
         # prefetch only delays other prefetches, and "cost" admission lets every selected expert go.
         self._free_link = ctx.execution == "hybrid"
+        if self.reuse_horizon_option == "auto":
+            self.reuse_horizon = auto_reuse_horizon(ctx.capacity, ctx.num_layers, ctx.top_k)
         self._skipping = self.skip_confirmed and math.log2(math.comb(ctx.num_experts, ctx.top_k)) >= (
             _CONFIRMATION_BITS
         )
@@ -1043,6 +1055,23 @@ class FMoE(Policy):
             if values:
                 out[f"mean_{kind}_score"] = float(np.mean(values))
         return out
+
+
+def auto_reuse_horizon(capacity: int, num_layers: int, top_k: int) -> int:
+    """The reuse forecast's horizon for a cache of `capacity` experts: ceil(capacity / (L * k)) + 1
+    iterations, between 1 and `MAX_AUTO_HORIZON`. A layer's slots hold the experts of about slots / k
+    tokens, so an expert the cache could evict is one that, unused, would fall out within that many tokens
+    anyway; the forecast should tell the experts used again before then from the rest, and a bigger cache
+    needs to look further ahead to do so (Belady's foresight, issue 16: two to four tokens).
+
+    On the validation split (`benchmarks.validation_grid`, the three shipped models x 12.5 / 25 / 50 % x RTX
+    3090 / H100, simulated), against the fixed horizon of 2: the same TPOT at the 8 points where it is 2
+    (every 12.5 % point, Mixtral at 25 %), 0.98-0.99x at Qwen1.5-MoE's 25 % points, 0.95x at Qwen3's,
+    0.88-0.97x at every 50 % point; 0.969x in geometric mean (fixed horizons of 1, 3 and 4 were each
+    slower somewhere: 4 by 4 % at Mixtral's 25 %, 1 by up to 8 % at Qwen3's). Not yet the default: the
+    experiments' results were measured at 2 (see issue 16's notes)."""
+    per_layer = -(-capacity // (num_layers * top_k))  # ceil, in integers
+    return int(min(MAX_AUTO_HORIZON, max(1, per_layer + 1)))
 
 
 def store_from_traces(traces, *, capacity: int, prefetch_distance: int) -> ExpertMapStore:
