@@ -39,7 +39,7 @@ from benchmarks.common import HelpFormatter, grouped_bars, print_table, save
 # Iterations since the expert's last use; "never used by the request" is its own bin (`GAP_NEVER`).
 GAP_NEVER = 10**6
 DECAY = 0.8  # `ReuseForecast`'s share decay
-HORIZON = 2  # iterations ahead, as `FMoE(reuse_horizon=2)`
+HORIZON = 2  # iterations ahead (`FMoE(reuse_horizon="auto")` looks 2-4 ahead, by the cache's size)
 # The store here holds every store prompt's followers from the start; the simulator's fmoe records them only
 # for the requests it serves. (Recording them offline too changed its simulated TPOT by 0.98-1.03x, 1.000x
 # in geometric mean over the validation grid: the hint was already as good as the followers allow.)

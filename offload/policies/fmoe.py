@@ -104,8 +104,8 @@ class FMoE(Policy):
         paper's rule: keep the highest p * freq), "lfu", or "lru".
       calibrate: turn matched-map probabilities into need probabilities learned online (`Calibration`)
         before admission, priority and eviction use them; off: the raw map probability (the paper).
-      reuse_horizon: iterations ahead the reuse forecast looks (eviction "reuse"), or "auto": from the
-        cache's size at `bind` (`auto_reuse_horizon`).
+      reuse_horizon: iterations ahead the reuse forecast looks (eviction "reuse"), or "auto" (the default):
+        from the cache's size at `bind` (`auto_reuse_horizon`: 2 to 4).
       reuse_predictor: a learned `Predictor` of kind "reuse" (or the path of one; `from_traces` trains it
         from traces with router inputs): from each MoE layer's router input of a token, the chance each
         expert is used in the iterations after it. After every layer it replaces the store's hint in the
@@ -188,7 +188,7 @@ class FMoE(Policy):
         dynamic_delta: bool = True,
         eviction: Literal["reuse", "fmoe", "lfu", "lru"] = "reuse",
         calibrate: bool = True,
-        reuse_horizon: int | Literal["auto"] = 2,
+        reuse_horizon: int | Literal["auto"] = "auto",
         reuse_predictor: Predictor | str | os.PathLike | None = None,
         popularity: Any = None,
         traj_target: Literal["band", "single"] = "band",
@@ -290,7 +290,7 @@ class FMoE(Policy):
         if options.get("reuse_predictor") == "train":
             from fmoe_jax.research.predictor_training import train_reuse
 
-            horizon = options.get("reuse_horizon", 2)
+            horizon = options.get("reuse_horizon", "auto")
             horizon = 2 if horizon == "auto" else horizon  # the cache's size is not known yet
             options["reuse_predictor"] = None
             if traces:
@@ -1068,8 +1068,7 @@ def auto_reuse_horizon(capacity: int, num_layers: int, top_k: int) -> int:
     3090 / H100, simulated), against the fixed horizon of 2: the same TPOT at the 8 points where it is 2
     (every 12.5 % point, Mixtral at 25 %), 0.98-0.99x at Qwen1.5-MoE's 25 % points, 0.95x at Qwen3's,
     0.88-0.97x at every 50 % point; 0.969x in geometric mean (fixed horizons of 1, 3 and 4 were each
-    slower somewhere: 4 by 4 % at Mixtral's 25 %, 1 by up to 8 % at Qwen3's). Not yet the default: the
-    experiments' results were measured at 2 (see issue 16's notes)."""
+    slower somewhere: 4 by 4 % at Mixtral's 25 %, 1 by up to 8 % at Qwen3's). The default since; before, 2."""
     per_layer = -(-capacity // (num_layers * top_k))  # ceil, in integers
     return int(min(MAX_AUTO_HORIZON, max(1, per_layer + 1)))
 
