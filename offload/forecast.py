@@ -65,7 +65,11 @@ class Calibration:
         fmoe policy keeps the bins of its guides, for `observe_binned` when their layer has routed."""
         d = np.minimum(np.maximum(np.asarray(distance, np.int64), 1), MAX_DISTANCE) - 1
         p_bin, s_bin = np.searchsorted(P_EDGES, p), np.searchsorted(S_EDGES, score)
-        return ((p_bin * (len(S_EDGES) + 1) + s_bin) * MAX_DISTANCE + d) * RECENCY_BINS + recency
+        # ((p_bin * S + s_bin) * D + d) * R + recency, S = len(S_EDGES) + 1, with the terms that do not
+        # depend on p summed first: `distance` is usually a column [n, 1] and `score` a scalar, so three
+        # operations over the whole [n, J] instead of six (the same integers).
+        rest = (s_bin * MAX_DISTANCE + d) * RECENCY_BINS
+        return p_bin * ((len(S_EDGES) + 1) * MAX_DISTANCE * RECENCY_BINS) + rest + recency
 
     def observe(
         self,
@@ -80,10 +84,16 @@ class Calibration:
     def observe_binned(self, p: np.ndarray, bins: np.ndarray, needed: np.ndarray) -> None:
         bins = np.asarray(bins, np.int64).ravel()
         size = self._counts[0].size
-        for row, weights in enumerate((np.asarray(needed, np.float64).ravel(), None, np.ravel(p))):
-            counts = np.bincount(bins, weights, minlength=size)  # exact: sums of whole numbers, and of p
-            self._counts[row] += counts.reshape(self._counts.shape[1:])
-            self._pooled[row] += counts.reshape(-1, RECENCY_BINS).sum(axis=1).reshape(self._pooled.shape[1:])
+        # One bincount for the three tables: bin b of table t is index t * size + b, each observation weighing
+        # 1 if needed (else 0), 1 and its p. Exact for the counts (sums of whole numbers); each bin of p sums
+        # its observations in their order, as a bincount per table would.
+        weights = np.concatenate([np.asarray(needed, np.float64).ravel(), np.ones(bins.size), np.ravel(p)])
+        counts = np.bincount(
+            np.concatenate([bins, bins + size, bins + 2 * size]), weights, minlength=3 * size
+        )
+        counts = counts.reshape(self._counts.shape)
+        self._counts += counts
+        self._pooled += counts.sum(axis=-1)
         self._table = None
 
     def predict(
