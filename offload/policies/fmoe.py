@@ -1068,7 +1068,7 @@ def auto_reuse_horizon(capacity: int, num_layers: int, top_k: int) -> int:
     3090 / H100, simulated), against the fixed horizon of 2: the same TPOT at the 8 points where it is 2
     (every 12.5 % point, Mixtral at 25 %), 0.98-0.99x at Qwen1.5-MoE's 25 % points, 0.95x at Qwen3's,
     0.88-0.97x at every 50 % point; 0.969x in geometric mean (fixed horizons of 1, 3 and 4 were each
-    slower somewhere: 4 by 4 % at Mixtral's 25 %, 1 by up to 8 % at Qwen3's). The default since; before, 2."""
+    slower somewhere: 4 by 4 % at Mixtral's 25 %, 1 by up to 10 % at Qwen3's). The default since; before, 2."""
     per_layer = -(-capacity // (num_layers * top_k))  # ceil, in integers
     return int(min(MAX_AUTO_HORIZON, max(1, per_layer + 1)))
 
