@@ -260,6 +260,7 @@ class ReuseForecast:
 
     def state(self) -> dict[str, np.ndarray]:
         return {
+            "reuse_horizon": np.array(self.horizon),
             "reused": self.reused,
             "reuse_seen": self.seen,
             "reused_missed": self.reused_missed,
@@ -269,7 +270,11 @@ class ReuseForecast:
         }
 
     def load(self, state: dict[str, Any]) -> None:
-        """Restores `state()`; tables of another shape (an older layout) are ignored."""
+        """Restores `state()`; tables of another shape (an older layout) or counted over another horizon (a
+        store saved beside a cache of another size, `reuse_horizon="auto"`) are ignored: their outcomes
+        answer another question. A state saved before the horizon was recorded counted over 2 iterations."""
+        if int(np.asarray(state.get("reuse_horizon", 2))) != self.horizon:
+            return
         if np.shape(state.get("reused")) == self.reused.shape:
             self.reused = np.array(state["reused"], np.float64)  # contiguous copies
             self.seen = np.array(state["reuse_seen"], np.float64)

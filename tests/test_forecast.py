@@ -139,3 +139,23 @@ def test_reuse_forecast_rescores_the_experts_a_routed_layer_passed_by():
     restored.load(forecast.state())
     np.testing.assert_array_equal(restored.reused_missed, forecast.reused_missed)
     assert restored.seen_missed.sum() > 0
+
+
+def test_reuse_tables_load_only_into_a_forecast_of_the_same_horizon():
+    """A store saved beside a cache of another size (`reuse_horizon="auto"`) carries tables counted over
+    another horizon: those are left out, not mixed in. A state without a horizon (saved before it was
+    recorded) counted over 2 iterations."""
+    forecast = ReuseForecast(1, 4, horizon=3)
+    for t in range(40):
+        forecast.begin_iteration()
+        forecast.end_iteration(np.eye(4, dtype=bool)[[t % 4]])
+    state = forecast.state()
+    assert int(state["reuse_horizon"]) == 3 and forecast.seen.sum() > 0
+    same, other = ReuseForecast(1, 4, horizon=3), ReuseForecast(1, 4, horizon=2)
+    same.load(state)
+    other.load(state)
+    np.testing.assert_array_equal(same.seen, forecast.seen)
+    assert other.seen.sum() == 0
+    legacy = {k: v for k, v in state.items() if k != "reuse_horizon"}
+    other.load(legacy)
+    np.testing.assert_array_equal(other.seen, forecast.seen)

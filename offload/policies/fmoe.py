@@ -225,7 +225,7 @@ class FMoE(Policy):
         self._recording = True  # this iteration's maps are kept (`_maps`) for searches and the update
         self.eviction, self.traj_target = eviction, traj_target
         self.calibrate = calibrate
-        # "auto" is resolved at `bind`, where the cache's size is known; until then the forecast's default.
+        # "auto" is resolved at `bind`, where the cache's size is known; until then 2.
         self.reuse_horizon_option = reuse_horizon
         self.reuse_horizon = 2 if reuse_horizon == "auto" else reuse_horizon
         if reuse_predictor is not None and eviction != "reuse":
@@ -1059,7 +1059,7 @@ class FMoE(Policy):
 
 def auto_reuse_horizon(capacity: int, num_layers: int, top_k: int) -> int:
     """The reuse forecast's horizon for a cache of `capacity` experts: ceil(capacity / (L * k)) + 1
-    iterations, between 1 and `MAX_AUTO_HORIZON`. A layer's slots hold the experts of about slots / k
+    iterations, at most `MAX_AUTO_HORIZON`. A layer's slots hold the experts of about slots / k
     tokens, so an expert the cache could evict is one that, unused, would fall out within that many tokens
     anyway; the forecast should tell the experts used again before then from the rest, and a bigger cache
     needs to look further ahead to do so (Belady's foresight, issue 16: two to four tokens).
@@ -1068,9 +1068,10 @@ def auto_reuse_horizon(capacity: int, num_layers: int, top_k: int) -> int:
     3090 / H100, simulated), against the fixed horizon of 2: the same TPOT at the 8 points where it is 2
     (every 12.5 % point, Mixtral at 25 %), 0.98-0.99x at Qwen1.5-MoE's 25 % points, 0.95x at Qwen3's,
     0.88-0.97x at every 50 % point; 0.969x in geometric mean (fixed horizons of 1, 3 and 4 were each
-    slower somewhere: 4 by 4 % at Mixtral's 25 %, 1 by up to 10 % at Qwen3's). The default since; before, 2."""
+    slower somewhere: 4 by 4 % at Mixtral's 25 %, 1 by up to 10 % at Qwen3's). The default since; before,
+    a fixed 2."""
     per_layer = -(-capacity // (num_layers * top_k))  # ceil, in integers
-    return int(min(MAX_AUTO_HORIZON, max(1, per_layer + 1)))
+    return int(min(MAX_AUTO_HORIZON, per_layer + 1))
 
 
 def store_from_traces(traces, *, capacity: int, prefetch_distance: int) -> ExpertMapStore:
