@@ -49,7 +49,8 @@ from fmoe_jax.files import write_atomically
 # 91-96 %, by model); the shipped models' 128-wide embeddings are searched exactly either way. The geometric
 # mean hides a split: on the validation split the smaller store was 0-4 % faster at Mixtral's points and
 # 1-3 % slower at the tiny Qwen1.5-MoE's; on the evaluation prompts afterwards Mixtral's were 0-1.5 % slower
-# and Qwen1.5-MoE's 25 % points 3-4 % slower (its gap to the oracle closed: 48-49 %, was 53).
+# and Qwen1.5-MoE's 25 % points 3-4 % slower (its gap to the oracle closed: 48-49 %, was 53; all with the
+# reuse forecast's horizon then fixed at 2, see fmoe's `auto_reuse_horizon`).
 CAPACITY = 512
 RERANK = 64
 
