@@ -371,14 +371,14 @@ def variants(names: Sequence[str]) -> list[Variant]:
     return [Variant(n, n) for n in names]
 
 
-def predictor(workload: Workload, kind: str, stride: int) -> Any:
-    """ProMoE's (per stride), DuoServe's or fmoe's reuse predictor, trained on the store traces only; cached
-    on disk."""
+def predictor(workload: Workload, kind: str, stride: int, horizon: int = 2) -> Any:
+    """ProMoE's (per stride), DuoServe's or fmoe's reuse predictor (per horizon), trained on the store traces
+    only; cached on disk."""
     from fmoe_jax.models import model_identity
     from fmoe_jax.offload import predictors
     from fmoe_jax.research import predictor_training
 
-    name = {"promoe": f"promoe-d{stride}", "duoserve": "duoserve", "reuse": "reuse"}[kind]
+    name = {"promoe": f"promoe-d{stride}", "duoserve": "duoserve", "reuse": f"reuse-h{horizon}"}[kind]
     path = workload.cache_dir / name
     if path.with_suffix(".json").exists():
         return predictors.Predictor.load(path)
@@ -388,7 +388,7 @@ def predictor(workload: Workload, kind: str, stride: int) -> Any:
     if kind == "promoe":
         trained = predictor_training.train_promoe(traces, stride=stride, **common)
     elif kind == "reuse":
-        trained = predictor_training.train_reuse(traces, **common)
+        trained = predictor_training.train_reuse(traces, horizon=horizon, **common)
     else:
         trained = predictor_training.train_duoserve(traces, **common)
     trained.save(path)
@@ -410,6 +410,7 @@ def offload_config(
     future). Learned state comes from the store split (`Policy.from_traces`; none without `knowledge`);
     the simulator needs fmoe to match inline."""
     from fmoe_jax.offload.policies import POLICIES as ALL_POLICIES
+    from fmoe_jax.offload.policies.fmoe import auto_reuse_horizon
 
     import fmoe_jax as fj
 
@@ -424,7 +425,13 @@ def offload_config(
     if variant.policy == "fmoe":
         options.setdefault("asynchronous", not simulated)
         if options.get("eviction", "reuse") == "reuse":  # its reuse forecast reads the router inputs
-            options.setdefault("reuse_predictor", predictor(workload, "reuse", d))
+            # trained for the iterations the forecast looks ahead (`FMoE._train_reuse`)
+            horizon = options.get("reuse_horizon", "auto")
+            if horizon == "auto":
+                slots = workload.slots(budget if budget is not None else args.budget)
+                meta = workload.store[0].trace.meta
+                horizon = auto_reuse_horizon(slots, meta["num_layers"], meta["top_k"])
+            options.setdefault("reuse_predictor", predictor(workload, "reuse", d, horizon))
     elif variant.policy in ("promoe", "duoserve"):
         options["predictor"] = predictor(workload, variant.policy, d)  # trained once, cached on disk
     elif variant.policy == "oracle":

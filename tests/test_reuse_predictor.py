@@ -134,7 +134,7 @@ def test_reuse_predictor_round_trips_and_from_traces_trains_one(trained, tmp_pat
     policy = FMoE.from_traces(
         traces, prefetch_distance=1, store_capacity=64, reuse_predictor="train", asynchronous=False
     )
-    assert policy.reuse_predictor.kind == "reuse" and policy.needs_hidden
+    assert policy.reuse_predictor is None and policy.needs_hidden  # trained at `bind`, for its horizon
     empty = FMoE.from_traces([], prefetch_distance=1, store_capacity=64, reuse_predictor="train")
     assert empty.reuse_predictor is None and not empty.needs_hidden
     # The simulator drives it from the traces' router inputs.
@@ -146,6 +146,21 @@ def test_reuse_predictor_round_trips_and_from_traces_trains_one(trained, tmp_pat
         router_weights=[np.zeros((DIM, EXPERTS), np.float32)] * LAYERS,
     )
     assert result.hit_rate > 0
+    # Trained for the horizon the forecast looks at: 3 slots of 2 layers x top 1 resolve "auto" to 3; bound
+    # again beside one slot, the policy looks 2 iterations ahead and trains a predictor for that.
+    assert policy.reuse_horizon == 3 and policy.reuse_predictor.meta["horizon"] == 3
+    policy.bind(PolicyContext(LAYERS, EXPERTS, 1, DIM, 1, 1, model_id="next-token"), RecordingCache())
+    assert policy.reuse_horizon == 2 and policy.reuse_predictor.meta["horizon"] == 2
+    policy.close()
+    unrecorded = next_token_trace(1, seed=6)
+    for it in unrecorded.requests[0].iterations:
+        it.hidden = None
+    with pytest.raises(ValueError, match="the traces lack 'hidden'"):
+        FMoE.from_traces([unrecorded], prefetch_distance=1, store_capacity=64, reuse_predictor="train")
+    with pytest.raises(ValueError, match="serves eviction 'reuse' only"):
+        FMoE.from_traces(
+            traces, prefetch_distance=1, store_capacity=64, reuse_predictor="train", eviction="lfu"
+        )
 
 
 @pytest.mark.parametrize(("copy_s", "rests"), [(1e-9, True), (1.0, False)])
