@@ -437,7 +437,10 @@ class FMoE(Policy):
         """The reuse predictor of `from_traces(reuse_predictor="train")` for `horizon`, trained once: for the
         horizon the forecast looks at, not a fixed 2: on the validation split (simulated, the points where
         "auto" looks 3 or 4 iterations ahead) that was 0.985-0.996x the TPOT at 25 % and 0.975-0.994x at 50 %
-        on the Qwen models' routing, and 2.6 % less stall at fmoe-tiny-mixtral's 50 % points."""
+        on the Qwen models' routing, and 2.6 % less stall (the same median) at fmoe-tiny-mixtral's 50 % on the
+        RTX 3090. On the evaluation prompts (experiment 4, the 22 points where the horizon is 3 or 4) it was
+        0.986x in geometric mean, 0.93-1.02x: slower at Mixtral's 50 % points (1.02x) and Qwen3's 25 % (up to
+        1.011x)."""
         if horizon not in self._trained_reuse:
             from fmoe_jax.research.predictor_training import train_reuse
 
