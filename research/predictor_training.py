@@ -39,18 +39,25 @@ def _shape(traces: Sequence[Any]) -> tuple[int, int, int]:
     return metas.pop()
 
 
+def require_fields(iterations: Iterable[Any], fields: Sequence[str]) -> None:
+    """Raises unless every `Iteration` holds each of `fields` (e.g. "hidden": the router inputs a predictor
+    learns from), saying how to record them."""
+    iterations = list(iterations)
+    for name in fields:
+        if any(getattr(it, name) is None for it in iterations):
+            raise ValueError(
+                f"the traces lack {name!r}; record them with "
+                "fj.generate(model, prompts, record_trace=True, record_hidden=True)"
+            )
+
+
 def _tokens(traces: Sequence[Any], fields: Sequence[str], max_tokens: int | None, seed: int) -> dict:
     """Every token of every iteration, `fields` of `Iteration` stacked along N (a seeded sample of at most
     `max_tokens`, in trace order): ids `[N, L, k]`, hidden `[N, L, D]`, embeds `[N, H]`."""
     its = list(_iterations(traces))
     if not its:
         raise ValueError("the traces hold no iterations")
-    for name in fields:
-        if any(getattr(it, name) is None for it in its):
-            raise ValueError(
-                f"the traces lack {name!r}; record them with "
-                "fj.generate(model, prompts, record_trace=True, record_hidden=True)"
-            )
+    require_fields(its, fields)
     total = sum(it.num_tokens for it in its)
     keep = np.ones(total, bool)
     if max_tokens is not None and total > max_tokens:
@@ -348,11 +355,7 @@ def reuse_dataset(
     for trace in traces:
         for request in trace.requests:
             its = request.iterations
-            if any(it.hidden is None for it in its):
-                raise ValueError(
-                    "the traces lack 'hidden'; record them with "
-                    "fj.generate(model, prompts, record_trace=True, record_hidden=True)"
-                )
+            require_fields(its, ("hidden",))
             used = [multi_hot(it.ids, num_experts).max(0) > 0 for it in its]  # [T][L, J]
             for i in range(len(its) - horizon):
                 xs.append(its[i].hidden[-1])  # [L, D]

@@ -299,11 +299,9 @@ class FMoE(Policy):
             if options.get("eviction", "reuse") != "reuse":
                 eviction = options["eviction"]
                 raise ValueError(f"a reuse_predictor serves eviction 'reuse' only, not {eviction!r}")
-            if any(it.hidden is None for t in traces for r in t.requests for it in r.iterations):
-                raise ValueError(
-                    "reuse_predictor='train': the traces lack 'hidden'; record them with "
-                    "fj.generate(model, prompts, record_trace=True, record_hidden=True)"
-                )
+            from fmoe_jax.research.predictor_training import require_fields
+
+            require_fields((it for t in traces for r in t.requests for it in r.iterations), ("hidden",))
             options["reuse_predictor"] = None
         if traces:
             options["store"] = store_from_traces(
