@@ -51,7 +51,7 @@ PARTS = [
     h.Variant("eviction LRU", "fmoe", (("eviction", "lru"),)),
     h.Variant("calibration off", "fmoe", (("calibrate", False),)),
     h.Variant("no popularity prior", "fmoe", (("popularity", False),)),
-    h.Variant("admission as if the link were free", "fmoe", (("link", "free"),)),
+    h.Variant("admission: lands in time, pays for its stalls", "fmoe", (("link", "stalls"),)),
     h.Variant("admission after the link's queue", "fmoe", (("link", "queue"),)),
     h.Variant("no prefetch", "fmoe", (("admission", 2.0),)),  # no probability reaches 2
     h.Variant("whole copies", "fmoe", chunks=1),

@@ -277,7 +277,6 @@ def test_cost_admission_prefetches_only_what_pays_for_its_copy():
     probs = np.array([[0.7, 0.1, 0.1, 0.1]], np.float32)  # trajectory score 1 with the stored map
 
     def prefetched(**options):
-        options.setdefault("link", "free")
         policy, cache = bound_policy(one_map_store(), semantic=False, **options)
         iteration_start(policy, np.zeros((1, 3), np.float32), valid)
         layer_routed(policy, 0, probs, np.array([[0]]), valid)
@@ -313,14 +312,14 @@ def prefetched_after_layer_0(arriving=(), hits=0, misses=0, **options) -> tuple[
     return policy, [key for key, _ in items]
 
 
-def test_default_admission_wants_a_copy_that_lands_in_time_and_pays_for_the_misses_it_delays():
+def test_stalls_admission_wants_a_copy_that_lands_in_time_and_pays_for_the_misses_it_delays():
     """link="stalls": a prefetch advances c + s per layer (c = 1 ms of compute; s = m * r, the stall its
     piece under way adds to the next layer's misses, m the chance a layer misses) and is admitted when it
     lands before its layer and q = 0.7 >= f = s / (c + s), the share of its time taken from misses."""
 
     def prefetched(copy_s=3e-3, hits=0, misses=0, copy_chunks=1):
         return prefetched_after_layer_0(
-            hits=hits, misses=misses, copy_s=copy_s, layer_s=1e-3, copy_chunks=copy_chunks
+            hits=hits, misses=misses, copy_s=copy_s, layer_s=1e-3, copy_chunks=copy_chunks, link="stalls"
         )
 
     # No misses: f = 0, and a 3 ms copy needs 3 layers of compute: only layer 3's lands in time.
@@ -457,15 +456,25 @@ def test_a_prefetch_and_its_victim_are_scored_alike():
 
 
 def test_a_prefetch_evicts_only_a_victim_worth_less_than_it_net_of_its_price():
-    """Eviction "reuse" with cost admission: the incoming expert's score less the admission threshold (the
-    share of its copy taken from on-demand loads, `threshold`) must beat the victim's. Here the link delays
-    the next layer's misses by half of what the prefetch moves (T = 2 ms in one piece, 1 ms a layer, every
-    layer missing): f = 0.5."""
-    policy, cache = bound_policy(one_map_store(), copy_s=2e-3, layer_s=1e-3, popularity=False)
-    iteration_start(policy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
-    policy.forecast.scores[:] = 0.0  # no reuse forecast: the scores are the need probabilities alone
-    policy._need[3, 0] = 0.1  # the victim, an expert of a layer still to route
-    assert policy.keep_score((3, 0), Entry()) == pytest.approx(0.1)
+    """Eviction "reuse" with cost admission: the incoming expert's score less the admission threshold
+    (`threshold`) must beat the victim's. T = 2 ms, 1 ms of compute a layer. With the default rule (the link
+    free) a copy for the next layer costs T / (T + min(T, W)) = 2 / 3. With link="stalls" and every layer
+    missing, the link delays the next layer's misses by half of what the prefetch moves: f = 0.5."""
+
+    def policy_and_cache(**options):
+        policy, cache = bound_policy(one_map_store(), copy_s=2e-3, layer_s=1e-3, popularity=False, **options)
+        iteration_start(policy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
+        policy.forecast.scores[:] = 0.0  # no reuse forecast: the scores are the need probabilities alone
+        policy._need[3, 0] = 0.1  # the victim, an expert of a layer still to route
+        assert policy.keep_score((3, 0), Entry()) == pytest.approx(0.1)
+        return policy, cache
+
+    policy, _ = policy_and_cache()
+    for need, admitted in ((0.7, False), (0.8, True)):  # 0.7 - 2/3 < 0.1 < 0.8 - 2/3
+        policy._need[0, 0] = need
+        assert policy.threshold(0, -1) == pytest.approx(2 / 3)
+        assert policy.admit_prefetch((0, 0), need, victim=(3, 0)) is admitted
+    policy, cache = policy_and_cache(link="stalls")
     for need, misses, admitted in ((0.4, 1, False), (0.7, 1, True), (0.4, 0, True)):
         # No misses: nothing delays the copy, which then cannot land before layer 0 (inf); asked again when
         # it leaves the queue, a prefetch already admitted is not priced for that (0).

@@ -11,21 +11,23 @@ The paper's eviction keeps the experts with the highest p * freq; ours by defaul
 likely needed soon (see `keep_score`). The engine never waits for matching.
 
 Prefetch admission (ours, not in the paper): a selected expert is prefetched only when its need probability q
-pays for the link time it takes. The link serves on-demand loads first, between the pieces of a copy
-(`SimulatedLink`, `ChunkedJaxMover`), so a prefetch moves while the device computes, and the piece under way
-when the next layer's misses come delays them (by r, the piece's expected remainder). Per layer of decode
-the prefetch advances c + s (c: one layer's compute; s = m * r, m the measured chance that a layer misses),
-of which a share f = s / (c + s) is taken from on-demand loads. A right prefetch that lands saves its copy's
-(1 - f) * T net, a wrong one costs f * T, so it pays when q >= f; it is admitted when it also lands before
-its layer, (layer - now) * (c + s) >= T (`link="stalls"`, the default; `_stall_share`). A prefetch that
-cannot land in time holds a slot early and still leaves its layer waiting. At Mixtral-8x7B sizes (T ~ 14 ms
-against c ~ 1 ms on an RTX 3090, a piece 4.7 ms) almost nothing passes; at the Qwen models' (T ~ 0.7 ms,
-c ~ 0.23 ms, a piece about c) most selected experts do. On the validation split (3 models x 3 budgets x 2
-GPUs, copy-only) this was within 2.5 % of the faster of the two earlier rules at every point and 1.7 %
-faster than each in geometric mean: `link="free"`, p >= T / (T + min(T, W)) as if the link were free (W: the
-compute before the layer), faster on the Qwen models; `link="queue"`, the same after the copies and misses
-queued ahead (`_after_queue`), faster on Mixtral-8x7B. Under hybrid execution every selected expert goes
-(`threshold`).
+pays for the link time it takes. With `link="free"` (the default) that is q >= T / (T + min(T, W)), as if the
+link were free when asked: a right copy saves its layer up to min(T, W) of waiting (W: the compute before
+that layer), a wrong one holds the link for T. `link="queue"` prices the same after the copies and misses
+queued ahead (`_after_queue`). `link="stalls"` prices the misses a prefetch delays: the link serves on-demand
+loads first, between the pieces of a copy (`SimulatedLink`, `ChunkedJaxMover`), so a prefetch moves while
+the device computes, and the piece under way when the next layer's misses come delays them (by r, the
+piece's expected remainder). Per layer of decode the prefetch advances c + s (c: one layer's compute; s = m *
+r, m the measured chance that a layer misses), of which a share f = s / (c + s) is taken from on-demand
+loads; it is admitted when q >= f and it lands before its layer, (layer - now) * (c + s) >= T
+(`_stall_share`). At Mixtral-8x7B sizes (T ~ 14 ms against c ~ 1 ms on an RTX 3090) every rule admits
+little; at the Qwen models' (T ~ 0.7 ms, c ~ 0.23 ms) most selected experts pass.
+"stalls" was the default from before the reuse forecast and its learned predictor (on the validation split,
+3 models x 3 budgets x 2 GPUs, copy-only, it was then 1.7 % faster than each other rule in geometric mean).
+Checked again with eviction by predicted reuse and the predictor trained for the forecast's horizon, "free" is
+faster at 17 of those 18 points, 0.985x in geometric mean (worst 1.004x, Qwen1.5-MoE at 25 % on the H100),
+and at all 6 points at Phi-3.5-MoE's sizes (0.969-0.991x); so it is the default now. Under hybrid execution
+every selected expert goes (`threshold`).
 """
 
 from __future__ import annotations
@@ -143,9 +145,9 @@ class FMoE(Policy):
       copy_s, layer_s: T and the compute of one decode layer for "cost", in seconds. Default: the
         context's hints (the simulator's cost model), else measured as the engine runs (on-demand waits
         per miss; time between layers less those waits). Until measured, every selected expert goes.
-      link: how "cost" admission prices a copy (see the module docstring): "stalls" (lands in time and q
-        pays for the misses its pieces delay), "free" (as if the link were free when asked), "queue" (after
-        the copies and misses queued ahead).
+      link: how "cost" admission prices a copy (see the module docstring): "free" (as if the link were free
+        when asked; the default), "queue" (after the copies and misses queued ahead), "stalls" (lands in time
+        and q pays for the misses its pieces delay).
       skip_confirmed: in decode, skip the trajectory search after a layer whose routing the iteration's
         last match foresaw exactly (each row's best map has the routed experts as its top k there): that
         match's guides for the layers ahead stand (`traj_target="band"` only, and only where such a
@@ -203,7 +205,7 @@ class FMoE(Policy):
         admission: Literal["cost", "all"] | float = "cost",
         copy_s: float | None = None,
         layer_s: float | None = None,
-        link: Literal["stalls", "free", "queue"] = "stalls",
+        link: Literal["stalls", "free", "queue"] = "free",
         skip_confirmed: bool = True,
         pay_for_matching: bool = True,
     ):
@@ -1058,7 +1060,7 @@ class FMoE(Policy):
             incoming = float(keep_priority(p, self.cache.freq(key)))
             return self.keep_score(victim, self.cache.entry(victim)) < incoming
         # Scored as it would be once resident, like the victim, less what the copy costs when wrong: the
-        # admission threshold (the share of its link time taken from on-demand loads).
+        # admission threshold (`threshold`).
         incoming = self._reuse_score(layer, expert) - self._price(layer)
         return self.keep_score(victim, self.cache.entry(victim)) < incoming
 
