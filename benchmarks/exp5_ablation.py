@@ -13,10 +13,11 @@ Hit rates live, simulated with synchronous copies (prediction and caching alone)
 TPOT), on each `--hardware` preset. (c) What the default fmoe is made of (issue 16), simulated only: the reuse
 forecast without the learned reuse predictor (the store's hint instead), each eviction rule with its cost
 admission, calibration and the popularity prior off, the two earlier admission rules (as if the link were
-free; after the copies and misses queued ahead), no prefetch at all, whole copies instead of one chunk per
-matrix, started prefetches cancelled between chunks, and Belady's eviction with 1, 2 or 4 tokens of foresight
-or the whole future (on-demand loads, no prefetch) beside the oracle (Belady plus perfect prefetch one layer
-ahead).
+free; after the copies and misses queued ahead), no prefetch at all, whole copies and one chunk per matrix
+(the default is the cost model's choice, `HardwarePreset.copy_chunks`: per matrix on the RTX 3090, whole
+on the H100), started prefetches cancelled between chunks, and Belady's eviction with 1, 2 or 4 tokens of
+foresight or the whole future (on-demand loads, no prefetch) beside the oracle (Belady plus perfect prefetch
+one layer ahead).
 Writes `exp5_ablation.{json,md,png}` to --out.
 """
 
@@ -55,6 +56,7 @@ PARTS = [
     h.Variant("admission after the link's queue", "fmoe", (("link", "queue"),)),
     h.Variant("no prefetch", "fmoe", (("admission", 2.0),)),  # no probability reaches 2
     h.Variant("whole copies", "fmoe", chunks=1),
+    h.Variant("one chunk per matrix", "fmoe", chunks=3),
     h.Variant("cancel between chunks", "fmoe", finish_started=False),
     *(h.Variant(f"Belady, {n} token(s)", "oracle", (("prefetch", False), ("horizon", n))) for n in (1, 2, 4)),
     h.Variant("Belady, whole future", "oracle", (("prefetch", False),)),

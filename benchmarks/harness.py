@@ -355,8 +355,10 @@ class Variant:
     """A policy as one row of a table: `options` are extra policy options (ablation switches); `knowledge`
     False starts learned policies empty (online serving: fmoe's store, MoE-Infinity's EAMs); `execution`
     "hybrid" lets the host compute misses (`OffloadConfig.execution`); `chunks`, the pieces a copy goes
-    over the link in: None, each runtime's default (live: one `device_put` per expert; simulated: 3, one per
-    matrix), 1 whole experts (both), 3 per matrix (live: `OffloadConfig(chunked_copies=True)`)."""
+    over the link in: None, each runtime's default (live: one `device_put` per expert; simulated: the cost
+    model's choice, `HardwarePreset.copy_chunks`: 3, one per matrix, on the RTX 3090 preset, whole on the
+    Hopper presets, whose copies pay a fixed cost each), 1 whole experts (both), 3 per matrix (live:
+    `OffloadConfig(chunked_copies=True)`)."""
 
     label: str
     policy: str

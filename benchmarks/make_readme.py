@@ -84,6 +84,13 @@ capacity) against on-demand LRU there, simulated at every model, budget and hard
 - **The simulator is where the link matters.** At real sizes one Mixtral-8x7B expert takes ~14 ms over
   PCIe 4 against ~1 ms of compute per decode layer, so a wasted prefetch is pure stall; policies are
   compared on hit rate and projected TTFT/TPOT at the same budget.
+- **Copies whole or in chunks, as the preset says.** A simulated copy goes over the link one matrix at a
+  time only where a matrix's bytes take at least ten of the preset's per-copy fixed costs
+  (`HardwarePreset.copy_chunks`): on the RTX 3090 preset (no fixed cost) per matrix, on the Hopper presets
+  (0.29 ms a copy, measured on an H200) whole. Until 2026-11-28 every preset chunked, which charged each
+  Hopper copy three fixed costs: results since are up to 2x faster there for every policy (chosen on the
+  validation split: whole copies were faster at all 9 H100 points for fmoe and on-demand LRU, at 7 of 9
+  for MoE-Infinity).
 - **Copies in flight (`--max-inflight`, default 4).** With one copy at a time, a miss waits behind at
   most one prefetch, and the simulator projects lower TPOT for every prefetching policy (the oracle's
   Mixtral-8x7B / RTX 3090 TPOT: 64 ms against 80 ms with 4); live, one at a time lowers hit rates,

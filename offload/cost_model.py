@@ -71,6 +71,22 @@ class HardwarePreset:
         """Seconds of one host-to-device copy of `nbytes` sent in `chunks` pieces, one after the other."""
         return chunks * self.copy_latency_s + nbytes / self.link_effective
 
+    def copy_chunks(self, nbytes: float, pieces: int = 3) -> int:
+        """The pieces a copy of `nbytes` goes over the link in when the simulator is left to choose
+        (`simulate(chunks=None)`): `pieces` (one per matrix) where each piece's bytes take at least
+        `PIECE_MIN_LATENCIES` times the per-copy fixed cost, else 1 (the whole expert at once).
+
+        Pieces let an on-demand load overtake a prefetch between them, but each pays the fixed cost: on the
+        Hopper presets (0.29 ms a copy) a third of Qwen1.5-MoE's expert takes 0.11 ms of bytes, so its copy in
+        three pieces holds the link 1.9x as long as whole (1.21 against 0.63 ms). On the validation split
+        (`benchmarks.validation_grid`, the three shipped models x 12.5 / 25 / 50 %), whole copies on the H100
+        preset were faster for fmoe and on-demand LRU at all 9 points (fmoe 0.48-0.96x, at Mixtral-8x7B's
+        sizes too, whose pieces take 7.9 fixed costs) and for MoE-Infinity at 7 (1.6 and 2.9 % slower at
+        Mixtral's 50 and 25 %); on the RTX 3090 preset, with no fixed cost, pieces were level or faster (fmoe
+        whole 1.00-1.03x)."""
+        piece_s = nbytes / pieces / self.link_effective
+        return pieces if piece_s >= PIECE_MIN_LATENCIES * self.copy_latency_s else 1
+
     def roofline_s(self, bytes_read: float, flops: float) -> float:
         """Seconds of a kernel that reads `bytes_read` from device memory and does `flops`."""
         return max(
@@ -95,6 +111,9 @@ PCIE5_X16 = 32e9 * 16 * 128 / 130 / 8
 PCIE4_EFFICIENCY = 0.8
 PCIE5_EFFICIENCY = 0.81
 JAX_COPY_LATENCY_S = 0.29e-3
+# `HardwarePreset.copy_chunks`: a copy goes in pieces only where each piece's bytes take this many fixed costs
+# or more (chosen on the validation split; see there).
+PIECE_MIN_LATENCIES = 10.0
 # Decode kernels at batch 1 on Hopper, measured in the same run (bf16, one XLA program over 8 layers, so no
 # dispatch): an expert costs 30 us beside its bytes, which stream at 87-90 % of HBM3e's rate (a least-squares
 # fit over Mixtral, Qwen1.5-MoE, Phi-3.5-MoE, Qwen3-MoE and OLMoE, within 20 % of each); the attention block

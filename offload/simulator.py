@@ -121,7 +121,7 @@ def simulate(
     host: HostPreset | None = None,
     router_weights: Sequence[np.ndarray] | None = None,
     warmup: Sequence[RoutingTrace] = (),
-    chunks: int = 3,
+    chunks: int | None = None,
     finish_started: bool = True,
     matcher_s: float = 0.0,
 ) -> SimResult:
@@ -150,7 +150,9 @@ def simulate(
         (the trace must then hold hidden states: `generate(..., record_trace=True, record_hidden=True)`).
       warmup: traces replayed first through the same policy and cache, left out of the result (cache and
         policy state carry over into `traces`, as `generate` calls before a measurement do).
-      chunks: pieces each expert's copy goes over the link in (`SimulatedLink`); 1: whole experts.
+      chunks: pieces each expert's copy goes over the link in (`SimulatedLink`); 1: whole experts; None:
+        `hardware.copy_chunks(model.expert_bytes)`, one per matrix where the per-copy fixed cost is small
+        beside a matrix's bytes (the RTX 3090 preset), whole otherwise (the Hopper presets).
       finish_started: a prefetch no longer wanted is cancelled only before its first piece (the default,
         as the live `ChunkedJaxMover`); False: also between pieces.
       matcher_s: host seconds a predicting policy's matcher spends per context (fmoe: a search or a map
@@ -206,7 +208,7 @@ class Replay:
         host: HostPreset | None = None,
         router_weights: Sequence[np.ndarray] | None = None,
         check: Sequence[RoutingTrace] = (),
-        chunks: int = 3,
+        chunks: int | None = None,
         finish_started: bool = True,
         matcher_s: float = 0.0,
     ):
@@ -225,6 +227,11 @@ class Replay:
             )
         if not isinstance(model, ModelPreset):
             model = ModelPreset.from_config(model)
+        if chunks is None:
+            chunks = hardware.copy_chunks(model.expert_bytes)
+        if not (isinstance(chunks, int) and chunks >= 1):
+            raise ValueError(f"chunks must be an int >= 1 (or None: the cost model's choice), got {chunks!r}")
+        self.chunks = chunks
         for key in ("num_layers", "num_experts", "top_k"):
             if not meta.get(key):
                 raise ValueError(f"routing trace meta[{key!r}] is missing or zero; the simulator needs it")

@@ -347,6 +347,28 @@ def test_each_chunk_of_a_copy_pays_the_links_fixed_cost():
         dataclasses.replace(hardware, copy_latency_s=-1.0)
 
 
+def test_the_simulator_copies_whole_experts_where_chunks_would_mostly_pay_fixed_costs():
+    """`simulate(chunks=None)` asks the preset (`HardwarePreset.copy_chunks`): one chunk per matrix where a
+    matrix's bytes take at least 10 per-copy fixed costs (none on the RTX 3090 preset), whole otherwise (the
+    Hopper presets, even at Mixtral-8x7B's 117 MB matrices: 2.3 ms against 0.29). The policy's copy time
+    hint counts the chunks chosen."""
+    rtx, h100 = HARDWARE["rtx_3090"], HARDWARE["h100_sxm"]
+    assert [rtx.copy_chunks(m.expert_bytes) for m in MODELS.values()] == [3] * len(MODELS)
+    assert [h100.copy_chunks(m.expert_bytes) for m in MODELS.values()] == [1] * len(MODELS)
+    matrix_s = 10 * h100.copy_latency_s  # exactly at the threshold: pieces
+    assert h100.copy_chunks(3 * matrix_s * h100.link_effective) == 3
+    assert h100.copy_chunks(0.99 * 3 * matrix_s * h100.link_effective) == 1
+    fmoe = OffloadConfig(policy="fmoe", policy_options={"asynchronous": False})
+    for hardware, chunks in ((rtx, 3), (h100, 1)):
+        chosen = simulate(hand_trace(), fmoe, model=MIXTRAL_8X7B, hardware=hardware)
+        copy_s = hardware.copy_s(MIXTRAL_8X7B.expert_bytes, chunks)
+        assert chosen.extra["copy_ms"] == pytest.approx(1e3 * copy_s)
+        given = simulate(hand_trace(), fmoe, model=MIXTRAL_8X7B, hardware=hardware, chunks=chunks)
+        assert given.median_tpot_s == chosen.median_tpot_s
+    with pytest.raises(ValueError, match="chunks must be an int >= 1"):
+        simulate(hand_trace(), model=MIXTRAL_8X7B, hardware=h100, chunks=0)
+
+
 def test_decode_kernels_fixed_costs_add_to_the_roofline():
     """Batch-1 decode on Hopper costs a fixed time per expert and per attention block beside the bytes."""
     ideal = dataclasses.replace(HARDWARE["h100_sxm"], expert_kernel_s=0.0, attention_kernel_s=0.0)
