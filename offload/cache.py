@@ -277,8 +277,13 @@ class CacheBook:
             scores = np.array([keep_score(key, entries[key]) for key in keys], np.float64)
         else:
             scores = np.array(keep_scores(keys), np.float64)
-        scores[np.isnan(scores)] = np.inf  # as the tuple comparison it replaces: never below a number
-        lowest = np.flatnonzero(scores == scores.min())
+        low = scores.min()
+        if low != low:  # a NaN: as the tuple comparison this replaced, never below a number
+            scores[np.isnan(scores)] = np.inf
+            low = scores.min()
+        lowest = np.flatnonzero(scores == low)
+        if len(lowest) == 1:
+            return keys[lowest[0]]
         return min((keys[i] for i in lowest), key=lambda k: (entries[k].last_use, entries[k].arrived))
 
 

@@ -191,6 +191,8 @@ class ReuseForecast:
         # it): `_if_used`'s prior while the table of used experts has few counts.
         share_used = np.searchsorted(SHARE_EDGES, self.decay * self.share + (1 - self.decay))
         self._base_used = share_used * (len(P_EDGES) + 1)
+        # `_if_used`'s counts, flat, its denominator's + 1 added once here rather than at every `_score`.
+        self._reused_hit, self._seen_hit_1 = self.reused_hit.ravel(), self.seen_hit.ravel() + 1.0
 
     def bins(self, hint: np.ndarray | None = None) -> np.ndarray:
         """Each expert's bin `[L, J]` (gap, share, hint probability): an index into the flattened tables."""
@@ -203,9 +205,7 @@ class ReuseForecast:
         bins = self._base + hint_bins
         self.scores = self._table.take(bins)
         prior = self._table.take(self._base_used + hint_bins)
-        self._if_used = (self.reused_hit.reshape(-1).take(bins) + prior) / (
-            self.seen_hit.reshape(-1).take(bins) + 1.0
-        )
+        self._if_used = (self._reused_hit.take(bins) + prior) / self._seen_hit_1.take(bins)
         self._if_missed = self._table_missed.take(bins)
         return bins
 

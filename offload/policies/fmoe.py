@@ -468,6 +468,7 @@ class FMoE(Policy):
         share = self.ctx.top_k * self._counts / np.maximum(total, 1.0)
         uniform = self.ctx.top_k / self.ctx.num_experts
         self._rate = np.clip((share - uniform) / (1.0 - uniform), 0.0, 1.0)
+        self._unlikely = 1.0 - self._rate  # [L, J] eviction's "anytime" factor, once per iteration
 
     def close(self) -> None:
         """Stops the matcher (after the contexts it has) and saves the store when `store_path` is set."""
@@ -698,6 +699,8 @@ class FMoE(Policy):
         """What the iteration's guides were worth: the calibration learns, for every layer and distance bin a
         match guided, whether each expert was needed. Once per iteration (the guides of a layer are final
         when it routes, `_select`), so predictions within an iteration use the counts of those before."""
+        if not self._guided.any():  # no match guided this iteration (most live ones: searches unpaid)
+            return
         guided = self._guided.copy()  # [D, L]; the matcher thread may still add guides of later layers
         guided[:, self._current + 1 :] = False
         if not guided.any():
@@ -1031,13 +1034,13 @@ class FMoE(Policy):
         flat = np.fromiter(map(self._flat_index.__getitem__, keys), np.int64, len(keys))  # layer * J + expert
         now = np.where(flat >= (self._current + 1) * self.ctx.num_experts, self._need.take(flat), 0.0)
         later = 1.0 - self.forecast.scores.take(flat)
-        anytime = 1.0 if self._rate is None else 1.0 - self._rate.take(flat)
+        anytime = 1.0 if self._rate is None else self._unlikely.take(flat)
         return 1.0 - (1.0 - now) * later * anytime
 
     def _reuse_score(self, layer: int, expert: int) -> float:
         now = self._need[layer, expert] if layer > self._current else 0.0
         later = 1.0 - self.forecast.scores[layer, expert]
-        anytime = 1.0 if self._rate is None else 1.0 - self._rate[layer, expert]
+        anytime = 1.0 if self._rate is None else self._unlikely[layer, expert]
         return float(1.0 - (1.0 - now) * later * anytime)
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
