@@ -227,11 +227,8 @@ class Replay:
             )
         if not isinstance(model, ModelPreset):
             model = ModelPreset.from_config(model)
-        if chunks is None:
+        if chunks is None:  # the cost model's choice; `SimulatedLink` refuses fewer than one
             chunks = hardware.copy_chunks(model.expert_bytes)
-        if not (isinstance(chunks, int) and chunks >= 1):
-            raise ValueError(f"chunks must be an int >= 1 (or None: the cost model's choice), got {chunks!r}")
-        self.chunks = chunks
         for key in ("num_layers", "num_experts", "top_k"):
             if not meta.get(key):
                 raise ValueError(f"routing trace meta[{key!r}] is missing or zero; the simulator needs it")

@@ -365,7 +365,7 @@ def test_the_simulator_copies_whole_experts_where_chunks_would_mostly_pay_fixed_
         assert chosen.extra["copy_ms"] == pytest.approx(1e3 * copy_s)
         given = simulate(hand_trace(), fmoe, model=MIXTRAL_8X7B, hardware=hardware, chunks=chunks)
         assert given.median_tpot_s == chosen.median_tpot_s
-    with pytest.raises(ValueError, match="chunks must be an int >= 1"):
+    with pytest.raises(ValueError, match="at least one chunk"):
         simulate(hand_trace(), model=MIXTRAL_8X7B, hardware=h100, chunks=0)
 
 
