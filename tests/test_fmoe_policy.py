@@ -357,7 +357,8 @@ def test_the_calibration_learns_from_guides_made_every_distance_ahead():
         policy.on_iteration_end()
     seen_by_distance = policy.calibration.seen.sum(axis=(0, 1, 3))
     assert (seen_by_distance > 0).all()  # distances 1, 2, 3 and 4+ all learned
-    assert not any(items for items, _ in cache.requests)  # no expert 0 of any layer is admitted now
+    # No expert 0 of any layer is admitted now (the next token's guess at the end is the expert 3 it used).
+    assert not any(expert == 0 for items, _ in cache.requests for (_, expert), _ in items)
     first, _ = cache.requests[0]
     assert first == []
 
@@ -749,3 +750,60 @@ def test_auto_reuse_horizon_looks_further_ahead_in_a_bigger_cache():
     for bad in (0, "longest", 1.5):
         with pytest.raises(ValueError, match="reuse_horizon"):
             FMoE(reuse_horizon=bad)
+
+
+def test_the_next_tokens_first_layers_are_guessed_late_in_the_iteration_and_learned_from():
+    """d = 2 over L = 4: no search guides the next token's layers 0 and 1 in time, so after layer 2 (when
+    it loads nothing) and again at the iteration's end the reuse hint's likeliest expert of each (top_k = 1)
+    is prefetched where its chance pays for the copy, kept by eviction as needed at that layer's next
+    routing; what the guesses were worth is learned once those layers have routed."""
+    valid = np.ones((1, 1), bool)
+    probs = np.full((1, 4), 0.25, np.float32)
+    hint = np.array([[0.9, 0.6, 0.0, 0.0], [0.2, 0.3, 0.7, 0.0], [0.0] * 4, [0.0] * 4], np.float32)
+
+    def bound(**options):
+        store = ExpertMapStore(capacity=4, num_layers=4, num_experts=4, embed_dim=3, prefetch_distance=2)
+        # What followed the maps most like a token's: `hint`, whatever the token (the policy's reuse hint).
+        store.future_of = lambda maps, neighbours=1: np.repeat(hint[None], len(maps), axis=0)
+        return bound_policy(store, semantic=False, **options)
+
+    def token(policy, cache, loads_at_2=False):
+        """A decode iteration routing every layer to expert 3; the guesses after layer 2 and at its end."""
+        cache.requests.clear()
+        iteration_start(policy, np.zeros((1, 3), np.float32), valid)
+        if loads_at_2:
+            cache.book.remove((2, 3))
+        for layer in range(4):
+            layer_routed(policy, layer, probs, np.array([[3]]), valid)
+            cache.book.add((layer, 3), prefetched=False) if (layer, 3) not in cache.book else None
+        guesses = [items for items, kwargs in cache.requests if kwargs.get("replace") == range(2)]
+        policy.on_iteration_end()
+        at_end = [items for items, kwargs in cache.requests if kwargs.get("replace") == range(2)]
+        return guesses, at_end[len(guesses) :]
+
+    policy, cache = bound(calibrate=False, copy_s=1e-3, layer_s=1e-3)
+    # The first token has no hint yet after layer 2; at its end layers 0 and 1 route 1 and 2 layers of
+    # compute on (threshold T / (T + min(T, W)) = 0.5): each one's likeliest, (0, 0) at 0.9, (1, 2) at 0.7.
+    assert token(policy, cache) == (
+        [],
+        [[((0, 0), pytest.approx(0.9 / 1)), ((1, 2), pytest.approx(0.7 / 2))]],
+    )
+    assert policy._need[0, 0] == pytest.approx(0.9)  # eviction keeps the guess for the next token
+    assert policy.keep_score((0, 0), Entry()) > policy.keep_score((0, 1), Entry())
+    # The next token guesses after layer 2 too (2 and 3 layers of compute ahead), as it loads nothing.
+    after_layer_2, _ = token(policy, cache)
+    assert after_layer_2 == [[((0, 0), pytest.approx(0.9 / 2)), ((1, 2), pytest.approx(0.7 / 3))]]
+    assert token(policy, cache, loads_at_2=True)[0] == []  # layer 2 loads: no guess to delay its copy
+    assert policy.stats()["next_token_prefetches"] == 6 and policy.stats()["next_token_needed"] == 0
+
+    # Calibrated: the hint's guesses are never needed (every token uses expert 3, which the hint gives 0):
+    # the guesses move to the expert the last token used (its recency bin), and the hint's lose their need.
+    policy, cache = bound(copy_s=1e-3, layer_s=1e-3)
+    assert [key for key, _ in token(policy, cache)[1][0]] == [(0, 0), (1, 2)]
+    for _ in range(12):
+        _, at_end = token(policy, cache)
+    assert [key for key, _ in at_end[0]] == [(0, 3), (1, 3)]
+    assert policy._need[0, 0] < 0.2 and policy._need[0, 3] > 0.8
+    # Off: nothing is guessed.
+    policy, cache = bound(calibrate=False, copy_s=1e-3, layer_s=1e-3, next_token=False)
+    assert token(policy, cache) == ([], [])
