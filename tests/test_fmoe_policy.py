@@ -804,6 +804,9 @@ def test_the_next_tokens_first_layers_are_guessed_late_in_the_iteration_and_lear
         _, at_end = token(policy, cache)
     assert [key for key, _ in at_end[0]] == [(0, 3), (1, 3)]
     assert policy._need[0, 0] < 0.2 and policy._need[0, 3] > 0.8
+    assert policy._guides_next()
+    policy._hinted = policy._iteration - 2  # a hint two iterations old (live: updates left unpaid)
+    assert not policy._guides_next()
     # Off: nothing is guessed.
     policy, cache = bound(calibrate=False, copy_s=1e-3, layer_s=1e-3, next_token=False)
     assert token(policy, cache) == ([], [])

@@ -429,6 +429,7 @@ class FMoE(Policy):
         self._iteration = 0
         self._request = 0
         self._hint: np.ndarray | None = None  # [L, J] what the store says follows the last token
+        self._hinted = -1  # the iteration the hint was made in (or at the end of)
         self._logits: np.ndarray | None = None  # reuse predictor: the sum of this iteration's log-odds
         self._predicted = 0  # reuse predictor: the layers whose predictions `_logits` sums
         # Matcher: each request's last slots in the store, by (request count, row), or by the request id the
@@ -628,6 +629,7 @@ class FMoE(Policy):
         # Used by any row. (One row: its own p, which bins as 1 - (1 - p) does: they differ below 1e-9.)
         hint = p[0].astype(np.float64) if len(p) == 1 else 1.0 - np.prod(1.0 - p.astype(np.float64), axis=0)
         self._hint = hint.reshape(self.ctx.num_layers, self.ctx.num_experts)
+        self._hinted = self._iteration
         self.forecast.refresh(self._hint, self._used, self._current)
         if self.ctx.matcher_s is None:  # live: its price, the median of recent calls after a warm-up
             self._predictor_spent.append(time.perf_counter() - start)
@@ -895,6 +897,7 @@ class FMoE(Policy):
                 # the maps most like each row's last token's
                 last = np.flatnonzero(np.append(context.rows[1:] != context.rows[:-1], True))
                 self._hint = self.store.future_of(context.extra[last], HINT_NEIGHBOURS).max(axis=0)
+                self._hinted = context.iteration
             self.timers["store_update"] += time.perf_counter() - start
             return
         start = time.perf_counter()
@@ -927,8 +930,12 @@ class FMoE(Policy):
         self.cache.request_prefetch(items, replace=replace, stale_before=current + 1)
 
     def _guides_next(self) -> bool:
-        # Not under hybrid execution (not measured there: its admission lets every guess go).
-        return self.next_token and self._decoding and self._hint is not None and not self._free_link
+        """Whether `_guide_next` may guess: in decode, with a hint made this iteration or at the end of the
+        last one (live, where the credit leaves the predictor and the store's updates unpaid, an old hint
+        says little and the guess would cost the engine thread for nothing), and not under hybrid execution
+        (not measured there: its admission lets every guess go)."""
+        fresh = self._hint is not None and self._hinted >= self._iteration - 1
+        return self.next_token and self._decoding and fresh and not self._free_link
 
     def _loads_nothing(self, layer: int, needed: np.ndarray) -> bool:
         """Whether every expert `layer` needs is resident or arriving: the link has no miss of it to load."""
