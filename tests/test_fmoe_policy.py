@@ -794,7 +794,7 @@ def test_the_next_tokens_first_layers_are_guessed_late_in_the_iteration_and_lear
     after_layer_2, _ = token(policy, cache)
     assert after_layer_2 == [[((0, 0), pytest.approx(0.9 / 2)), ((1, 2), pytest.approx(0.7 / 3))]]
     assert token(policy, cache, loads_at_2=True)[0] == []  # layer 2 loads: no guess to delay its copy
-    assert policy.stats()["next_token_prefetches"] == 6 and policy.stats()["next_token_needed"] == 0
+    assert policy.stats()["next_token_guesses"] == 6 and policy.stats()["next_token_right"] == 0
 
     # Calibrated: the hint's guesses are never needed (every token uses expert 3, which the hint gives 0):
     # the guesses move to the expert the last token used (its recency bin), and the hint's lose their need.
@@ -807,6 +807,9 @@ def test_the_next_tokens_first_layers_are_guessed_late_in_the_iteration_and_lear
     assert policy._guides_next()
     policy._hinted = policy._iteration - 2  # a hint two iterations old (live: updates left unpaid)
     assert not policy._guides_next()
+    policy._hinted = policy._iteration
+    policy._guess_s, policy._credit = 1.0, 0.5  # live: a guess costs more host time than the credit holds
+    assert not policy._guides_next() and policy.stats()["unpaid_next_token"] == 1
     # Off: nothing is guessed.
     policy, cache = bound(calibrate=False, copy_s=1e-3, layer_s=1e-3, next_token=False)
     assert token(policy, cache) == ([], [])

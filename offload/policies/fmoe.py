@@ -281,6 +281,8 @@ class FMoE(Policy):
         # free in the simulator (which charges no policy its event handlers' host time).
         self._predictor_s: float | None = None
         self._predictor_spent: collections.deque[float] = collections.deque(maxlen=_COST_SAMPLES)
+        self._guess_s: float | None = None  # `_guide_next`'s host seconds (engine thread), priced alike
+        self._guess_spent: collections.deque[float] = collections.deque(maxlen=_COST_SAMPLES)
         self._free_link = False  # hybrid execution (set by `bind`)
         self._clock: tuple[float, float, int] | None = None  # (time, on-demand wait, misses), last layer
         self.timers = {"matching": 0.0, "store_update": 0.0}
@@ -932,10 +934,13 @@ class FMoE(Policy):
     def _guides_next(self) -> bool:
         """Whether `_guide_next` may guess: in decode, with a hint made this iteration or at the end of the
         last one (live, where the credit leaves the predictor and the store's updates unpaid, an old hint
-        says little and the guess would cost the engine thread for nothing), and not under hybrid execution
-        (not measured there: its admission lets every guess go)."""
+        says little), not under hybrid execution (not measured there: its admission lets every guess go),
+        and where the credit covers its host time (`pay_for_matching`; it runs on the engine thread and
+        starts the copies it admits, which live on this CPU cost more than the misses they save)."""
         fresh = self._hint is not None and self._hinted >= self._iteration - 1
-        return self.next_token and self._decoding and fresh and not self._free_link
+        if not (self.next_token and self._decoding and fresh and not self._free_link):
+            return False
+        return self._pay(self._guess_s, "next_token")
 
     def _loads_nothing(self, layer: int, needed: np.ndarray) -> bool:
         """Whether every expert `layer` needs is resident or arriving: the link has no miss of it to load."""
@@ -962,13 +967,14 @@ class FMoE(Policy):
         (1.000-1.005x). Guessing after layer L - d regardless of its misses was 0.984x at 25 % in geometric
         mean but 0.993x at Qwen1.5-MoE / H100; only at the iteration's end, 0.992x. (Hybrid execution: off,
         not measured.)"""
+        start = time.perf_counter()
         current, num_layers = self._current, self.ctx.num_layers
         for iteration, p, bins, (layers, experts) in self._next_guides:
             # What the last iteration's guesses of this one's first layers were worth (they have routed).
             if iteration == self._iteration - 1:
                 self.next_calibration.observe_binned(p.ravel(), bins.ravel(), self._used[: len(p)].ravel())
-                self.counts["next_token_prefetches"] += len(layers)
-                self.counts["next_token_needed"] += int(self._used[layers, experts].sum())
+                self.counts["next_token_guesses"] += len(layers)  # admitted (resident ones not copied)
+                self.counts["next_token_right"] += int(self._used[layers, experts].sum())
         self._next_guides = [g for g in self._next_guides if g[0] == self._iteration]
         first = min(self.ctx.prefetch_distance, current + 1)  # the next token's layers guessed: [0, first)
         p = np.asarray(hint[:first], np.float64)
@@ -986,6 +992,10 @@ class FMoE(Policy):
         priority = q[layers, experts] / ahead[layers]
         items = list(zip(zip(layers.tolist(), experts.tolist(), strict=True), priority.tolist(), strict=True))
         self.cache.request_prefetch(items, replace=range(first))
+        if self.ctx.matcher_s is None:  # live: its price, the median of recent calls after a warm-up
+            self._guess_spent.append(time.perf_counter() - start)
+            if len(self._guess_spent) >= _COST_WARMUP:
+                self._guess_s = statistics.median(self._guess_spent)
 
     def _record_match(self, kind: str, scores: np.ndarray) -> None:
         self.counts[f"{kind}_matches"] += 1
@@ -1164,6 +1174,8 @@ class FMoE(Policy):
             out |= {"copy_ms": 1e3 * self.copy_s, "layer_ms": 1e3 * self.layer_s}
         if self._predictor_s is not None:
             out["reuse_predictor_ms"] = 1e3 * self._predictor_s
+        if self._guess_s is not None:
+            out["next_token_ms"] = 1e3 * self._guess_s
         for kind, seconds in self._matcher_s.items():  # host time per context (`pay_for_matching`)
             if seconds is not None:
                 out[f"{kind}_host_ms"] = 1e3 * seconds
