@@ -600,7 +600,8 @@ class FMoE(Policy):
         the searches of a decode iteration (17.4 -> 8.3); on the validation split (3 models x 12.5 / 25 /
         50 % x RTX 3090 / H100, simulated, matcher free) the TPOT was 1.003x searching after every layer in
         geometric mean, 0.996-1.020x at each point (the most at fmoe-tiny-mixtral's 50 %, where the guides
-        rank the experts eviction keeps; resting one layer after each repeat gave the same TPOTs)."""
+        rank the experts eviction keeps; resting one layer after each repeat gave the same TPOTs; H100 copies
+        were in three pieces then)."""
         rest = self._rest
         return rest[0] == self._iteration and layer <= rest[1]
 
@@ -1147,7 +1148,8 @@ class FMoE(Policy):
         (Before, the threshold only admitted the prefetch and the eviction compared the scores alone: at
         12.5 % on fmoe-tiny-mixtral's validation routing at Mixtral-8x7B sizes, where a cache of one expert a
         layer makes every prefetch evict an expert of some later layer, fmoe was 0.731x on-demand LRU's TPOT
-        on the RTX 3090 (on-demand LFU 0.746x) and with the price 0.690x; on the H100 0.730x and 0.688x.)"""
+        on the RTX 3090 (on-demand LFU 0.746x) and with the price 0.690x; on the H100, copying in three pieces
+        as its preset did then, 0.730x and 0.688x.)"""
         if self.eviction in ("lru", "lfu"):
             return True
         layer, expert = key
@@ -1197,7 +1199,7 @@ def auto_reuse_horizon(capacity: int, num_layers: int, top_k: int) -> int:
     (every 12.5 % point, Mixtral at 25 %), 0.98-0.99x at Qwen1.5-MoE's 25 % points, 0.95x at Qwen3's,
     0.88-0.97x at every 50 % point; 0.969x in geometric mean (fixed horizons of 1, 3 and 4 were each
     slower somewhere: 4 by 4 % at Mixtral's 25 %, 1 by up to 10 % at Qwen3's). The default since; before,
-    a fixed 2."""
+    a fixed 2. (Measured while the H100 preset still copied in three pieces, before 2026-11-28.)"""
     per_layer = -(-capacity // (num_layers * top_k))  # ceil, in integers
     return int(min(MAX_AUTO_HORIZON, per_layer + 1))
 
