@@ -51,6 +51,7 @@ PARTS = [
     h.Variant("eviction LFU", "fmoe", (("eviction", "lfu"),)),
     h.Variant("eviction LRU", "fmoe", (("eviction", "lru"),)),
     h.Variant("calibration off", "fmoe", (("calibrate", False),)),
+    h.Variant("no next-token guess", "fmoe", (("next_token", False),)),
     h.Variant("no popularity prior", "fmoe", (("popularity", False),)),
     h.Variant("admission: lands in time, pays for its stalls", "fmoe", (("link", "stalls"),)),
     h.Variant("admission after the link's queue", "fmoe", (("link", "queue"),)),

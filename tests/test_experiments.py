@@ -319,7 +319,7 @@ def test_exp5_ablates_the_default_fmoe_and_belady_foresight(hf_dirs, tmp_path):
     (result,) = payload["models"].values()
     parts = {row["variant"]: row for row in result["parts"]}
     assert set(parts) >= {"fmoe (default: reuse eviction)", "whole copies", "calibration off", "oracle"}
-    assert set(parts) >= {"no prefetch", "cancel between chunks"}
+    assert set(parts) >= {"no prefetch", "cancel between chunks", "no next-token guess"}
     assert set(parts) >= {"admission: lands in time, pays for its stalls", "admission after the link's queue"}
     assert "reuse" in {row["variant"] for row in result["caching"]}
     # Belady's miss count is the optimum of on-demand loading: no foresight limit does better.
