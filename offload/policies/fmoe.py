@@ -577,7 +577,7 @@ class FMoE(Policy):
             if not self.needs_hidden:  # the next layer's prediction is left out
                 self.counts["unpaid_reuse"] += 1
         if layer + self.ctx.prefetch_distance >= self.ctx.num_layers:  # no search guides a layer from here
-            if layer == self._next_from and self._guides_next() and self._loads_nothing(layer, needed):
+            if layer == self._next_from and self._loads_nothing(layer, needed) and self._guides_next():
                 self._guide_next(self._hint)
             return
         if not self.trajectory:
