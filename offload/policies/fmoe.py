@@ -634,10 +634,18 @@ class FMoE(Policy):
         self._hint = hint.reshape(self.ctx.num_layers, self.ctx.num_experts)
         self._hinted = self._iteration
         self.forecast.refresh(self._hint, self._used, self._current)
-        if self.ctx.matcher_s is None:  # live: its price, the median of recent calls after a warm-up
-            self._predictor_spent.append(time.perf_counter() - start)
-            if len(self._predictor_spent) >= _COST_WARMUP:
-                self._predictor_s = statistics.median(self._predictor_spent)  # 0.4 us; np.median 14
+        self._predictor_s = self._engine_price(self._predictor_spent, start, self._predictor_s)
+
+    def _engine_price(
+        self, spent: collections.deque[float], start: float, price: float | None
+    ) -> float | None:
+        """The price of engine-thread work that began at `start` (perf_counter) and just ended: live, the
+        median of the recent calls in `spent` once `_COST_WARMUP` are; in the simulator (which charges no
+        policy its event handlers' host time) `price` unchanged."""
+        if self.ctx.matcher_s is not None:
+            return price
+        spent.append(time.perf_counter() - start)
+        return statistics.median(spent) if len(spent) >= _COST_WARMUP else price  # 0.4 us; np.median 14
 
     def _confirmed(self, layer: int, ids: np.ndarray, active: np.ndarray) -> bool:
         """Whether the iteration's last trajectory match foresaw this layer's routing: in decode, each active
@@ -993,10 +1001,7 @@ class FMoE(Policy):
         priority = q[layers, experts] / ahead[layers]
         items = list(zip(zip(layers.tolist(), experts.tolist(), strict=True), priority.tolist(), strict=True))
         self.cache.request_prefetch(items, replace=range(first))
-        if self.ctx.matcher_s is None:  # live: its price, the median of recent calls after a warm-up
-            self._guess_spent.append(time.perf_counter() - start)
-            if len(self._guess_spent) >= _COST_WARMUP:
-                self._guess_s = statistics.median(self._guess_spent)
+        self._guess_s = self._engine_price(self._guess_spent, start, self._guess_s)
 
     def _record_match(self, kind: str, scores: np.ndarray) -> None:
         self.counts[f"{kind}_matches"] += 1
