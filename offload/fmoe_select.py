@@ -104,14 +104,7 @@ class SortedMaps:
         key = expert_map.tobytes()
         found = self._sorted.pop(key, None)
         if found is None:
-            rows = np.asarray(expert_map)  # float32 from the store: sorted as is, summed in float64
-            _check_rows(rows)
-            layers = np.arange(rows.shape[0])[:, None]
-            order = descending_order(rows)
-            mass = np.cumsum(rows[layers, order], axis=1, dtype=np.float64)
-            rank = np.empty_like(order)
-            rank[layers, order] = np.arange(order.shape[1])
-            found = tuple(_frozen(a) for a in (order, mass, rank, rows.any(axis=1)))
+            found = tuple(_frozen(a) for a in _sorted_rows(np.asarray(expert_map)))
             if len(self._sorted) >= self.capacity:
                 del self._sorted[next(iter(self._sorted))]  # the least recently used
         self._sorted[key] = found
@@ -129,12 +122,29 @@ class SortedMaps:
         if not all(map(math.isfinite, scores)):
             selection_threshold(score)  # raises, naming the score
         for b, delta in enumerate(min(max(1.0 - s, 0.0), 1.0) for s in scores):
-            _, mass, rank, nonzero = self.sorted(maps[b])
-            count = _count(mass[layers], nonzero[layers], delta, top_k)
-            masks.append(rank[layers] < count[:, None])
+            few = isinstance(layers, slice) and 2 * len(range(*layers.indices(len(maps[b])))) < len(maps[b])
+            if few and maps[b].tobytes() not in self._sorted:  # a new map's first layers (the semantic
+                # search's): sorted alone, not kept (row by row, the same numbers as the whole map's)
+                _, mass, rank, nonzero = _sorted_rows(np.asarray(maps[b][layers]))
+                layers_b = slice(None)
+            else:
+                _, mass, rank, nonzero = self.sorted(maps[b])
+                layers_b = layers
+            count = _count(mass[layers_b], nonzero[layers_b], delta, top_k)
+            masks.append(rank[layers_b] < count[:, None])
         if len(masks) != batch:
             raise ValueError(f"select_mask needs one score per map, got {len(masks)} for {batch}.")
         return masks[0][None] if batch == 1 else np.stack(masks)
+
+
+def _sorted_rows(rows: np.ndarray) -> tuple[np.ndarray, ...]:  # [n, J] -> `SortedMaps.sorted`'s four
+    _check_rows(rows)  # float32 from the store: sorted as is, summed in float64
+    layers = np.arange(rows.shape[0])[:, None]
+    order = descending_order(rows)
+    mass = np.cumsum(rows[layers, order], axis=1, dtype=np.float64)
+    rank = np.empty_like(order)
+    rank[layers, order] = np.arange(order.shape[1])
+    return order, mass, rank, rows.any(axis=1)
 
 
 def descending_order(rows: np.ndarray) -> np.ndarray:  # [..., J] -> [..., J] int64
@@ -178,7 +188,7 @@ def _count(mass: np.ndarray, nonzero: np.ndarray, delta: float | np.ndarray, top
     `[B, J]`: the positions short of delta are a prefix, and the first to reach it is the next one (a row
     that never reaches it takes all J); at least top_k; none from a row with no mass."""
     short = mass < np.reshape(delta - MASS_TOLERANCE, (-1, 1))
-    count = np.minimum(np.maximum(short.sum(axis=1) + 1, top_k), mass.shape[1])
+    count = np.minimum(np.maximum(np.count_nonzero(short, axis=1) + 1, top_k), mass.shape[1])
     return np.where(nonzero, count, 0)
 
 

@@ -26,6 +26,10 @@ MAX_DISTANCE = 4
 GAP_EDGES = np.array([1, 2, 3, 5, 9])  # gap 0, 1, 2, 3-4, 5-8, 9+ ; "never" is its own bin
 SHARE_EDGES = np.array([0.05, 0.15, 0.3, 0.5, 0.75])
 RECENCY_BINS = len(GAP_EDGES) + 2  # the gap bins and "never"
+# `ReuseForecast`'s gap counter: iterations since the last use, held at the last edge (9: "9 or more") or
+# at `_NEVER` (not used yet by the request); `_GAP_BIN` maps it to its gap bin.
+_NEVER = GAP_EDGES[-1] + 1
+_GAP_BIN = np.append(np.searchsorted(GAP_EDGES, np.arange(_NEVER), side="right"), RECENCY_BINS - 1)
 # `ReuseForecast`'s prior per bin (flat, gap-major): 0.6 for experts used at the last iteration (gap 0),
 # 0.2 for the rest.
 _GAP_BIN_SIZE = (len(SHARE_EDGES) + 1) * (len(P_EDGES) + 1)
@@ -84,13 +88,12 @@ class Calibration:
     def observe_binned(self, p: np.ndarray, bins: np.ndarray, needed: np.ndarray) -> None:
         bins = np.asarray(bins, np.int64).ravel()
         size = self._counts[0].size
-        # One bincount for the three tables: bin b of table t is index t * size + b, each observation weighing
-        # 1 if needed (else 0), 1 and its p. Exact for the counts (sums of whole numbers); each bin of p sums
-        # its observations in their order, as a bincount per table would.
-        weights = np.concatenate([np.asarray(needed, np.float64).ravel(), np.ones(bins.size), np.ravel(p)])
-        counts = np.bincount(
-            np.concatenate([bins, bins + size, bins + 2 * size]), weights, minlength=3 * size
-        )
+        # A bincount per table, each observation weighing 1 if needed (else 0), 1 and its p: exact for the
+        # counts (sums of whole numbers); each bin of p sums its observations in their order.
+        counts = np.empty((3, size))
+        counts[0] = np.bincount(bins, np.asarray(needed, np.float64).ravel(), minlength=size)
+        counts[1] = np.bincount(bins, minlength=size)
+        counts[2] = np.bincount(bins, np.ravel(p), minlength=size)
         counts = counts.reshape(self._counts.shape)
         self._counts += counts
         self._pooled += counts.sum(axis=-1)
@@ -165,7 +168,7 @@ class ReuseForecast:
 
     def start_request(self) -> None:
         self.iteration = 0
-        self.last_use = np.full(self.shape, -1, np.int64)  # -1: not used by this request yet
+        self._since = np.full(self.shape, _NEVER, np.int64)  # iterations since the request used it (capped)
         self.share = np.zeros(self.shape)
         self.pending: collections.deque[tuple[np.ndarray, list[np.ndarray]]] = collections.deque()
         self._prepare()
@@ -179,11 +182,7 @@ class ReuseForecast:
         # Laplace-smoothed; an unseen bin falls back to a weak prior of "recently used is likely reused".
         self._table = (self.reused.ravel() + _REUSE_PRIOR) / (self.seen.ravel() + 1.0)
         self._table_missed = (self.reused_missed.ravel() + self._table) / (self.seen_missed.ravel() + 1.0)
-        gap = np.where(
-            self.last_use < 0,
-            len(GAP_EDGES) + 1,
-            np.searchsorted(GAP_EDGES, self.iteration - 1 - self.last_use, side="right"),
-        )
+        gap = _GAP_BIN.take(self._since)
         share = np.searchsorted(SHARE_EDGES, self.share)
         self.recency = gap  # [L, J] each expert's gap bin this iteration (`Calibration`'s recency)
         self._base = (gap * (len(SHARE_EDGES) + 1) + share) * (len(P_EDGES) + 1)  # hint bin 0
@@ -253,8 +252,10 @@ class ReuseForecast:
             self.reused_missed += reused[0]
             self.seen_hit += seen[1]
             self.reused_hit += reused[1]
-        self.last_use = np.where(used, self.iteration, self.last_use)
-        self.share = self.decay * self.share + (1 - self.decay) * used
+        self._since += self._since < GAP_EDGES[-1]  # one more iteration; "9 or more" and never stay
+        self._since[used] = 0
+        self.share *= self.decay
+        self.share += (1 - self.decay) * used
         self.iteration += 1
         self._prepare()
 

@@ -390,6 +390,13 @@ def test_sorted_maps_select_what_select_mask_selects():
             want = select_mask(maps[0, start:], np.repeat(scores[:1], 6 - start), top_k)
             np.testing.assert_array_equal(span[0], want)
     assert len(sorted_maps._sorted) == 2
+    # A map not met before, asked for fewer than half its layers (the semantic search's first d): those
+    # layers alone are sorted, and the map is not kept.
+    fresh = SortedMaps()
+    for top_k in (1, 2):
+        got = fresh.select_mask(maps[2:3], slice(4, 6), np.array([0.3], np.float32), top_k)
+        np.testing.assert_array_equal(got[0], select_mask(maps[2, 4:], np.full(2, 0.3, np.float32), top_k))
+    assert not fresh._sorted
     with pytest.raises(ValueError, match="non-negative"):
         sorted_maps.select_mask(-maps, np.arange(6), np.ones(5), 1)
     with pytest.raises(ValueError, match="top_k"):

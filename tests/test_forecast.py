@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fmoe_jax.offload.forecast import Calibration, ReuseForecast
+from fmoe_jax.offload.forecast import GAP_EDGES, Calibration, ReuseForecast
 
 
 def test_calibration_starts_as_the_raw_probability_and_learns_outcomes():
@@ -95,6 +95,26 @@ def test_reuse_forecast_learns_from_each_iteration_not_from_the_callers_array():
     np.testing.assert_array_equal(shared.reused, fresh.reused)
     np.testing.assert_array_equal(shared.seen, fresh.seen)
     assert fresh.reused.sum() > 0
+
+
+def test_reuse_forecast_recency_is_the_gap_since_each_experts_last_use():
+    """`recency` (Calibration's recency bin, and the forecast's own gap feature) bins the iterations since
+    the request last used each expert: 0 for the last iteration, up to "9 or more", and "never" for an
+    expert the request has not used; a new request starts over."""
+    rng = np.random.default_rng(2)
+    forecast = ReuseForecast(3, 4, horizon=2)
+    never = len(GAP_EDGES) + 1
+    for request in range(2):
+        last = np.full((3, 4), -1)
+        for t in range(30):
+            gap = np.where(last < 0, never, np.searchsorted(GAP_EDGES, t - 1 - last, side="right"))
+            np.testing.assert_array_equal(forecast.recency, gap, err_msg=f"request {request}, iteration {t}")
+            forecast.begin_iteration()
+            used = rng.random((3, 4)) < (0.05 if t < 20 else 0.4)  # long gaps, then short ones
+            forecast.end_iteration(used)
+            last = np.where(used, t, last)
+        forecast.start_request()
+        np.testing.assert_array_equal(forecast.recency, np.full((3, 4), never))
 
 
 def test_reuse_forecast_marks_experts_used_in_the_current_iteration():
