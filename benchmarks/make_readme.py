@@ -70,7 +70,9 @@ evaluation prompts are disjoint (7:3 split, `fmoe_jax.research.workloads`). Reco
 predictors are cached in `~/.cache/fmoe-jax-benchmarks` (`--cache-dir`). Design choices are made on a
 validation split of the store prompts, never on the evaluation prompts: `python -m
 benchmarks.validation_grid --variant ...` compares policy variants (options, whole or chunked copies, store
-capacity) against on-demand LRU there, simulated at every model, budget and hardware preset.
+capacity) against on-demand LRU there, simulated at every model, budget and hardware preset; its
+`--save` / `--compare` tell whether a change left every simulated outcome bit-identical (a host-speed
+change then needs no simulated experiment rerun).
 
 ## Reading the results
 

@@ -12,11 +12,21 @@ matrix; default the simulator's), "store_capacity" (fmoe's store) and "execution
 a variant to compare like with like. Prints each point, then each variant's geometric mean and worst ratio;
 `--out FILE` also saves them as JSON. The store prompts are split 7:3 again (`harness.split_prompts`) and
 the 30 % replayed; traces and trained predictors are cached like every experiment's.
+
+Each row also carries a `fingerprint` of everything its replay measured (`fingerprint`); `--compare FILE`
+reports the points whose fingerprints differ from an earlier `--save`. A change meant to leave decisions as
+they were (host-side speed, refactoring) shows as identical at every point, which spares rerunning the
+simulated experiments:
+
+    .venv/bin/python -m benchmarks.validation_grid --variant fmoe --save before.json   # then change the code
+    .venv/bin/python -m benchmarks.validation_grid --variant fmoe --compare before.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -46,6 +56,34 @@ def parse_variant(spec: str) -> tuple[h.Variant, int | None]:
     return variant, settings.get("store_capacity")
 
 
+def fingerprint(result: Any) -> str:
+    """A short hash of every field of a simulated replay's `SimResult` (per-request TTFT and TPOT, every
+    count, the policy's stats), floats written exactly: replays share it only if they came out the same."""
+
+    def plain(value: Any) -> Any:  # NumPy values whole (an array's repr elides its middle)
+        return value.tolist() if hasattr(value, "tolist") else repr(value)
+
+    fields = json.dumps(dataclasses.asdict(result), sort_keys=True, default=plain)  # floats as repr: exact
+    return hashlib.sha256(fields.encode()).hexdigest()[:16]
+
+
+def compare(rows: list[dict], earlier: list[dict]) -> tuple[int, list[str]]:
+    """(points of `rows` identical to `earlier`'s, a line for each point that differs or is new)."""
+    key = ("model", "hardware", "budget", "variant")
+    before = {tuple(r[k] for k in key): r for r in earlier}
+    same, lines = 0, []
+    for r in rows:
+        point = " ".join(str(r[k]) for k in key)
+        old = before.get(tuple(r[k] for k in key))
+        if old is None:
+            lines.append(f"{point}: not in the earlier save")
+        elif old.get("fingerprint") == r["fingerprint"]:
+            same += 1
+        else:
+            lines.append(f"{point}: differs (TPOT {old['tpot_ms']:.4f} -> {r['tpot_ms']:.4f} ms)")
+    return same, lines
+
+
 def geometric_mean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
@@ -58,6 +96,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.125, 0.25, 0.5])
     parser.add_argument("--host", default=None, help="host CPU preset (hybrid execution)")
     parser.add_argument("--save", type=Path, default=None, help="also write the rows and summary as JSON")
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        default=None,
+        help="an earlier --save: report the points that came out otherwise",
+    )
     parser.set_defaults(split="validation")
     args = parser.parse_args(argv)
     if args.split != "validation":
@@ -88,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             tpot_ms=1e3 * r.median_tpot_s,
                             hit_rate=r.hit_rate,
                             vs_baseline=r.median_tpot_s / base,
+                            fingerprint=fingerprint(r),
                         )
                     )
                 cells = " ".join(
@@ -109,6 +154,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"worst {s['worst_vs_baseline']:.3f}x"
         )
     payload = {"rows": rows, "summary": summary, "command": h.command_line()}
+    if args.compare is not None:
+        same, lines = compare(rows, json.loads(args.compare.read_text())["rows"])
+        print(f"identical to {args.compare} at {same} of {len(rows)} points", *lines, sep="\n")
+        payload["identical_points"] = same
     if args.save is not None:
         args.save.write_text(json.dumps(payload, indent=1))
     return payload

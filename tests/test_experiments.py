@@ -14,6 +14,7 @@ from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.cost_model import HARDWARE, MIXTRAL_8X7B
 from fmoe_jax.offload.simulator import Replay, simulate
 
+from benchmarks.validation_grid import compare
 from fmoe_jax.trace import RoutingTrace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -464,13 +465,21 @@ def test_validation_grid_compares_variants_on_the_validation_split_only(hf_dirs,
         *("--budgets", "0.25", "--cache-dir", str(tmp_path / "cache")),
     ]
     variants = ["--variant", 'lru_chunked=on_demand_lru:{"chunks": 3}', 'small=fmoe:{"store_capacity": 8}']
+    variants.append('again=fmoe:{"store_capacity": 8}')  # the same replay: the same fingerprint
     subprocess.run([*command, *common, *variants, "--save", str(saved)], cwd=ROOT, check=True, timeout=600)
     payload = json.loads(saved.read_text())
     rows = {r["variant"]: r for r in payload["rows"]}
-    assert set(rows) == {"on_demand_lru", "lru_chunked", "small"}
+    assert set(rows) == {"on_demand_lru", "lru_chunked", "small", "again"}
     assert rows["on_demand_lru"]["vs_baseline"] == 1.0
     assert rows["lru_chunked"]["tpot_ms"] > rows["on_demand_lru"]["tpot_ms"]  # 3 fixed costs a copy, not 1
     assert payload["summary"]["small"]["worst_vs_baseline"] == rows["small"]["vs_baseline"]
+    fingerprints = {label: row["fingerprint"] for label, row in rows.items()}
+    assert fingerprints["again"] == fingerprints["small"] != fingerprints["on_demand_lru"]
+    # `--compare`'s report: a point whose replay came out otherwise, or that the earlier save lacks, is named.
+    earlier = [dict(r, fingerprint="0" * 16) if r["variant"] == "small" else r for r in payload["rows"][1:]]
+    same, lines = compare(payload["rows"], earlier)
+    assert same == 2 and len(lines) == 2
+    assert "on_demand_lru: not in the earlier save" in lines[0] and "small: differs" in lines[1]
     evaluation = [*command, *common, *variants, "--split", "eval"]
     refused = subprocess.run(evaluation, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert refused.returncode != 0 and "validation split only" in refused.stderr
