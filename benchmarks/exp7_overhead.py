@@ -84,7 +84,7 @@ def real_size_rows(
         m = mo.measure(
             names[family], dims, store_capacity, repeats, flush, prefetch_distance, top_k=preset.top_k
         )
-        host = m["policy_iteration"]["p50_ms"]
+        host, rounds = m["policy_iteration"]["p50_ms"], m["policy_iteration_rounds_ms"]
         for hw in hardware:
             costs = CostModel(preset, HARDWARE[hw], preset.num_experts)
             copy_ms = 1e3 * HARDWARE[hw].copy_s(preset.expert_bytes)
@@ -106,6 +106,7 @@ def real_size_rows(
                     reuse_hint_ms=m["future_of_b1"]["p50_ms"],
                     searches=m["searches_per_iteration"],
                     fmoe_host_ms=host,
+                    host_range_ms=f"{min(rounds):.2f}-{max(rounds):.2f}",  # its rounds' medians: the drift
                     no_search_ms=m["policy_iteration_no_search"]["p50_ms"],
                     matcher_share=host / compute_ms,
                 )
@@ -243,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
     notes += [
         "real-size compute: batch 1, 64 tokens in the KV cache, all experts resident (the floor); a miss "
         "adds expert_copy_ms unless hidden; fMoE's host work runs on its matcher thread, beside it; "
+        "fmoe_host_ms: the median over five rounds of the policy iteration, taking turns with "
+        "no_search_ms's; host_range_ms: the least and most of the rounds' medians (this machine's drift); "
         "no_search_ms: the same policy iteration with its searches off (engine-thread bookkeeping per layer, "
         "the reuse forecast, the map update and the reuse hint), a floor under fmoe_host_ms that faster "
         "searching cannot lower",

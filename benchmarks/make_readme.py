@@ -417,10 +417,13 @@ def _matcher_sentence(payload: dict) -> str:
     share = next((r for r in rows if r["model"].startswith("Qwen1.5") and r["hardware"] == "h100_sxm"), None)
     if share:
         verdict = "within" if share["matcher_share"] <= MATCHER_TARGET else "above"
+        spread = (
+            f" (rounds {share['host_range_ms'].replace('-', '–')} ms)" if "host_range_ms" in share else ""
+        )
         text += (
-            f" That host work is {share['fmoe_host_ms']:.1f} ms a decode iteration at Qwen1.5-MoE's shapes, "
-            f"{share['matcher_share']:.2f} of an H100's compute for the iteration ({verdict} issue 16's "
-            f"target of {MATCHER_TARGET:.2f})."
+            f" That host work is {share['fmoe_host_ms']:.1f} ms a decode iteration at Qwen1.5-MoE's "
+            f"shapes{spread}, {share['matcher_share']:.2f} of an H100's compute for the iteration ({verdict} "
+            f"issue 16's target of {MATCHER_TARGET:.2f})."
         )
     return text
 

@@ -42,6 +42,7 @@ MODELS = {
     "DeepSeek-V2-Lite": dict(num_layers=26, num_experts=64, embed_dim=2048),
 }
 CAPACITIES = (1024, 4096, 16384, 32768)
+POLICY_ROUNDS = 5  # `measure`'s rounds of `policy_iteration`
 PREFETCH_DISTANCE = 3
 NUM_CONTEXTS = 256
 FILL_CHUNK = 4096
@@ -157,6 +158,7 @@ def policy_iteration(
     iterations = len(queries) + 1  # `_time_ms` runs the first once more, untimed
     return {
         "policy_iteration": _stats(times),
+        "policy_iteration_times_ms": times,  # each iteration's, for `measure`'s rounds
         "searches_per_iteration": counts.get("trajectory_matches", 0) / iterations,
         "skipped_per_iteration": counts.get("confirmed_layers", 0) / iterations,
         "rested_per_iteration": counts.get("rested_layers", 0) / iterations,  # after repeated matches
@@ -221,13 +223,24 @@ def measure(
             hint_args = [(m, HINT_NEIGHBOURS) for _, m in queries]
             row["future_of_b1"] = _stats(_time_ms(store.future_of, hint_args))
             if top_k is not None:
-                row |= policy_iteration(store, queries, top_k, prefetch_distance)
-                # The same iteration with no searches: the engine thread's bookkeeping, the reuse forecast,
-                # the map update and the hint, which no faster search removes (run after: it adds maps too).
-                bare = policy_iteration(
-                    store, queries, top_k, prefetch_distance, semantic=False, trajectory=False
-                )
-                row["policy_iteration_no_search"] = bare["policy_iteration"]
+                # The whole iteration, and the same with no searches (the engine thread's bookkeeping, the
+                # reuse forecast, the map update and the hint, which no faster search removes), taking turns
+                # for `POLICY_ROUNDS` rounds: this VM's speed drifts by tens of per cent within minutes, and
+                # one burst of iterations falls wherever it falls. The medians pool every round's iterations;
+                # each round's median is kept to show the spread.
+                full, bare = [], []
+                for _ in range(POLICY_ROUNDS):
+                    counts = policy_iteration(store, queries, top_k, prefetch_distance)
+                    full.append(counts.pop("policy_iteration_times_ms"))
+                    bare.append(
+                        policy_iteration(
+                            store, queries, top_k, prefetch_distance, semantic=False, trajectory=False
+                        )["policy_iteration_times_ms"]
+                    )
+                row |= counts  # the last round's search counts (each round's are alike)
+                row["policy_iteration"] = _stats(np.concatenate(full))
+                row["policy_iteration_rounds_ms"] = [float(np.median(t)) for t in full]
+                row["policy_iteration_no_search"] = _stats(np.concatenate(bare))
         del store
 
     same = [np.array_equal(s[1], e[1]) for s, e in zip(results["sketch"], results["exact"], strict=True)]

@@ -417,6 +417,12 @@ def test_exp7_times_the_whole_fmoe_policy_per_iteration():
     bare = mo.policy_iteration(store, queries, top_k=4, prefetch_distance=2, semantic=False, trajectory=False)
     assert bare["policy_iteration"]["p50_ms"] > 0
     assert bare["searches_per_iteration"] == 0 and bare["skipped_per_iteration"] == 0
+    # `measure` (exp7's source) times both in rounds taking turns, pooling each one's iterations.
+    flush = np.ones(16, np.float32)
+    m = mo.measure("tiny", dims, 64, repeats=5, flush=flush, prefetch_distance=2, top_k=4)
+    rounds = m["policy_iteration_rounds_ms"]
+    assert len(rounds) == mo.POLICY_ROUNDS and min(rounds) <= m["policy_iteration"]["p50_ms"] <= max(rounds)
+    assert m["policy_iteration_no_search"]["p50_ms"] > 0 and "policy_iteration_times_ms" not in m
 
 
 def test_link_compute_runs_on_the_cpu_and_the_readme_reports_an_accelerators_run(tmp_path):
