@@ -122,7 +122,7 @@ class SortedMaps:
         if not all(map(math.isfinite, scores)):
             selection_threshold(score)  # raises, naming the score
         for b, delta in enumerate(min(max(1.0 - s, 0.0), 1.0) for s in scores):
-            few = isinstance(layers, slice) and 2 * len(range(*layers.indices(len(maps[b])))) < len(maps[b])
+            few = isinstance(layers, slice) and 2 * len(range(len(maps[b]))[layers]) < len(maps[b])
             if few and maps[b].tobytes() not in self._sorted:  # a new map's first layers (the semantic
                 # search's): sorted alone, not kept (row by row, the same numbers as the whole map's)
                 _, mass, rank, nonzero = _sorted_rows(np.asarray(maps[b][layers]))
