@@ -18,6 +18,7 @@ whenever another process runs, so the committed results were taken with OPENBLAS
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -177,6 +178,44 @@ def partial_searches(store: ExpertMapStore):
     return run
 
 
+def policy_rounds(
+    store: ExpertMapStore,
+    contexts: Contexts,
+    repeats: int,
+    top_k: int,
+    prefetch_distance: int,
+    rounds: int = POLICY_ROUNDS,
+) -> dict:
+    """`policy_iteration` over `repeats` iterations, and the same with no searches (the engine thread's
+    bookkeeping, the reuse forecast, the map update and the hint, which no faster search removes), taking
+    turns for `rounds` rounds: this VM's speed drifts by tens of per cent within minutes, and one burst of
+    iterations falls wherever it falls. The medians pool every round's iterations; each round's median is
+    kept to show the spread.
+
+    Every run starts from a copy of `store` and each round draws tokens of its own: the policy adds every
+    iteration's map to its store, so tokens replayed on the store that learned them would match themselves
+    (searches per iteration fell from 8.2 to 1-3 at Qwen1.5-MoE's shapes) and time an easier iteration than
+    a new token's. `store` itself is left as it was."""
+    full, bare, searches = [], [], []
+    for index in range(rounds):
+        rng = np.random.default_rng(1000 + index)  # the same tokens for both runs of a round
+        queries = [contexts.draw(rng, 1) for _ in range(repeats)]
+        counts = policy_iteration(copy.deepcopy(store), queries, top_k, prefetch_distance)
+        full.append(counts.pop("policy_iteration_times_ms"))
+        searches.append(counts["searches_per_iteration"])
+        bare.append(
+            policy_iteration(
+                copy.deepcopy(store), queries, top_k, prefetch_distance, semantic=False, trajectory=False
+            )["policy_iteration_times_ms"]
+        )
+    return counts | {  # the search counts: the last round's, and each round's searches
+        "searches_by_round": searches,
+        "policy_iteration": _stats(np.concatenate(full)),
+        "policy_iteration_rounds_ms": [float(np.median(t)) for t in full],
+        "policy_iteration_no_search": _stats(np.concatenate(bare)),
+    }
+
+
 def measure(
     name: str,
     dims: dict,
@@ -223,24 +262,7 @@ def measure(
             hint_args = [(m, HINT_NEIGHBOURS) for _, m in queries]
             row["future_of_b1"] = _stats(_time_ms(store.future_of, hint_args))
             if top_k is not None:
-                # The whole iteration, and the same with no searches (the engine thread's bookkeeping, the
-                # reuse forecast, the map update and the hint, which no faster search removes), taking turns
-                # for `POLICY_ROUNDS` rounds: this VM's speed drifts by tens of per cent within minutes, and
-                # one burst of iterations falls wherever it falls. The medians pool every round's iterations;
-                # each round's median is kept to show the spread.
-                full, bare = [], []
-                for _ in range(POLICY_ROUNDS):
-                    counts = policy_iteration(store, queries, top_k, prefetch_distance)
-                    full.append(counts.pop("policy_iteration_times_ms"))
-                    bare.append(
-                        policy_iteration(
-                            store, queries, top_k, prefetch_distance, semantic=False, trajectory=False
-                        )["policy_iteration_times_ms"]
-                    )
-                row |= counts  # the last round's search counts (each round's are alike)
-                row["policy_iteration"] = _stats(np.concatenate(full))
-                row["policy_iteration_rounds_ms"] = [float(np.median(t)) for t in full]
-                row["policy_iteration_no_search"] = _stats(np.concatenate(bare))
+                row |= policy_rounds(store, contexts, repeats, top_k, prefetch_distance)
         del store
 
     same = [np.array_equal(s[1], e[1]) for s, e in zip(results["sketch"], results["exact"], strict=True)]

@@ -423,6 +423,12 @@ def test_exp7_times_the_whole_fmoe_policy_per_iteration():
     rounds = m["policy_iteration_rounds_ms"]
     assert len(rounds) == mo.POLICY_ROUNDS and min(rounds) <= m["policy_iteration"]["p50_ms"] <= max(rounds)
     assert m["policy_iteration_no_search"]["p50_ms"] > 0 and "policy_iteration_times_ms" not in m
+    # Each round starts from the store as it was, with tokens it has not learned: replaying the tokens of
+    # the round before on the store that added their maps, the searches would find themselves.
+    version, maps = store.version, store.maps.copy()
+    row = mo.policy_rounds(store, contexts, repeats=20, top_k=4, prefetch_distance=2, rounds=3)
+    assert store.version == version and np.array_equal(store.maps, maps)
+    assert len(row["searches_by_round"]) == 3 and min(row["searches_by_round"]) >= 1
 
 
 def test_link_compute_runs_on_the_cpu_and_the_readme_reports_an_accelerators_run(tmp_path):
