@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
         "real-size compute: batch 1, 64 tokens in the KV cache, all experts resident (the floor); a miss "
         "adds expert_copy_ms unless hidden; fMoE's host work runs on its matcher thread, beside it; "
         "fmoe_host_ms: the median over five rounds of the policy iteration, taking turns with "
-        "no_search_ms's, each round from the same store with new tokens (never ones it has learned); host_range_ms: the least and most of the rounds' medians (this machine's drift); "
+        "no_search_ms's, each round from the same store with new tokens (never ones it has learned); "
+        "host_range_ms: the least and most of the rounds' medians (this machine's drift); "
         "no_search_ms: the same policy iteration with its searches off (engine-thread bookkeeping per layer, "
         "the reuse forecast, the map update and the reuse hint), a floor under fmoe_host_ms that faster "
         "searching cannot lower",
