@@ -15,10 +15,12 @@ and fmoe's default): its parts (one semantic search, the L - d
 trajectory searches, one map update and one reuse hint (`future_of`) per iteration) and the whole policy's
 iteration (`fmoe_host_ms`: the same plus selection, admission, the calibration and forecast updates, less
 the searches `skip_confirmed` and resting after repeated matches leave out; `matcher_share` is it over the
-compute; `no_search_ms` the same without searches), and the simulated iteration of the workload's own
-routing at its preset's sizes (compute, stall), with fmoe's matcher free (as the other experiments simulate
-it) and taking the host time measured here (`simulate(matcher_s=...)`), beside on_demand_lru. (c) The
-expert-map store's host memory by capacity for each real model.
+compute; `no_search_ms` the same without searches; `matcher_thread_ms` the part of it the matcher thread
+does live, searches, selection, the map update and the hint, the rest being the engine thread's), and the
+simulated iteration of the workload's own routing at its preset's sizes (compute, stall), with fmoe's
+matcher free (as the other experiments simulate it) and taking the host time measured here
+(`simulate(matcher_s=...)`), beside on_demand_lru. (c) The expert-map store's host memory by capacity for
+each real model.
 Writes `exp7_overhead.{json,md,png}` to --out.
 """
 
@@ -109,6 +111,9 @@ def real_size_rows(
                     host_range_ms=f"{min(rounds):.2f}-{max(rounds):.2f}",  # its rounds' medians: the drift
                     no_search_ms=m["policy_iteration_no_search"]["p50_ms"],
                     matcher_share=host / compute_ms,
+                    # The part of it the matcher thread does live (searches, selection, map update, hint).
+                    matcher_thread_ms=m["matcher_thread"]["p50_ms"],
+                    matcher_thread_share=m["matcher_thread"]["p50_ms"] / compute_ms,
                 )
             )
     return rows

@@ -423,8 +423,14 @@ def _matcher_sentence(payload: dict) -> str:
         text += (
             f" That host work is {share['fmoe_host_ms']:.1f} ms a decode iteration at Qwen1.5-MoE's "
             f"shapes{spread}, {share['matcher_share']:.2f} of an H100's compute for the iteration ({verdict} "
-            f"issue 16's target of {MATCHER_TARGET:.2f})."
+            f"issue 16's target of {MATCHER_TARGET:.2f})"
         )
+        if "matcher_thread_share" in share:  # the matcher thread's part; the rest is the engine thread's
+            text += (
+                f"; the matcher thread's part of it (searches, selection, the map update and the hint) is "
+                f"{share['matcher_thread_ms']:.1f} ms, {share['matcher_thread_share']:.2f}"
+            )
+        text += "."
     return text
 
 

@@ -148,11 +148,15 @@ def policy_iteration(
             )
         return IterationStart(valid, embeds), routed
 
+    matcher = []  # each iteration's milliseconds in the matcher's own work (`FMoE.timers`)
+
     def iteration(start: IterationStart, routed: list[LayerRouted]) -> None:
+        before = policy.timers["matching"] + policy.timers["store_update"]
         policy.on_iteration_start(start)
         for event in routed:
             policy.on_layer_routed(event)
         policy.on_iteration_end()
+        matcher.append(1e3 * (policy.timers["matching"] + policy.timers["store_update"] - before))
 
     times = _time_ms(iteration, [events(*query) for query in queries])
     counts = policy.stats()
@@ -160,6 +164,9 @@ def policy_iteration(
     return {
         "policy_iteration": _stats(times),
         "policy_iteration_times_ms": times,  # each iteration's, for `measure`'s rounds
+        # The part of each that the matcher thread does live: searches, selection, the map update and the
+        # reuse hint (the rest is the engine thread's: per-layer bookkeeping, the forecast, the guess).
+        "matcher_thread_times_ms": np.array(matcher[1:]),  # `_time_ms`'s untimed first call left out
         "searches_per_iteration": counts.get("trajectory_matches", 0) / iterations,
         "skipped_per_iteration": counts.get("confirmed_layers", 0) / iterations,
         "rested_per_iteration": counts.get("rested_layers", 0) / iterations,  # after repeated matches
@@ -196,12 +203,13 @@ def policy_rounds(
     iteration's map to its store, so tokens replayed on the store that learned them would match themselves
     (searches per iteration fell from 8.2 to 1-3 at Qwen1.5-MoE's shapes) and time an easier iteration than
     a new token's. `store` itself is left as it was."""
-    full, bare, searches = [], [], []
+    full, bare, searches, matcher = [], [], [], []
     for index in range(rounds):
         rng = np.random.default_rng(1000 + index)  # the same tokens for both runs of a round
         queries = [contexts.draw(rng, 1) for _ in range(repeats)]
         counts = policy_iteration(copy.deepcopy(store), queries, top_k, prefetch_distance)
         full.append(counts.pop("policy_iteration_times_ms"))
+        matcher.append(counts.pop("matcher_thread_times_ms"))
         searches.append(counts["searches_per_iteration"])
         bare.append(
             policy_iteration(
@@ -212,6 +220,7 @@ def policy_rounds(
         "searches_by_round": searches,
         "policy_iteration": _stats(np.concatenate(full)),
         "policy_iteration_rounds_ms": [float(np.median(t)) for t in full],
+        "matcher_thread": _stats(np.concatenate(matcher)),
         "policy_iteration_no_search": _stats(np.concatenate(bare)),
     }
 

@@ -184,6 +184,19 @@ def test_conclusion_is_computed_from_the_results(tmp_path):
     assert "0.25 of an H100's compute for the iteration (within issue 16's target" in overhead(
         9.0, share=0.25
     )
+    assert "matcher thread" not in overhead(9.0, share=0.56)  # a run from before the split
+    (tmp_path / "exp7_overhead.json").write_text(
+        (tmp_path / "exp7_overhead.json")
+        .read_text()
+        .replace(
+            '"matcher_share": 0.56',
+            '"matcher_share": 0.56, "matcher_thread_ms": 2.4, "matcher_thread_share": 0.35',
+        )
+    )
+    assert (
+        "target of 0.30); the matcher thread's part of it (searches, selection, the map update and the "
+        "hint) is 2.4 ms, 0.35." in conclusion(tmp_path)
+    )
 
     def foresight(fmoe_closure, matches):  # benchmarks/foresight.py's rows; only 25 % is reported
         row = dict(budget=0.25, fmoe_closure=fmoe_closure, fmoe_matches=matches)
@@ -411,6 +424,10 @@ def test_exp7_times_the_whole_fmoe_policy_per_iteration():
     row = mo.policy_iteration(store, queries, top_k=4, prefetch_distance=2)
     assert row["policy_iteration"]["p50_ms"] > 0
     assert row["searches_per_iteration"] >= 1  # the first layer's search always runs
+    # The matcher thread's part: every timed iteration searched, so it took some, and less than the whole.
+    assert len(row["matcher_thread_times_ms"]) == len(row["policy_iteration_times_ms"])
+    assert np.all(row["matcher_thread_times_ms"] > 0)
+    assert np.all(row["matcher_thread_times_ms"] < row["policy_iteration_times_ms"])
     done = row["searches_per_iteration"] + row["skipped_per_iteration"] + row["rested_per_iteration"]
     assert done == pytest.approx(6 - 2)
     # Its floor: the same iteration with the searches off (exp7's no_search_ms) searches nothing.
@@ -429,6 +446,7 @@ def test_exp7_times_the_whole_fmoe_policy_per_iteration():
     row = mo.policy_rounds(store, contexts, repeats=20, top_k=4, prefetch_distance=2, rounds=3)
     assert store.version == version and np.array_equal(store.maps, maps)
     assert len(row["searches_by_round"]) == 3 and min(row["searches_by_round"]) >= 1
+    assert 0 < row["matcher_thread"]["p50_ms"] < row["policy_iteration"]["p50_ms"]
 
 
 def test_link_compute_runs_on_the_cpu_and_the_readme_reports_an_accelerators_run(tmp_path):
