@@ -29,6 +29,7 @@ Not thread-safe: one thread (the policy's) adds and matches.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import zipfile
@@ -645,6 +646,12 @@ class PrefixDots:
             self._query = np.empty((rows, layers, experts), np.float32)
         self._key = key
         self._sum(store, new, done)
+        if rows == 1:  # decode at batch 1: the same float32 numbers, with Python scalars around them
+            inv_query = np.float32(1.0 / max(math.sqrt(self._squares[0]), _NORM_FLOOR))
+            sims = self._dots[0] * store._inv_prefix_norm[observed - 1, :n] * inv_query
+            best = int(sims.argmax())
+            score = np.array([min(max(float(sims[best]), -1.0), 1.0)], np.float32)  # as `_answer` clips
+            return score, store._maps[best : best + 1].reshape(1, layers, experts).copy()
         inv_query = (1.0 / np.maximum(np.sqrt(self._squares), _NORM_FLOOR)).astype(np.float32)
         sims = self._dots * store._inv_prefix_norm[observed - 1, :n] * inv_query[:, None]
         best = np.argmax(sims, axis=1)  # [B]

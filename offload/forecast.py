@@ -116,8 +116,8 @@ class Calibration:
     def _prepare(self) -> None:
         k = self.prior_strength
         needed_pool, seen_pool, p_pool = self._pooled.reshape(3, -1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            raw = p_pool / seen_pool  # NaN where the pooled bin is empty: `predict_binned` answers p there
+        # NaN where the pooled bin is empty (no observation: its p sum is 0 too): `predict_binned` answers p
+        raw = np.divide(p_pool, seen_pool, out=np.full_like(p_pool, np.nan), where=seen_pool > 0)
         prior = (needed_pool + k * raw) / (seen_pool + k)
         needed, seen = self._counts.reshape(3, -1)[:2]
         self._table = (needed + k * np.repeat(prior, RECENCY_BINS)) / (seen + k)

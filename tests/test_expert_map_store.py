@@ -105,6 +105,12 @@ def test_running_trajectory_search_equals_a_fresh_one(tmp_path):
     check(first)
     check(second)  # other maps, same batch size: layer 0 differs, so the sums start over
     check(second[:2])  # fewer rows
+    check(first[:1])  # one row (decode): its own path, with the batched path's float32 numbers
+    sims = running._dots * store._inv_prefix_norm[L - 1, : len(store)]
+    sims *= (1.0 / np.maximum(np.sqrt(running._squares), 1e-12)).astype(np.float32)[:, None]
+    scores, found = store.match_traj(first[:1], running)  # all L layers summed: nothing to add
+    assert scores.dtype == np.float32 and scores[0] == min(sims.max(), np.float32(1.0))
+    np.testing.assert_array_equal(found, store.maps[[int(sims.argmax())]])
     store.add(*_data(6, 5))  # the store changes between two searches of one iteration
     scores, found = store.match_traj(second[:2], running)
     ref_scores, ref_found = store.match_traj(second[:2])
