@@ -115,9 +115,14 @@ experts (see the main README).
 
 
 def _span(values: list[float], fmt: str) -> str:
-    """ "a-b" of the smallest and largest value (one value when they agree in `fmt`)."""
-    low, high = fmt.format(min(values)), fmt.format(max(values))
+    """ "a-b" of the smallest and largest value (one value when they agree in `fmt`); a value that rounds
+    to zero reads "0", not "-0"."""
+    low, high = (_unsigned_zero(fmt.format(v)) for v in (min(values), max(values)))
     return low if low == high else f"{low}–{high}"
+
+
+def _unsigned_zero(text: str) -> str:
+    return text[1:] if text.startswith("-") and not text.strip("-0.") else text
 
 
 def _relative(ratios: list[float], other: str) -> str:
