@@ -138,6 +138,17 @@ def test_searches_rest_longer_while_they_keep_finding_the_same_map():
     # (rest 4: 7-10); layer 11 guides nothing. The next iteration starts over.
     assert searched == [0, 1, 3, 6, 0, 1, 3, 6]
     assert policy.stats()["rested_layers"] == 2 * (1 + 2 + 4)
+    # resting="settle": after the first repeat (layer 1) no layer of the iteration is searched after.
+    policy, _ = bound_policy(store, top_k=2, resting="settle")
+    for _ in range(2):
+        iteration_start(policy, np.ones((1, 3), np.float32), valid)
+        for layer in range(layers):
+            layer_routed(policy, layer, maps[0, layer][None], np.argsort(-maps[0, layer])[:2][None], valid)
+        policy.on_iteration_end()
+    stats = policy.stats()
+    assert (stats["trajectory_matches"], stats["rested_layers"]) == (2 * 2, 2 * (layers - 1 - 2))
+    with pytest.raises(ValueError, match="resting must be"):
+        FMoE(resting="halving")
 
 
 def test_a_search_that_finds_the_same_map_again_keeps_the_prefetches_it_asked_for():
