@@ -72,7 +72,9 @@ validation split of the store prompts, never on the evaluation prompts: `python 
 benchmarks.validation_grid --variant ...` compares policy variants (options, whole or chunked copies, store
 capacity) against on-demand LRU there, simulated at every model, budget and hardware preset; its
 `--save` / `--compare` tell whether a change left every simulated outcome bit-identical (a host-speed
-change then needs no simulated experiment rerun).
+change then needs no simulated experiment rerun). A change that moves them is followed by `python -m
+benchmarks.rerun`: every experiment that replays policies, with the command its results record (the
+simulated ones two at a time, the timed ones alone; about 1 h 45 min on the 2-core VM), then this file.
 
 ## Reading the results
 

@@ -514,3 +514,47 @@ def test_validation_grid_compares_variants_on_the_validation_split_only(hf_dirs,
     evaluation = [*command, *common, *variants, "--split", "eval"]
     refused = subprocess.run(evaluation, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert refused.returncode != 0 and "validation split only" in refused.stderr
+
+
+def test_rerun_runs_each_experiment_with_its_recorded_command_and_stops_at_a_failure(tmp_path, monkeypatch):
+    """`benchmarks.rerun`: the command comes from the experiment's results (run with this interpreter); the
+    simulated experiments run two at a time, the timed ones one after another, none after a failure."""
+    import sys
+
+    from benchmarks import rerun
+
+    (tmp_path / "exp7_overhead.json").write_text(
+        json.dumps({"command": ".venv/bin/python -m benchmarks.exp7_overhead --data '../shared/my data'"})
+    )
+    assert rerun.recorded_command("exp7_overhead", tmp_path) == [
+        sys.executable,
+        "-m",
+        "benchmarks.exp7_overhead",
+        "--data",
+        "../shared/my data",
+    ]
+    with pytest.raises(FileNotFoundError, match="exp2_overall.json is missing"):
+        rerun.recorded_command("exp2_overall", tmp_path)
+    (tmp_path / "exp2_overall.json").write_text(
+        json.dumps({"command": "python -m benchmarks.exp4_cache_budget"})
+    )
+    with pytest.raises(ValueError, match="not a run of benchmarks.exp2_overall"):
+        rerun.recorded_command("exp2_overall", tmp_path)
+
+    def fake(failing):  # records each run, and fails the one named
+        def run(name, argv):
+            calls.append(name)
+            return int(name == failing)
+
+        return run
+
+    calls = []
+    monkeypatch.setattr(rerun, "run", fake("t2"))
+    with pytest.raises(SystemExit, match="t2 failed"):
+        rerun.run_all([("s1", []), ("s2", []), ("s3", [])], [("t1", []), ("t2", [])])
+    assert sorted(calls[:3]) == ["s1", "s2", "s3"] and calls[3:] == ["t1", "t2"]
+    calls.clear()
+    monkeypatch.setattr(rerun, "run", fake("t1"))
+    with pytest.raises(SystemExit, match="t1 failed"):
+        rerun.run_all([("s1", [])], [("t1", []), ("t2", [])])
+    assert calls == ["s1", "t1"]  # t2 never ran
