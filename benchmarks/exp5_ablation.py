@@ -12,12 +12,13 @@ full fMoE prediction (every selected expert prefetched) with LRU, LFU, fMoE's p 
 Hit rates live, simulated with synchronous copies (prediction and caching alone) and asynchronous ones (with
 TPOT), on each `--hardware` preset. (c) What the default fmoe is made of (issue 16), simulated only: the reuse
 forecast without the learned reuse predictor (the store's hint instead), each eviction rule with its cost
-admission, calibration and the popularity prior off, the two earlier admission rules (as if the link were
-free; after the copies and misses queued ahead), no prefetch at all, whole copies and one chunk per matrix
-(the default is the cost model's choice, `HardwarePreset.copy_chunks`: per matrix on the RTX 3090, whole
-on the H100), started prefetches cancelled between chunks, and Belady's eviction with 1, 2 or 4 tokens of
-foresight or the whole future (on-demand loads, no prefetch) beside the oracle (Belady plus perfect prefetch
-one layer ahead).
+admission, calibration, the next-token guess and the popularity prior off, no trajectory search after
+the first repeated match of an iteration (`resting="settle"`), the two earlier admission rules (as if the
+link were free; after the copies and misses queued ahead), no prefetch at all, whole copies and one chunk
+per matrix (the default is the cost model's choice, `HardwarePreset.copy_chunks`: per matrix on the RTX
+3090, whole on the H100), started prefetches cancelled between chunks, and Belady's eviction with 1, 2 or 4
+tokens of foresight or the whole future (on-demand loads, no prefetch) beside the oracle (Belady plus
+perfect prefetch one layer ahead).
 Writes `exp5_ablation.{json,md,png}` to --out.
 """
 
@@ -52,6 +53,7 @@ PARTS = [
     h.Variant("eviction LRU", "fmoe", (("eviction", "lru"),)),
     h.Variant("calibration off", "fmoe", (("calibrate", False),)),
     h.Variant("no next-token guess", "fmoe", (("next_token", False),)),
+    h.Variant("no search after a repeated match", "fmoe", (("resting", "settle"),)),
     h.Variant("no popularity prior", "fmoe", (("popularity", False),)),
     h.Variant("admission: lands in time, pays for its stalls", "fmoe", (("link", "stalls"),)),
     h.Variant("admission after the link's queue", "fmoe", (("link", "queue"),)),
