@@ -12,8 +12,9 @@ full fMoE prediction (every selected expert prefetched) with LRU, LFU, fMoE's p 
 Hit rates live, simulated with synchronous copies (prediction and caching alone) and asynchronous ones (with
 TPOT), on each `--hardware` preset. (c) What the default fmoe is made of (issue 16), simulated only: the reuse
 forecast without the learned reuse predictor (the store's hint instead), each eviction rule with its cost
-admission, calibration, the next-token guess and the popularity prior off, no trajectory search after
-the first repeated match of an iteration (`resting="settle"`), the two earlier admission rules (as if the
+admission, calibration, the next-token guess and the popularity prior off, the searches resting only
+2 ** (n - 1) layers after n repeated matches in a row (`resting="doubling"`, the rule before 2026-11-28; the
+default rests the iteration out after its first repeat), the two earlier admission rules (as if the
 link were free; after the copies and misses queued ahead), no prefetch at all, whole copies and one chunk
 per matrix (the default is the cost model's choice, `HardwarePreset.copy_chunks`: per matrix on the RTX
 3090, whole on the H100), started prefetches cancelled between chunks, and Belady's eviction with 1, 2 or 4
@@ -53,7 +54,7 @@ PARTS = [
     h.Variant("eviction LRU", "fmoe", (("eviction", "lru"),)),
     h.Variant("calibration off", "fmoe", (("calibrate", False),)),
     h.Variant("no next-token guess", "fmoe", (("next_token", False),)),
-    h.Variant("no search after a repeated match", "fmoe", (("resting", "settle"),)),
+    h.Variant("doubling rest after repeated matches", "fmoe", (("resting", "doubling"),)),
     h.Variant("no popularity prior", "fmoe", (("popularity", False),)),
     h.Variant("admission: lands in time, pays for its stalls", "fmoe", (("link", "stalls"),)),
     h.Variant("admission after the link's queue", "fmoe", (("link", "queue"),)),

@@ -105,48 +105,47 @@ def test_a_search_the_last_match_foresaw_is_skipped_where_a_chance_match_is_rare
     # confirm it (layer 5, the last, is searched after by no one).
     assert searches(16, 4) == (1, 4)
     assert searches(16, 4, depart=2) == (2, 3)  # layer 2 departs: searched again, and confirmed after
-    # Without confirmation the searches find map 0 again and again, and rest (`_resting`): after layers
-    # 0, 1 (a repeat: layer 2 rests) and 3 (the second repeat: layer 4 rests).
-    assert searches(16, 4, skip_confirmed=False) == (3, 0)
-    assert searches(8, 2) == (3, 0)  # 2 of 8 (4.8 bits) agree by chance too often to confirm anything
+    # Without confirmation the search after layer 1 finds map 0 again, and the later ones rest (`_resting`);
+    # resting="doubling" rests 1 layer after that first repeat (layer 2) and 2 after the second (layer 4).
+    assert searches(16, 4, skip_confirmed=False) == (2, 0)
+    assert searches(16, 4, skip_confirmed=False, resting="doubling") == (3, 0)
+    assert searches(8, 2) == (2, 0)  # 2 of 8 (4.8 bits) agree by chance too often to confirm anything
     assert searches(16, 4, traj_target="single") == (5, 0)  # each search guides one layer: none is skipped
 
 
-def test_searches_rest_longer_while_they_keep_finding_the_same_map():
-    """After n repeated matches in a row the next 2 ** (n - 1) layers' searches are left out (their
-    routing still counts: the next search sums it); a new iteration searches after every layer again."""
+def test_searches_rest_after_they_find_the_same_map_again():
+    """After the first repeated match of an iteration its later layers' searches are left out (their routing
+    still counts); resting="doubling" leaves out the next 2 ** (n - 1) layers' after n repeats in a row. A
+    new iteration searches after every layer again."""
     rng = np.random.default_rng(0)
     layers = 12
     store = ExpertMapStore(capacity=4, num_layers=layers, num_experts=8, embed_dim=3, prefetch_distance=1)
     maps = rng.dirichlet(np.ones(8), size=(4, layers)).astype(np.float32)
     store.add(rng.standard_normal((4, 3)).astype(np.float32), maps)
-    policy, cache = bound_policy(store, top_k=2)  # 2 of 8: no layer is skipped as confirmed
     valid = np.ones((1, 1), bool)
-    searched = []
-    for _ in range(2):
-        iteration_start(policy, np.ones((1, 3), np.float32), valid)
-        before = policy.stats().get("trajectory_matches", 0)
-        for layer in range(layers):
-            probs = maps[0, layer]  # the routing of stored map 0 throughout: every search finds it
-            matches = policy.stats().get("trajectory_matches", 0)
-            layer_routed(policy, layer, probs[None], np.argsort(-probs)[:2][None], valid)
-            if policy.stats().get("trajectory_matches", 0) > matches:
-                searched.append(layer)
-        assert policy.stats()["trajectory_matches"] - before == 4
-        policy.on_iteration_end()
-    # Layer 0 finds map 0, layer 1 repeats it (rest 1 layer: 2), 3 repeats (rest 2: 4, 5), 6 repeats
-    # (rest 4: 7-10); layer 11 guides nothing. The next iteration starts over.
+
+    def searched_layers(**options) -> tuple[list[int], dict]:
+        policy, _ = bound_policy(store, top_k=2, **options)  # 2 of 8: no layer is skipped as confirmed
+        searched = []
+        for _ in range(2):
+            iteration_start(policy, np.ones((1, 3), np.float32), valid)
+            for layer in range(layers):
+                probs = maps[0, layer]  # the routing of stored map 0 throughout: every search finds it
+                matches = policy.stats().get("trajectory_matches", 0)
+                layer_routed(policy, layer, probs[None], np.argsort(-probs)[:2][None], valid)
+                if policy.stats().get("trajectory_matches", 0) > matches:
+                    searched.append(layer)
+            policy.on_iteration_end()
+        return searched, policy.stats()
+
+    # Layer 0 finds map 0, layer 1 repeats it: layers 2-10 rest (layer 11 guides nothing).
+    searched, stats = searched_layers()
+    assert searched == [0, 1, 0, 1]
+    assert stats["rested_layers"] == 2 * (layers - 1 - 2)
+    # Doubling: layer 1 repeats (rest 1 layer: 2), 3 repeats (rest 2: 4, 5), 6 repeats (rest 4: 7-10).
+    searched, stats = searched_layers(resting="doubling")
     assert searched == [0, 1, 3, 6, 0, 1, 3, 6]
-    assert policy.stats()["rested_layers"] == 2 * (1 + 2 + 4)
-    # resting="settle": after the first repeat (layer 1) no layer of the iteration is searched after.
-    policy, _ = bound_policy(store, top_k=2, resting="settle")
-    for _ in range(2):
-        iteration_start(policy, np.ones((1, 3), np.float32), valid)
-        for layer in range(layers):
-            layer_routed(policy, layer, maps[0, layer][None], np.argsort(-maps[0, layer])[:2][None], valid)
-        policy.on_iteration_end()
-    stats = policy.stats()
-    assert (stats["trajectory_matches"], stats["rested_layers"]) == (2 * 2, 2 * (layers - 1 - 2))
+    assert stats["rested_layers"] == 2 * (1 + 2 + 4)
     with pytest.raises(ValueError, match="resting must be"):
         FMoE(resting="halving")
 
@@ -160,7 +159,9 @@ def test_a_search_that_finds_the_same_map_again_keeps_the_prefetches_it_asked_fo
     maps = rng.dirichlet(np.ones(8), size=(4, 6)).astype(np.float32)
     maps[1, :2] = maps[0, :2]  # maps 0 and 1 agree on layers 0 and 1, then part
     store.add(rng.standard_normal((4, 3)).astype(np.float32), maps)
-    policy, cache = bound_policy(store, top_k=2)
+    # Doubling rests one layer after the first repeat, so a later search can find another map ("settle"
+    # would rest for the rest of the iteration).
+    policy, cache = bound_policy(store, top_k=2, resting="doubling")
     valid = np.ones((1, 1), bool)
     iteration_start(policy, np.ones((1, 3), np.float32), valid)
     cache.requests.clear()

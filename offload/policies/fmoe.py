@@ -4,8 +4,8 @@ The engine publishes contexts; a matcher thread subscribes to them, searches the
 (semantic search at iteration start for layers [0, d), trajectory search after each layer for the layers
 d ahead, except after a layer the last match foresaw, `skip_confirmed`), picks experts by similarity-aware
 selection, and queues prefetches by priority p / (l - l_now). A search that finds the maps the one before it
-found selects nothing anew (`_repeats`), and after repeats the next layers' searches rest (`_resting`). It
-searches only while the copy time its work could save covers the host time the work takes
+found selects nothing anew (`_repeats`), and after a repeat the iteration's later searches rest
+(`_resting`). It searches only while the copy time its work could save covers the host time the work takes
 (`pay_for_matching`).
 The paper's eviction keeps the experts with the highest p * freq; ours by default ("reuse") keeps those most
 likely needed soon (see `keep_score`). The engine never waits for matching.
@@ -173,14 +173,13 @@ class FMoE(Policy):
       next_token: in decode, guess the next token's first d layers, which no search of this token guides,
         from the reuse hint late in the iteration, and prefetch the guesses that pay while the link idles
         between tokens (`_guide_next`; eviction "reuse" only, which keeps the hint; copy-only execution).
-      resting: which searches are left out after repeated matches (`_resting`): "doubling" (after n
-        repeats in a row, the next 2 ** (n - 1) layers') or "settle" (after the first repeat, every later
-        layer's of the iteration: the match has settled). "settle" searched 2.6 times an iteration instead
-        of 7.3 at Qwen1.5-MoE's shapes in `matcher_overhead` (host time 0.81x), at the same simulated TPOT
-        on the validation split (0.7136x on-demand LRU's in geometric mean over 18 points, against
-        0.7138x) and on synthetic 32-layer routing without embeddings (`external_routing`'s regimes, seed
-        2, H100: 0.982 / 1.021 / 1.001 / 0.848x LRU against 0.980 / 1.023 / 1.001 / 0.856x). Not yet the
-        default: the simulated experiments have not been rerun with it.
+      resting: which searches are left out after repeated matches (`_resting`): "settle" (after the first
+        repeat, every later layer's of the iteration: the match has settled) or "doubling" (after n repeats
+        in a row, the next 2 ** (n - 1) layers'; the rule before 2026-11-28). "settle" searched 2.6 times an
+        iteration instead of 7.3 at Qwen1.5-MoE's shapes in `matcher_overhead` (host time 0.81x), at the
+        same simulated TPOT on the validation split (0.7136x on-demand LRU's in geometric mean over 18
+        points, against 0.7138x) and on synthetic 32-layer routing without embeddings (`external_routing`'s
+        regimes, seed 2, H100: 0.982 / 1.021 / 1.001 / 0.848x LRU against 0.980 / 1.023 / 1.001 / 0.856x).
     """
 
     name = "fmoe"
@@ -220,7 +219,7 @@ class FMoE(Policy):
         skip_confirmed: bool = True,
         pay_for_matching: bool = True,
         next_token: bool = True,
-        resting: Literal["doubling", "settle"] = "doubling",
+        resting: Literal["settle", "doubling"] = "settle",
     ):
         if eviction not in ("reuse", "fmoe", "lfu", "lru"):
             raise ValueError(f"eviction must be 'reuse', 'fmoe', 'lfu' or 'lru', got {eviction!r}")
@@ -228,8 +227,8 @@ class FMoE(Policy):
             raise ValueError(f"admission must be 'cost', 'all' or a probability, got {admission!r}")
         if link not in ("stalls", "free", "queue"):
             raise ValueError(f"link must be 'stalls', 'free' or 'queue', got {link!r}")
-        if resting not in ("doubling", "settle"):
-            raise ValueError(f"resting must be 'doubling' or 'settle', got {resting!r}")
+        if resting not in ("settle", "doubling"):
+            raise ValueError(f"resting must be 'settle' or 'doubling', got {resting!r}")
         if traj_target not in ("band", "single"):
             raise ValueError(f"traj_target must be 'band' or 'single', got {traj_target!r}")
         if store_capacity < 1:
@@ -606,14 +605,13 @@ class FMoE(Policy):
             self._publish(_Context("trajectory", layer=layer, data=data, iteration=self._iteration))
 
     def _resting(self, layer: int) -> bool:
-        """Whether the search after `layer` is left out because the searches before it kept finding the same
-        maps (`_repeats`): after n repeats in a row the next 2 ** (n - 1) layers go unsearched (their routing
-        still counts: the next search sums it). At Qwen1.5-MoE's shapes in `matcher_overhead` this halved
-        the searches of a decode iteration (17.4 -> 8.3); on the validation split (3 models x 12.5 / 25 /
-        50 % x RTX 3090 / H100, simulated, matcher free) the TPOT was 1.003x searching after every layer in
-        geometric mean, 0.996-1.020x at each point (the most at fmoe-tiny-mixtral's 50 %, where the guides
-        rank the experts eviction keeps; resting one layer after each repeat gave the same TPOTs; H100 copies
-        were in three pieces then)."""
+        """Whether the search after `layer` is left out because the searches before it found the same maps
+        (`_repeats`): with `resting="settle"`, every search after the iteration's first repeat; with
+        "doubling", after n repeats in a row the next 2 ** (n - 1) layers' (their routing still counts: the
+        next search sums it). Doubling halved the searches of a decode iteration at Qwen1.5-MoE's shapes in
+        `matcher_overhead` (17.4 -> 8.3) at 0.996-1.020x the TPOT of searching after every layer on the
+        validation split (simulated, matcher free); settle halves them again at the same TPOT (see
+        `resting`)."""
         rest = self._rest
         return rest[0] == self._iteration and layer <= rest[1]
 
