@@ -234,7 +234,7 @@ def test_static_split_places_whole_layers_and_restores_them():
 
 
 def test_a_failing_host_call_leaves_the_cache_usable():
-    from fmoe_jax.offload.driver import Driver, Routed
+    from fmoe_jax.offload.driver import Driver, Functions, Routed
     from fmoe_jax.offload.policies import OnDemandLRU
     from fmoe_jax.offload.simulator import SimulatedLink
     from fmoe_jax.offload.transfer import DeviceExpertCache
@@ -252,10 +252,11 @@ def test_a_failing_host_call_leaves_the_cache_usable():
 
     route = lambda layer: Routed(np.asarray([[1]], np.int32))  # noqa: E731
     with pytest.raises(RuntimeError, match="host backend gone"):
-        driver.iteration(np.ones((1, 1), bool), None, route, lambda *a: None, host)
+        driver.iteration(np.ones((1, 1), bool), None, Functions(route, lambda *a: None, host))
     assert cache.protected == set() and cache.serving is None
     assert cache.stats.host_computed == 1  # it was planned, and counted, before the call failed
-    driver.iteration(np.ones((1, 1), bool), None, route, lambda *a: None)  # copy-only afterwards: a miss
+    driver.planner = None  # copy-only afterwards: a miss
+    driver.iteration(np.ones((1, 1), bool), None, Functions(route, lambda *a: None))
     assert (cache.stats.misses, cache.stats.loads) == (2, 1)
 
 

@@ -1,0 +1,206 @@
+"""The offload engine's step program: the model's layers from an entry point on, each MoE layer using the
+routed experts the device holds, stopping at the first MoE layer that routes a token to one it lacks.
+
+`engines/step_loop.py` launches it once at the start of a step (entry: the embedding) and once more after
+each layer it stopped at (entry: that layer's experts, loaded by then), so that a step costs one launch and
+one host read per stop, and a step whose routed experts are all resident costs one of each whatever the
+budget. Which experts a launch may use is a device-side slot table `[L, J]` (-1: absent) over the model's
+own expert parameters, where the engine passes each held expert's cached arrays and a placeholder for the
+others; why arrays as arguments and not a stacked pool is measured in `benchmarks/offload_overhead.py`'s
+decision note (README, "The engine's host path").
+
+Layers before the entry point and after the stop are skipped with `lax.cond`, their cache entries passed
+through untouched (any per-layer state, a KV cache or another pytree), so one program serves every entry
+point; its arithmetic is the resident forward's (`MoECausalLM.__call__`), op for op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fmoe_jax.models.layers import Layout
+from fmoe_jax.models.moe import Kernel, Routing, expert_parts
+
+from ..sampling import Sampling
+from .programs import Graph, Programs, per_row
+
+SKIP, FINISH, FULL = 0, 1, 2  # what a launch does with one MoE layer
+# XLA copies a cache entry that a conditional's branch passes through unchanged unless copy insertion runs
+# its region analysis: with it, a skipped layer's KV cache stays in place (a copy per skipped layer would
+# cost a launch the size of the whole cache on a device at long context). Each backend reads its own.
+COPY_ELISION = {
+    "xla_cpu_copy_insertion_use_region_analysis": True,
+    "xla_gpu_copy_insertion_use_region_analysis": True,
+}
+
+
+class Entry(NamedTuple):
+    """Where a launch starts: MoE layer `start`'s attention output and routing, whose experts it runs first
+    (adding `acc`, the outputs of the layer's earlier chunks or of the host); `start` -1: the embedding."""
+
+    start: jax.Array  # [] int32, MoE-layer index, or -1
+    h: jax.Array  # [B, T, D] residual stream after the layer's attention
+    z: jax.Array  # [N, D] the layer's MLP input
+    routing: Routing  # [N, k] ids and weights, [N, J] probabilities
+    acc: jax.Array  # [N, k, D] float32 ([n, N, k, D]: per device) assignment outputs computed outside
+
+
+class Segment(NamedTuple):
+    """What one launch returns. What the host reads comes packed in two vectors, one copy each."""
+
+    exit: Entry  # the stop layer's state, the next launch's entry (its `acc` zeros)
+    # [1 + B + N*L*k] int32: the MoE layer it stopped at (routed, experts not run; L: it ran to the end),
+    # the sampled tokens (meaningful when it ran to the end), and each MoE layer's chosen experts `[N, L, k]`
+    # (zeros for layers it did not route).
+    ints: jax.Array
+    # float32: the router probabilities `[N, L, J]`, the router inputs `[N, L, D]` when recorded, and the
+    # embedding `[N, D]` (the semantic context; meaningful when it started from the embedding).
+    floats: jax.Array
+    tokens: jax.Array  # [B] int32, the sampled tokens, on the device
+    logits: jax.Array  # [B, V] float32, or [B, T, V] with `all_positions`
+
+
+def _label(params, slots, tokens, cache, layout, *_: Any) -> str:
+    b, t = tokens.shape
+    return f"offload_step_T{t}_B{b}_S{jax.tree.leaves(cache[0])[0].shape[1]}{per_row(layout)}"
+
+
+def offload_step(programs: Programs, graph: Graph, kernel: Kernel) -> Callable:
+    """The jitted step `(params, slots, tokens, kv, layout, key, entry, sampling, record_hidden,
+    all_positions) -> (Segment, kv)`: params the module's leaves (routed experts: cached arrays or the
+    placeholder), slots `[L, J]` int32, kv donated.
+
+    Each layer's remainder is nested in the branch that continues after it, so a launch that stops skips
+    the rest in one conditional; layers before the entry are skipped one by one. Cache entries pass through
+    skipped layers without a copy (`COPY_ELISION`)."""
+
+    def step(
+        params, slots, tokens, kv, layout: Layout, key, entry: Entry, sampling, record_hidden, all_positions
+    ):
+        model = graph.merge(params)
+        cfg = model.config
+        b, t = tokens.shape
+        n = b * t
+        valid = layout.token_valid.reshape(n)
+        rope = model.rope(layout)
+        embeds = model.embed_tokens(tokens)
+        moe_index = {layer: m for m, layer in enumerate(cfg.moe_layer_ids)}
+        nothing = jax.tree.map(jnp.zeros_like, (entry.h, entry.z, entry.routing))  # no stop state
+
+        def records(count: int) -> tuple:
+            """Zero records `[N, count, ...]` of MoE layers a launch did not route."""
+            hidden = jnp.zeros((n, count, cfg.hidden_size), jnp.float32) if record_hidden else None
+            return jnp.zeros((n, count, cfg.top_k), jnp.int32), jnp.zeros((n, count, cfg.num_experts)), hidden
+
+        def head(x):
+            if all_positions:
+                return jnp.zeros((b,), jnp.int32), model.head(x)
+            logits = model.head(x[:, -1:, :])[:, 0]
+            return sampling(logits, key).astype(jnp.int32), logits
+
+        def layers_from(i: int, x, active, caches: list):
+            """Layers i.. on residual stream x (`active`: False before the entry) -> their caches, the
+            records of their MoE layers, the stop layer and its state, tokens and logits."""
+            if i == cfg.num_layers:
+                return [], records(0), jnp.int32(cfg.num_moe_layers), nothing, *head(x)
+            layer, cache = model.layers[i], caches[0]
+            if not layer.is_moe:
+                x, cache = jax.lax.cond(
+                    active, lambda x, c: _dense(layer, x, c, rope, layout), lambda x, c: (x, c), x, cache
+                )
+                out = layers_from(i + 1, x, active, caches[1:])
+                return [cache, *out[0]], *out[1:]
+            m = moe_index[i]
+            experts, row = model.layer_experts(i), slots[m]
+
+            def skip(x, c):  # before the entry
+                return x, c, jnp.bool_(False), nothing, _squeeze(records(1))
+
+            def finish(x, c):  # the entry: its routing and attention ran in an earlier launch
+                acc = (
+                    entry.acc if entry.acc.ndim == 3 else jnp.sum(entry.acc, axis=0)
+                )  # one device, or several
+                parts = acc + expert_parts(entry.z, entry.routing, experts, row, valid, kernel=kernel)
+                y = entry.h + layer.mix(entry.z, parts).reshape(entry.h.shape).astype(entry.h.dtype)
+                return y, c, jnp.bool_(True), nothing, _squeeze(records(1))
+
+            def full(x, c):
+                h, z, c = layer.attention_block(x, rope, c, layout)
+                z = z.reshape(n, -1)
+                routing = layer.route(z)
+                miss = jnp.any(valid[:, None] & (row[routing.ids] < 0))
+
+                def run():
+                    parts = expert_parts(z, routing, experts, row, valid, kernel=kernel)
+                    return h + layer.mix(z, parts).reshape(h.shape).astype(h.dtype)
+
+                y = jax.lax.cond(miss, lambda: x, run)
+                record = (routing.ids, routing.probs, z.astype(jnp.float32) if record_hidden else None)
+                return y, c, ~miss, (h, z, routing), record
+
+            mode = jnp.where(m == entry.start, FINISH, jnp.where(active, FULL, SKIP))
+            x, cache, ran, here, record = jax.lax.switch(mode, [skip, finish, full], x, cache)
+            rest = cfg.num_moe_layers - m - 1
+
+            def stopped(x, later):
+                tokens_out, logits = jax.tree.map(
+                    lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(head, x)
+                )
+                return later, records(rest), jnp.int32(m), here, tokens_out, logits
+
+            out = jax.lax.cond(
+                (mode == FULL) & ~ran,
+                stopped,
+                lambda x, later: layers_from(i + 1, x, ran, later),
+                x,
+                caches[1:],
+            )
+            stacked = tuple(
+                None if r is None else jnp.concatenate([r[:, None], rest_r], axis=1)
+                for r, rest_r in zip(record, out[1], strict=True)
+            )
+            return [cache, *out[0]], stacked, *out[2:]
+
+        caches, (ids, probs, hidden), stop, (h, z, routing), tokens_out, logits = layers_from(
+            0, embeds, entry.start < 0, list(kv)
+        )
+        ints = jnp.concatenate([stop[None], tokens_out, ids.ravel()])
+        parts = [
+            probs.ravel(),
+            *([] if hidden is None else [hidden.ravel()]),
+            embeds.astype(jnp.float32).ravel(),
+        ]
+        exit_ = Entry(stop, h, z, routing, jnp.zeros_like(entry.acc))
+        return Segment(exit_, ints, jnp.concatenate(parts), tokens_out, logits), caches
+
+    return programs.memo(
+        ("offload_step", graph, kernel),
+        lambda: programs.jit(
+            step, _label, static_argnums=(7, 8, 9), donate_argnums=3, compiler_options=COPY_ELISION
+        ),
+    )
+
+
+def _dense(layer: Any, x: jax.Array, cache: Any, rope: Any, layout: Layout) -> tuple[jax.Array, Any]:
+    """A dense layer, as the resident forward computes it."""
+    b, t, _ = x.shape
+    h, z, cache = layer.attention_block(x, rope, cache, layout)
+    y = layer.dense_output(z.reshape(b * t, -1))
+    return h + y.reshape(b, t, -1).astype(h.dtype), cache
+
+
+def _squeeze(record: tuple) -> tuple:
+    """`[N, 1, ...]` records -> `[N, ...]` (one layer's)."""
+    return tuple(None if r is None else r[:, 0] for r in record)
+
+
+def entry_point(start: int, h: jax.Array, z: jax.Array, routing: Routing, acc: jax.Array) -> Entry:
+    """An `Entry` with `start` as the int32 array the program takes."""
+    return Entry(jnp.int32(start), h, z, routing, acc)
+
+
+__all__ = ["Entry", "Segment", "Sampling", "entry_point", "offload_step"]
