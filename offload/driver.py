@@ -141,10 +141,10 @@ class Driver:
 
     def fill_free_slots(self) -> None:
         """A cache with room for every expert never evicts, so the experts it lacks (none of the requests so
-        far needed them) cost only their copy: it is queued behind every prefetch. Once they land every
-        step can run the engine's full-cache fast path, instead of the per-layer loop until some routing
-        happens to need the last of them. A smaller cache is left to the policy, and so is every cache of a
-        policy that places experts itself (`Policy.fill_free_slots` off)."""
+        far needed them) cost only their copy: it is queued behind every prefetch. Once they land no step
+        stops at a layer for a miss, where otherwise steps would until some routing happened to need the last
+        of them. A smaller cache is left to the policy, and so is every cache of a policy that places experts
+        itself (`Policy.fill_free_slots` off)."""
         ctx = self.policy.ctx
         keys = [(layer, e) for layer in range(ctx.num_layers) for e in range(ctx.num_experts)]
         if self.cache.capacity < len(keys) or not self.policy.fill_free_slots:

@@ -485,8 +485,8 @@ def test_hybrid_execution_is_bit_identical_for_every_policy(policy, subjects):
     """Mixtral, budgets of one slot and 25 %, a batch of 3: every miss on the host, and the host taking the
     single-token experts while the device computes the rest of the same layers. Compared bit for bit with
     copy-only serving (which tests/test_lossless.py holds to resident serving). `resident` is left out: it
-    holds every expert, so nothing misses and its steps take the full-cache fast path, which hybrid
-    execution does not touch."""
+    holds every expert, so nothing misses and each of its steps is one launch, which hybrid execution does
+    not touch."""
     subject = subjects(("mixtral", "bfloat16"))
     host_computed = 0
     for slots in (1, quarter(subject)):

@@ -117,33 +117,29 @@ def offload_step(programs: Programs, graph: Graph, kernel: Kernel) -> Callable:
             m = moe_index[i]
             experts, row = model.layer_experts(i), slots[m]
 
-            def skip(x, c):  # before the entry
-                return x, c, jnp.bool_(False), nothing, _squeeze(records(1))
-
-            def finish(x, c):  # the entry: its routing and attention ran in an earlier launch
-                acc = (
-                    entry.acc if entry.acc.ndim == 3 else jnp.sum(entry.acc, axis=0)
-                )  # one device, or several
-                parts = acc + expert_parts(entry.z, entry.routing, experts, row, valid, kernel=kernel)
-                y = entry.h + layer.mix(entry.z, parts).reshape(entry.h.shape).astype(entry.h.dtype)
-                return y, c, jnp.bool_(True), nothing, _squeeze(records(1))
-
-            def full(x, c):
+            def attend(x, c):
                 h, z, c = layer.attention_block(x, rope, c, layout)
                 z = z.reshape(n, -1)
                 routing = layer.route(z)
-                miss = jnp.any(valid[:, None] & (row[routing.ids] < 0))
-
-                def run():
-                    parts = expert_parts(z, routing, experts, row, valid, kernel=kernel)
-                    return h + layer.mix(z, parts).reshape(h.shape).astype(h.dtype)
-
-                y = jax.lax.cond(miss, lambda: x, run)
                 record = (routing.ids, routing.probs, z.astype(jnp.float32) if record_hidden else None)
-                return y, c, ~miss, (h, z, routing), record
+                return h, z, routing, c, record
+
+            def entered(x, c):  # the entry (its attention and routing ran in an earlier launch), or before it
+                return entry.h, entry.z, entry.routing, c, _squeeze(records(1))
 
             mode = jnp.where(m == entry.start, FINISH, jnp.where(active, FULL, SKIP))
-            x, cache, ran, here, record = jax.lax.switch(mode, [skip, finish, full], x, cache)
+            h, z, routing, cache, record = jax.lax.cond(mode == FULL, attend, entered, x, cache)
+            miss = (mode == FULL) & jnp.any(valid[:, None] & (row[routing.ids] < 0))
+            ran = (mode != SKIP) & ~miss
+
+            def run(x):
+                parts = expert_parts(z, routing, experts, row, valid, kernel=kernel)
+                acc = entry.acc if entry.acc.ndim == 3 else jnp.sum(entry.acc, axis=0)  # per device: summed
+                parts = jnp.where(mode == FINISH, acc + parts, parts)  # the entry adds what ran elsewhere
+                return h + layer.mix(z, parts).reshape(h.shape).astype(h.dtype)
+
+            x = jax.lax.cond(ran, run, lambda x: x, x)
+            here = (h, z, routing)
             rest = cfg.num_moe_layers - m - 1
 
             def stopped(x, later):
