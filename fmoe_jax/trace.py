@@ -88,19 +88,34 @@ class RoutingTrace:
     @classmethod
     def from_external(
         cls,
-        requests: Sequence[Sequence[dict[str, np.ndarray]]],
+        requests: Sequence[Sequence[dict[str, np.ndarray]]] | str | os.PathLike,
         *,
-        num_experts: int,
+        num_experts: int | None = None,
         meta: dict[str, Any] | None = None,
+        select: Any = None,
     ) -> RoutingTrace:
         """Builds a trace from routing data recorded elsewhere.
 
         Args:
           requests: per request, per iteration, a dict with `ids` `[t, L, k]` (required), and optionally
-            `weights` `[t, L, k]`, `probs` `[t, L, J]`, `embeds` `[t, H]`.
-          num_experts: J. Without probabilities, policies that need them see a distribution with the
-            given weights (or 1/k) on the chosen experts and zero elsewhere.
+            `weights` `[t, L, k]`, `probs` `[t, L, J]`, `embeds` `[t, H]`; or the path of a routing-set
+            directory or a JSONL file (`fmoe_jax.trace_formats`: one iteration per decode step, and
+            `meta["requests"]` lists each request's record, its dataset for instance).
+          num_experts: J (a routing set's `requests.json` gives it). Without probabilities, policies that
+            need them see a distribution with the given weights (or 1/k) on the chosen experts and zero
+            elsewhere.
+          select: with a path, the requests to read: names, or a predicate on each request's record.
         """
+        if isinstance(requests, (str, os.PathLike)):
+            from fmoe_jax.trace_formats import read_external
+
+            requests, read_meta = read_external(requests, num_experts=num_experts, select=select)
+            num_experts = read_meta.pop("num_experts")
+            meta = {**read_meta, **(meta or {})}
+        elif select is not None:
+            raise ValueError("select= picks requests of a file; pass only the requests you want instead")
+        if num_experts is None:
+            raise ValueError("from_external needs num_experts (J) for routing given as arrays")
         out = []
         top_k = None
         embed_dim = 0
