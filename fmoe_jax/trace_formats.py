@@ -75,8 +75,12 @@ def _read_routing_set(directory: Path, num_experts: int | None, keep: Callable) 
         records = header["requests"]
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"routing set {directory}: {REQUESTS} is not a JSON object with 'requests'") from err
-    if num_experts is None:
-        num_experts = header.get("num_experts")
+    recorded = header.get("num_experts")
+    if recorded is not None and num_experts is not None and recorded != num_experts:
+        raise ValueError(
+            f"routing set {directory}: {REQUESTS} says {recorded} experts a layer, not {num_experts}"
+        )
+    num_experts = recorded if recorded is not None else num_experts
     if num_experts is None:
         raise ValueError(f"routing set {directory}: {REQUESTS} has no num_experts; pass num_experts")
     chosen = [r for r in records if keep(r)]

@@ -167,7 +167,7 @@ def simulate(
     everything = [*warmup, *traces]
     replay = Replay(
         offload,
-        meta=_common_meta(everything),
+        meta=common_meta(everything),
         model=model,
         hardware=hardware,
         host=host,
@@ -475,7 +475,8 @@ def _layout(trace: RoutingTrace, i: int, policy: Policy) -> _Step:
 
 
 # -- checks ---------------------------------------------------------------------------------------------
-def _common_meta(traces: list[RoutingTrace]) -> dict[str, Any]:
+def common_meta(traces: list[RoutingTrace]) -> dict[str, Any]:
+    """The first trace's `meta`, once every trace is checked to have its layer, expert and top-k counts."""
     meta = traces[0].meta
     for key in ("num_layers", "num_experts", "top_k"):
         if not meta.get(key):
@@ -527,3 +528,11 @@ def _check_policy(
                                 else ""
                             )
                         )
+
+
+if __name__ == "__main__":  # pragma: no cover  (`python -m fmoe_jax.offload.simulator`: the fmoe-sim CLI)
+    import sys
+
+    from .sim_cli import main
+
+    sys.exit(main())
