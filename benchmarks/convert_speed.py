@@ -42,10 +42,10 @@ def child(task: str, src: Path, out: Path) -> dict:
         _, seconds = convert(src, out)
         return {"seconds": seconds}
     import jax
-    from fmoe_jax.convert import orbax_io
     from fmoe_jax.offload.config import OffloadConfig
 
     import fmoe_jax as fj
+    from fmoe_jax.checkpoint import orbax_io
 
     start = time.perf_counter()
     if task == "restore_pinned_host":

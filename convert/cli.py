@@ -30,20 +30,9 @@ from fmoe_jax.models.quant import KINDS, ExpertQuantization, quantized_params
 from tqdm import tqdm
 
 import fmoe_jax
-
-from . import orbax_io
-from .destination import (
-    PROG,
-    ConvertError,
-    check_destination,
-    check_space,
-    install,
-    remove_stale,
-    remove_tree,
-    work_dir,
-)
-from .hf import CheckpointError, HFCheckpoint
-from .manifest import (
+from fmoe_jax.checkpoint import orbax_io
+from fmoe_jax.checkpoint.hf import CheckpointError, HFCheckpoint
+from fmoe_jax.checkpoint.manifest import (
     FLOAT_FORMAT_VERSION,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -54,6 +43,17 @@ from .manifest import (
     files_under,
     hash_file,
     verify_files,
+)
+
+from .destination import (
+    PROG,
+    ConvertError,
+    check_destination,
+    check_space,
+    install,
+    remove_stale,
+    remove_tree,
+    work_dir,
 )
 
 DTYPES = ("bfloat16", "float16", "float32")

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fmoe_jax.convert.hf import CheckpointError, HFCheckpoint
+from fmoe_jax.checkpoint.hf import CheckpointError, HFCheckpoint
 from fmoe_jax.models import MoECausalLM, MoEConfig, abstract_model
 from fmoe_jax.models.moe import Kernel
 from fmoe_jax.models.quant import ExpertQuantization, expert_quantization, quantized_params
@@ -263,7 +263,7 @@ def load_model(
     """
     asked = quantization_request(offload, expert_quantization, quantization_group_size)
     directory = resolve(path_or_name)
-    from fmoe_jax.convert import orbax_io  # local import: orbax is heavy and only needed here
+    from fmoe_jax.checkpoint import orbax_io  # local import: orbax is heavy and only needed here
 
     if orbax_io.is_converted(directory):
         return orbax_io.load_converted(

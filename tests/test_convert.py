@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FAMILY_OF
-from fmoe_jax.convert import orbax_io
 from fmoe_jax.convert.cli import main
-from fmoe_jax.convert.hf import write_safetensors
-from fmoe_jax.convert.manifest import MANIFEST_NAME, Manifest
 
 import fmoe_jax as fj
+from fmoe_jax.checkpoint import orbax_io
+from fmoe_jax.checkpoint.hf import write_safetensors
+from fmoe_jax.checkpoint.manifest import MANIFEST_NAME, Manifest
 
 # Tiny models of conftest.HF_CONFIGS: one per family, and DeepSeek-V2's two shapes (latent attention with and
 # without the q LoRA).

@@ -25,9 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from fmoe_jax.models import MoEConfig, config_from_hf
-from fmoe_jax.models.moe import Kernel
-from fmoe_jax.models.quant import ExpertQuantization, quantized_params
 
 from fmoe_jax.loading import (
     Model,
@@ -39,6 +36,9 @@ from fmoe_jax.loading import (
     load_tokenizer_if_any,
     param_sharding,
 )
+from fmoe_jax.models import MoEConfig, config_from_hf
+from fmoe_jax.models.moe import Kernel
+from fmoe_jax.models.quant import ExpertQuantization, quantized_params
 
 from .hf import CheckpointError, HFCheckpoint, read_json
 from .keys import HFTensor, hf_tensors

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import ml_dtypes  # registers bfloat16 with NumPy, which safetensors needs to return BF16 tensors
 import numpy as np
-from fmoe_jax.models import UnsupportedConfigError, config_from_hf
-from fmoe_jax.models.config import MoEConfig
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
+
+from fmoe_jax.models import UnsupportedConfigError, config_from_hf
+from fmoe_jax.models.config import MoEConfig
 
 from .keys import HFTensor, Target, apply_transform, detect_layout, hf_tensors
 
