@@ -266,7 +266,7 @@ def load_model(
     from fmoe_jax.checkpoint import orbax_io  # local import: orbax is heavy and only needed here
 
     if orbax_io.is_converted(directory):
-        return orbax_io.load_converted(
+        return load_converted(
             directory, offload=offload, dtype=dtype, kernel=kernel, verify=verify, quantization=asked
         )
     ckpt = HFCheckpoint(directory)
@@ -288,6 +288,43 @@ def load_model(
         eos=generation_eos(directory, cfg),
         kernel=kernel,
         quantization=quantization,
+    )
+
+
+def load_converted(
+    directory: Path,
+    *,
+    offload: Any,
+    dtype: Any,
+    kernel: Kernel,
+    verify: bool,
+    quantization: QuantizationRequest,
+) -> Model:
+    """`load_model` for a directory written by `fmoe-convert`: the request settled against its manifest,
+    then its parameters restored where `param_sharding` places them (`orbax_io.restore_params` checks)."""
+    from fmoe_jax.checkpoint import orbax_io
+
+    manifest, cfg, _ = orbax_io.open_converted(directory)
+    quantized = expert_quantization_of(quantization, manifest.quantization, str(directory))
+    if quantized is not None:
+        quantized.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
+    cfg, dtype, flat = orbax_io.restore_params(
+        directory,
+        sharding=lambda path: param_sharding(path, offload),
+        dtype=_dtype_arg(dtype, jnp.dtype(manifest.dtype)),
+        verify=verify,
+        quantization=quantized,
+    )
+    return build(
+        cfg,
+        dtype,
+        flat,
+        offload,
+        tokenizer=load_tokenizer_if_any(directory),
+        source=str(directory),
+        eos=generation_eos(directory, cfg),
+        kernel=kernel,
+        quantization=quantized,
     )
 
 
