@@ -10,8 +10,10 @@ import contextlib
 import dataclasses
 import functools
 import json
+import numbers
 import os
 import threading
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from fmoe_jax.checkpoint.hf import CheckpointError, HFCheckpoint
 from fmoe_jax.models import MoECausalLM, MoEConfig, abstract_model
 from fmoe_jax.models.moe import Kernel
 from fmoe_jax.models.quant import ExpertQuantization, expert_quantization, quantized_params
+from fmoe_jax.offload.config import OffloadConfig
 
 from .engines import Engine
 from .engines.resident import ResidentEngine
@@ -229,6 +232,25 @@ def expert_quantization_of(
     return stored
 
 
+def check_load_arguments(offload: Any, kernel: Any) -> None:
+    """TypeError / ValueError naming `offload` or `kernel` when `load_model` could not serve with them; the
+    engines would otherwise fail later, at the first `generate`, with a raw error."""
+    if offload is not None and not isinstance(offload, OffloadConfig):
+        hint = f"fj.OffloadConfig(**{offload!r})" if isinstance(offload, dict) else "fj.OffloadConfig(...)"
+        raise TypeError(
+            f"offload must be None or an fmoe_jax.OffloadConfig, got {type(offload).__name__} "
+            f"{offload!r:.80}; pass offload={hint:.100}"
+        )
+    if offload is not None:
+        for name in ("cache_experts", "cache_bytes", "prefetch_distance", "max_inflight"):
+            value = getattr(offload, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise ValueError(f"OffloadConfig({name}=...) must be an int, got {value!r}")
+    kernels = typing.get_args(Kernel)
+    if kernel not in kernels:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, kernels))}, got {kernel!r}")
+
+
 def load_model(
     path_or_name: str | os.PathLike,
     offload: Any = None,
@@ -257,10 +279,13 @@ def load_model(
         truncated or replaced since the conversion. A Hugging Face directory has no manifest; its
         safetensors headers are always checked against the files' sizes.
     Raises:
+      TypeError: `offload` is not an `OffloadConfig`.
       CheckpointError: a file is missing, corrupt or differs from the manifest (the message names it).
-      ValueError: an unknown quantization, a group size that does not divide an expert's input dimension,
+      ValueError: an unknown kernel, an `OffloadConfig` budget that is not an int, an unknown quantization,
+        a group size that does not divide an expert's input dimension,
         or a setting that conflicts with a quantized checkpoint's (the message names the values).
     """
+    check_load_arguments(offload, kernel)
     asked = quantization_request(offload, expert_quantization, quantization_group_size)
     directory = resolve(path_or_name)
     from fmoe_jax.checkpoint import orbax_io  # local import: orbax is heavy and only needed here
