@@ -396,7 +396,8 @@ def parse_body(raw: bytes, kind: type[p.GenerationRequest]) -> p.GenerationReque
         shown = [f"{w}: {e['msg']}" if w else e["msg"] for w, e in zip(where, problems, strict=True)]
         more = len(shown) - SHOWN_PROBLEMS
         message = "; ".join(shown[:SHOWN_PROBLEMS]) + (f"; and {more} more" if more > 0 else "")
-        raise p.APIError(400, message, param=where[0] or None) from None
+        loc = problems[0]["loc"] if problems else ()
+        raise p.APIError(400, message, param=str(loc[0]) if loc else None) from None
 
 
 def route_label(path: str) -> str:

@@ -250,22 +250,29 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     import fmoe_jax as fj
+    from fmoe_jax.loading import resolve
 
     from .app import DEFAULT_MAX_REQUEST_BYTES, create_app
 
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        raise SystemExit(f"fmoe-serve: the API key (--api-key or ${API_KEY_ENV}) is empty; give one, or none")
+    try:
+        resolve(args.model)
+    except FileNotFoundError as err:
+        raise SystemExit(f"fmoe-serve: {err}") from None
+    offload = offload_config(args)
+    sock = bind(args.host, args.port)
     # uvicorn's logging, and fmoe_jax's messages through its handler (uvicorn.Config applies it again)
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     log_config["loggers"]["fmoe_jax"] = {"handlers": ["default"], "level": args.log_level.upper()}
     logging.config.dictConfig(log_config)
     log = logging.getLogger("fmoe_jax.serve")
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
-    if api_key is not None and not api_key.strip():
-        raise SystemExit(f"fmoe-serve: the API key (--api-key or ${API_KEY_ENV}) is empty; give one, or none")
-    sock = bind(args.host, args.port)
     start = time.perf_counter()
     try:
-        model = fj.load_model(args.model, offload=offload_config(args))
-    except (OSError, ValueError, TypeError) as err:  # a missing model, a damaged checkpoint: one line
+        model = fj.load_model(args.model, offload=offload)
+    except (OSError, ValueError, TypeError) as err:  # a damaged checkpoint, a bad option: one line
+        sock.close()
         raise SystemExit(f"fmoe-serve: {err}") from None
     log.info("loaded %s in %.1f s (%s)", args.model, time.perf_counter() - start, args.policy or "resident")
     try:
