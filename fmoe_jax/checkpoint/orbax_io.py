@@ -264,8 +264,14 @@ def _restore(
 
 
 def open_converted(directory: Path) -> tuple[Manifest, MoEConfig, Expected]:
-    """Manifest, model config and expected items of a converted checkpoint, checked against each other."""
+    """Manifest, model config and expected items of a converted checkpoint, checked against each other.
+
+    The files beside the orbax items (config.json, generation_config.json, the tokenizer's) are small and
+    decide the model's output: their sha256 is checked against the manifest every time, so that an edit of
+    the same size (a top-k, an epsilon) is refused, naming the file."""
     manifest = Manifest.read(directory)
+    side = {n: r for n, r in manifest.files.items() if n.split("/", 1)[0] not in manifest.items}
+    verify_files(directory, side, hashes=True)
     cfg = config_from_hf(read_json(directory / "config.json", "config.json"))
     expected = expected_items(cfg, manifest.quantization)
     if cfg.family != manifest.family or list(expected) != list(manifest.items):
