@@ -184,6 +184,20 @@ def memory_mb(pid: int) -> dict[str, float]:
     return {k: int(re.search(rf"^{k}:\s+(\d+) kB", status, re.M)[1]) / 1024 for k in ("VmRSS", "VmHWM")}
 
 
+def served_alone(client: Client, name: str) -> dict[tuple[str, str], str]:
+    """Each prompt's greedy text on each endpoint, served with nothing else in flight: the references."""
+    reference = {}
+    for path, make in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        for prompt in PROMPTS:
+            status, data = client.send(
+                path, json.dumps(make(name, prompt)).encode(), {"Authorization": f"Bearer {KEY}"}
+            )
+            if status != 200:
+                raise RuntimeError(f"{path} {prompt!r} served alone: {status} {data[:300]!r}")
+            reference[(path, prompt)] = answer_text(path, data, stream=False)
+    return reference
+
+
 def soak(url: str, name: str, reference: dict, clients: int, seconds: float, seed: int) -> dict:
     """`clients` threads sending random requests for `seconds`, and a /health prober; their results."""
     results: list[dict] = []
@@ -284,13 +298,7 @@ def main() -> None:
     server = ServerProcess(args.model, options)
     try:
         client = Client(server.url, timeout=300)
-        auth = {"Authorization": f"Bearer {KEY}"}
-        reference = {}  # each prompt served alone, on each endpoint
-        for path, make in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
-            for prompt in PROMPTS:
-                status, data = client.send(path, json.dumps(make(name, prompt)).encode(), auth)
-                assert status == 200, data
-                reference[(path, prompt)] = answer_text(path, data, stream=False)
+        reference = served_alone(client, name)
         counted_before, values = server_counts(client)
         compiled_before, memory_before = values["fmoe_compilations"], memory_mb(server.proc.pid)
         started = time.perf_counter()

@@ -290,19 +290,11 @@ def load_model(
     directory = resolve(path_or_name)
     from fmoe_jax.checkpoint import orbax_io  # local import: orbax is heavy and only needed here
 
+    place = functools.partial(param_sharding, offload=offload)
     if orbax_io.is_converted(directory):
-        return load_converted(
-            directory, offload=offload, dtype=dtype, kernel=kernel, verify=verify, quantization=asked
-        )
-    ckpt = HFCheckpoint(directory)
-    cfg = ckpt.config
-    quantization = expert_quantization_of(asked, None)
-    if quantization is not None:
-        quantization.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
-    dtype = _dtype_arg(dtype, ckpt.stored_dtype())
-    flat = load_hf_params(
-        ckpt, dtype, lambda path, value: jax.device_put(value, param_sharding(path, offload)), quantization
-    )
+        cfg, dtype, flat, quantization = restore_converted(directory, place, dtype, verify, asked)
+    else:
+        cfg, dtype, flat, quantization = read_hf(directory, place, dtype, asked)
     return build(
         cfg,
         dtype,
@@ -316,41 +308,37 @@ def load_model(
     )
 
 
-def load_converted(
-    directory: Path,
-    *,
-    offload: Any,
-    dtype: Any,
-    kernel: Kernel,
-    verify: bool,
-    quantization: QuantizationRequest,
-) -> Model:
-    """`load_model` for a directory written by `fmoe-convert`: the request settled against its manifest,
-    then its parameters restored where `param_sharding` places them (`orbax_io.restore_params` checks)."""
+Loaded = tuple[MoEConfig, jnp.dtype, dict[tuple, Any], ExpertQuantization | None]  # what `build` takes
+
+
+def read_hf(directory: Path, place: Any, dtype: Any, asked: QuantizationRequest) -> Loaded:
+    """A Hugging Face directory's parameters, each streamed to `place(path)` (quantized when asked)."""
+    ckpt = HFCheckpoint(directory)
+    cfg = ckpt.config
+    quantization = expert_quantization_of(asked, None)
+    if quantization is not None:
+        quantization.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
+    dtype = _dtype_arg(dtype, ckpt.stored_dtype())
+    flat = load_hf_params(ckpt, dtype, lambda path, value: jax.device_put(value, place(path)), quantization)
+    return cfg, dtype, flat, quantization
+
+
+def restore_converted(
+    directory: Path, place: Any, dtype: Any, verify: bool, asked: QuantizationRequest
+) -> Loaded:
+    """A directory written by `fmoe-convert`: the request settled against its manifest, then its parameters
+    restored where `place(path)` says (`orbax_io.restore_params` checks the files)."""
     from fmoe_jax.checkpoint import orbax_io
 
     manifest, cfg, _ = orbax_io.open_converted(directory)
-    quantized = expert_quantization_of(quantization, manifest.quantization, str(directory))
-    if quantized is not None:
-        quantized.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
+    quantization = expert_quantization_of(asked, manifest.quantization, str(directory))
+    if quantization is not None:
+        quantization.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
+    dtype = _dtype_arg(dtype, jnp.dtype(manifest.dtype))
     cfg, dtype, flat = orbax_io.restore_params(
-        directory,
-        sharding=lambda path: param_sharding(path, offload),
-        dtype=_dtype_arg(dtype, jnp.dtype(manifest.dtype)),
-        verify=verify,
-        quantization=quantized,
+        directory, sharding=place, dtype=dtype, verify=verify, quantization=quantization
     )
-    return build(
-        cfg,
-        dtype,
-        flat,
-        offload,
-        tokenizer=load_tokenizer_if_any(directory),
-        source=str(directory),
-        eos=generation_eos(directory, cfg),
-        kernel=kernel,
-        quantization=quantized,
-    )
+    return cfg, dtype, flat, quantization
 
 
 def param_sharding(path: tuple, offload: Any) -> jax.sharding.Sharding:
