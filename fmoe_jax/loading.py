@@ -275,9 +275,10 @@ def load_model(
       quantization_group_size: inputs sharing one scale (default 64; must divide the hidden size and the
         expert intermediate size).
       verify: for a converted checkpoint, compare every file's sha256 with its manifest before loading
-        (reads the checkpoint once more); otherwise only their sizes are compared, which catches files
-        truncated or replaced since the conversion. A Hugging Face directory has no manifest; its
-        safetensors headers are always checked against the files' sizes.
+        (reads the checkpoint once more); otherwise only the weights' sizes are compared, which catches
+        files truncated or replaced since the conversion, and the small files beside them (config.json,
+        tokenizer) are always hashed. A Hugging Face directory has no manifest; its safetensors headers
+        are always checked against the files' sizes.
     Raises:
       TypeError: `offload` is not an `OffloadConfig`.
       CheckpointError: a file is missing, corrupt or differs from the manifest (the message names it).
