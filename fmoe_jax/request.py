@@ -99,7 +99,9 @@ def make_request(
     """Checks and resolves `generate`'s arguments, every one passed (their defaults and documentation are
     `generate`'s); `hf_sampling` are the Hugging Face sampling names, for `from_hf_arguments`."""
     max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -(2**63) <= seed < 2**63:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ArgumentError("seed", f"seed must be an int, got {seed!r}")
+    if not -(2**63) <= seed < 2**63:
         raise ArgumentError("seed", f"seed must be an int in [-2**63, 2**63), got {seed!r}")
     sampling = from_hf_arguments(sampling, **hf_sampling)
     if not isinstance(return_logprobs, bool):
