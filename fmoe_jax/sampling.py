@@ -181,11 +181,11 @@ def from_hf_arguments(
     if do_sample is not None and not isinstance(do_sample, (bool, np.bool_)):
         raise ArgumentError("do_sample", f"do_sample must be True or False, got {do_sample!r}")
     penalty = 1.0 if repetition_penalty is None else repetition_penalty
-    restrictions = {  # top_k=0 and top_p=1 restrict nothing: greedy decoding does not ignore them
-        k: v for k, v in dict(top_k=top_k, top_p=top_p).items() if v is not None and not _no_restriction(k, v)
-    }
+    given_restrictions = {k: v for k, v in dict(top_k=top_k, top_p=top_p).items() if v is not None}
+    # what greedy decoding would ignore: top_k=0 and top_p=1 restrict nothing
+    restrictions = {k: v for k, v in given_restrictions.items() if not _no_restriction(k, v)}
     if do_sample is None:
-        do_sample = temperature != 0 if temperature is not None else bool(restrictions)
+        do_sample = temperature != 0 if temperature is not None else bool(given_restrictions)
         if temperature == 0 and restrictions:
             listed = ", ".join(f"{k}={v!r}" for k, v in restrictions.items())
             raise ArgumentError(
