@@ -263,9 +263,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"fmoe-serve: {err}") from None
     offload = offload_config(args)
     sock = bind(args.host, args.port)
-    # uvicorn's logging, and fmoe_jax's messages through its handler (uvicorn.Config applies it again)
+    # uvicorn's logging, and fmoe_jax's messages through its handler only (uvicorn.Config applies it again;
+    # a handler some library puts on the root logger would print each line twice)
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
-    log_config["loggers"]["fmoe_jax"] = {"handlers": ["default"], "level": args.log_level.upper()}
+    level = args.log_level.upper()
+    log_config["loggers"]["fmoe_jax"] = {"handlers": ["default"], "level": level, "propagate": False}
     logging.config.dictConfig(log_config)
     log = logging.getLogger("fmoe_jax.serve")
     start = time.perf_counter()
