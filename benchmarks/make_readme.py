@@ -51,6 +51,7 @@ BENCHMARKS = [
     ("convert_speed", "checkpoint conversion throughput and peak memory"),
     ("multi_device", "expert-parallel decoding over several devices"),
     ("quantization", "int8 / int4 experts: bytes, held-out NLL, expert-kernel speed, simulated TPOT"),
+    ("serve_soak", "fmoe-serve under 32 hostile and careless clients: no 5xx, none lost, p99, memory"),
 ]
 
 TITLE = "# Benchmarks and experiments"

@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import contextlib
 import datetime
 import gc
+import json
 import logging
 import os
 import shutil
@@ -30,20 +31,9 @@ from fmoe_jax.models.quant import KINDS, ExpertQuantization, quantized_params
 from tqdm import tqdm
 
 import fmoe_jax
-
-from . import orbax_io
-from .destination import (
-    PROG,
-    ConvertError,
-    check_destination,
-    check_space,
-    install,
-    remove_stale,
-    remove_tree,
-    work_dir,
-)
-from .hf import CheckpointError, HFCheckpoint
-from .manifest import (
+from fmoe_jax.checkpoint import orbax_io
+from fmoe_jax.checkpoint.hf import CheckpointError, HFCheckpoint
+from fmoe_jax.checkpoint.manifest import (
     FLOAT_FORMAT_VERSION,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -54,6 +44,17 @@ from .manifest import (
     files_under,
     hash_file,
     verify_files,
+)
+
+from .destination import (
+    PROG,
+    ConvertError,
+    check_destination,
+    check_space,
+    install,
+    remove_stale,
+    remove_tree,
+    work_dir,
 )
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -146,16 +147,18 @@ def convert(
     poll: Callable[[], None] = lambda: None,
     expert_quantization: str | None = None,
     group_size: int | None = None,
+    untie: bool = False,
 ) -> tuple[Manifest, float]:
     """Converts a Hugging Face checkpoint directory into an fmoe_jax checkpoint at `out_dir`.
 
     With `expert_quantization` ("int8" or "int4", `group_size` inputs per scale, default 64) the routed
     experts are stored quantized, as `load_model(..., expert_quantization=...)` would quantize them, and the
-    manifest records it, so that loading never quantizes again. Everything is checked before anything is
-    written. Weights stream one layer at a time into a
-    hidden directory beside `out_dir`, which is renamed to `out_dir` only once complete; on any failure
-    or interruption it is removed. `poll` is called at every safe point (between tensors, after each
-    item); raising from it abandons the conversion. Returns the manifest and the seconds it took.
+    manifest records it, so that loading never quantizes again. `untie`: see `HFCheckpoint`. Everything is
+    checked before anything is written (a float16 `dtype` reads every tensor once first: none may overflow).
+    Weights stream one layer at a time into a hidden directory beside `out_dir`, which is renamed to
+    `out_dir` only once complete; on any failure or interruption it is removed. `poll` is called at every
+    safe point (between tensors, after each item); raising from it abandons the conversion. Returns the
+    manifest and the seconds it took.
 
     Raises:
       CheckpointError, UnsupportedConfigError: the source is incomplete, corrupt or not supported.
@@ -165,7 +168,9 @@ def convert(
     """
     start = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
-    ckpt = HFCheckpoint(hf_dir)
+    ckpt = HFCheckpoint(hf_dir, untie=untie)
+    if untie and not ckpt.untied:
+        raise ConvertError(f"--untie: {hf_dir / 'config.json'} does not tie the embeddings; nothing to untie")
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     np_dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(ckpt.stored_dtype())
@@ -177,6 +182,7 @@ def convert(
     parent = out_dir.parent
     remove_stale(parent, out_dir.name)
     check_space(parent, param_bytes)
+    ckpt.check_cast(np_dtype, poll=poll)
     tmp = work_dir(out_dir)
     try:
         tmp.mkdir()
@@ -193,6 +199,8 @@ def convert(
             hasher.add(f"source/{name}", hf_dir / name)
         for name in side:
             shutil.copyfile(hf_dir / name, tmp / name)
+            if name == "config.json" and ckpt.untied:
+                (tmp / name).write_text(json.dumps(ckpt.hf_config, indent=2) + "\n")
             hasher.add(name, tmp / name)
 
         def item_written(item: str) -> None:
@@ -319,7 +327,7 @@ def verify(
     _, cfg, expected = orbax_io.open_converted(out_dir)
     hf = None
     if against is not None:
-        hf = HFCheckpoint(against)
+        hf = HFCheckpoint(against, untie=not cfg.tie_word_embeddings)
         if hf.config != cfg:
             raise CheckpointError(f"{against}: its config.json describes a different model than {out_dir}")
     dtype = np.dtype(jnp.dtype(manifest.dtype))
@@ -413,6 +421,7 @@ def _convert_parser() -> argparse.ArgumentParser:
         help="inputs sharing one scale; must divide hidden_size and the expert intermediate size "
         "(default with --expert-quantization: 64)",
     )
+    parser.add_argument("--untie", action="store_true", help="use lm_head.weight though config.json ties it")
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -540,6 +549,7 @@ def _run(args: argparse.Namespace, is_verify: bool, progress: bool, poll: Callab
         poll=poll,
         expert_quantization=args.expert_quantization,
         group_size=args.group_size,
+        untie=args.untie,
     )
     source_bytes = sum(r.size for r in manifest.source_files.values())
     return (

@@ -47,9 +47,9 @@ def domain_prompts(data_dir: Path | None, per_domain: int, seed: int) -> list[tu
 
 def _stale(source: Path, converted: Path) -> str | None:
     """Why `converted` is not a conversion of the files now in `source` (None: it is)."""
+    from fmoe_jax.checkpoint.hf import CheckpointError
+    from fmoe_jax.checkpoint.manifest import Manifest, hash_file
     from fmoe_jax.convert.cli import SIDE_FILES
-    from fmoe_jax.convert.hf import CheckpointError
-    from fmoe_jax.convert.manifest import Manifest, hash_file
 
     try:
         manifest = Manifest.read(converted)

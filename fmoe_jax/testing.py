@@ -14,8 +14,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from fmoe_jax.convert.hf import SafetensorsFile, write_safetensors
-from fmoe_jax.convert.keys import hf_tensors
+from fmoe_jax.checkpoint.hf import SafetensorsFile, write_safetensors
+from fmoe_jax.checkpoint.keys import hf_tensors
 from fmoe_jax.models import config_from_hf
 
 _MIXTRAL_BASE = dict(

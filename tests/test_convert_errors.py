@@ -15,12 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fmoe_jax.convert import cli, orbax_io
+from fmoe_jax.convert import cli
 from fmoe_jax.convert.cli import main
-from fmoe_jax.convert.hf import CheckpointError, SafetensorsFile, write_safetensors
 from test_convert_safety import converting
 
 import fmoe_jax as fj
+from fmoe_jax.checkpoint import orbax_io
+from fmoe_jax.checkpoint.hf import CheckpointError, SafetensorsFile, write_safetensors
 from fmoe_jax.testing import PRESETS, write_random_checkpoint
 
 TINY = dict(

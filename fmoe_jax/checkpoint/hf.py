@@ -15,10 +15,11 @@ from pathlib import Path
 
 import ml_dtypes  # registers bfloat16 with NumPy, which safetensors needs to return BF16 tensors
 import numpy as np
-from fmoe_jax.models import UnsupportedConfigError, config_from_hf
-from fmoe_jax.models.config import MoEConfig
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
+
+from fmoe_jax.models import UnsupportedConfigError, config_from_hf
+from fmoe_jax.models.config import MoEConfig
 
 from .keys import HFTensor, Target, apply_transform, detect_layout, hf_tensors
 
@@ -131,13 +132,23 @@ def read_json(path: Path, what: str) -> dict:
 
 
 class HFCheckpoint:
-    """A Hugging Face model directory: config, and the tensors of its (possibly sharded) safetensors files."""
+    """A Hugging Face model directory: config, and the tensors of its (possibly sharded) safetensors files.
 
-    def __init__(self, directory: str | os.PathLike):
+    With `untie`, a config that ties the LM head to the embedding (`tie_word_embeddings`) is read as untied,
+    so that the checkpoint's own `lm_head.weight` is the head (`hf_config` says so too); without it, such a
+    tensor is refused unless it equals the embedding, since the tied config would ignore it.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, untie: bool = False):
         self.dir = Path(directory)
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir}: not a directory")
         self.hf_config = read_json(self.dir / "config.json", "config.json")
+        self.untied = bool(
+            untie and isinstance(self.hf_config, dict) and self.hf_config.get("tie_word_embeddings")
+        )
+        if self.untied:
+            self.hf_config = {**self.hf_config, "tie_word_embeddings": False}
         try:
             self.config: MoEConfig = config_from_hf(self.hf_config)
         except UnsupportedConfigError as err:
@@ -188,7 +199,8 @@ class HFCheckpoint:
             )
         ignorable = ("rotary_emb.inv_freq",)
         unexpected = [k for k in self.location if k not in expected and not k.endswith(ignorable)]
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and "lm_head.weight" in unexpected:
+            self._check_tied_head()
             unexpected = [k for k in unexpected if k != "lm_head.weight"]
         if unexpected:
             more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
@@ -211,6 +223,23 @@ class HFCheckpoint:
                     f"({', '.join(FLOAT_CODES)}); it would be cast, not converted. Save the checkpoint with "
                     "floating-point weights"
                 )
+
+    def _check_tied_head(self) -> None:
+        """A checkpoint whose config ties the LM head to the embedding but that holds an `lm_head.weight`:
+        a copy of the embedding is harmless; any other is refused, since which of the two is the head is
+        not ours to guess (transformers uses `lm_head.weight`)."""
+        embedding = next(t.key for t in self.tensors if t.targets[0].path == ("embed", "embedding"))
+        head = self.read("lm_head.weight")
+        if head.shape == self.location[embedding].entries[embedding][1] and np.array_equal(
+            head, self.read(embedding)
+        ):
+            return
+        raise CheckpointError(
+            f"{self.location['lm_head.weight'].path}: tensor 'lm_head.weight' differs from {embedding!r}, "
+            f"but {self.dir / 'config.json'} ties them (tie_word_embeddings: true), so it would be ignored. "
+            "To use it as the LM head (as transformers does), convert with `fmoe-convert --untie` or set "
+            "tie_word_embeddings to false in config.json; to use the embedding, remove the tensor"
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -245,8 +274,36 @@ class HFCheckpoint:
             raw = self.read(tensor.key)
             for target in tensor.targets:
                 value = apply_transform(raw, target)
-                yield tensor, target, value if dtype is None else value.astype(dtype, copy=False)
+                yield tensor, target, value if dtype is None else self._cast(tensor.key, value, dtype)
             del raw
+
+    def _cast(self, key: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """`value` (of tensor `key`) as `dtype`; CheckpointError when finite values would become infinities
+        (float16's range is +-65504: a trained weight may be beyond it)."""
+        with np.errstate(over="ignore"):
+            out = value.astype(dtype, copy=False)
+        if out is value or ml_dtypes.finfo(dtype).max >= ml_dtypes.finfo(value.dtype).max:
+            return out
+        overflowed = ~np.isfinite(out) & np.isfinite(value)
+        if overflowed.any():
+            peak = float(np.max(np.abs(value[overflowed].astype(np.float64))))
+            raise CheckpointError(
+                f"{self.location[key].path}: tensor {key!r} holds values up to {peak:.6g} in magnitude, "
+                f"beyond {np.dtype(dtype).name}'s range (+-{float(ml_dtypes.finfo(dtype).max):.6g}): cast, "
+                "they would be infinities. Use bfloat16 or float32 instead"
+            )
+        return out
+
+    def check_cast(self, dtype: np.dtype, *, poll: Callable[[], None] = lambda: None) -> None:
+        """Reads every tensor once to check that casting it to `dtype` loses no value to infinity (only when
+        `dtype` has a narrower range than some stored tensor); `params` checks the same as it streams."""
+        narrower = {
+            t.key
+            for t in self.tensors
+            if ml_dtypes.finfo(dtype).max < ml_dtypes.finfo(self.location[t.key].entries[t.key][0]).max
+        }
+        for _ in self.params(dtype, where=lambda t: t.key in narrower) if narrower else ():
+            poll()
 
     def stored_dtype(self) -> np.dtype:
         """The dtype most of the checkpoint's bytes are stored in."""

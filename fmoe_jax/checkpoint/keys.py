@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import numpy as np
+
 from fmoe_jax.models.config import MoEConfig
 
 Path = tuple[str | int, ...]
