@@ -184,9 +184,8 @@ def hf_tensors(cfg: MoEConfig, layout: HFLayout = "hub") -> list[HFTensor]:
         tensors += _linear(router, (*lp, "router"), d, cfg.num_experts, False, i)
         if cfg.score_correction_bias:
             j = cfg.num_experts
-            tensors.append(
-                HFTensor(f"{router}.e_score_correction_bias", (j,), (Target((*lp, "score_correction"), (j,)),), i)
-            )
+            target = Target((*lp, "score_correction"), (j,))
+            tensors.append(HFTensor(f"{router}.e_score_correction_bias", (j,), (target,), i))
         if cfg.shared_expert_intermediate_size:
             tensors += _swiglu(
                 f"{p}.{names.shared}",
@@ -234,7 +233,7 @@ def _gpt_oss_moe(cfg: MoEConfig, i: int, layout: HFLayout) -> list[HFTensor]:
     p, j_all = f"model.layers.{i}.mlp", range(n)
     tensors = _linear(f"{p}.router", ("layers", i, "router"), d, n, True, i)
 
-    def stacked(key: str, shape: tuple[int, ...], parts: list[tuple[tuple[str, ...], tuple, str]]) -> HFTensor:
+    def stacked(key: str, shape: tuple[int, ...], parts: list[tuple[tuple, tuple, str]]) -> HFTensor:
         targets = tuple(
             Target(("experts", i, j, *names), part_shape, transform, j)
             for names, part_shape, transform in parts
@@ -315,7 +314,7 @@ def apply_transform(array: np.ndarray, target: Target) -> np.ndarray:
 def to_hf(cfg: MoEConfig, params: Mapping[Path, np.ndarray]) -> dict[str, np.ndarray]:
     """Our parameters (flat, by path) -> HF hub-layout tensors, the inverse of the loading table."""
     if cfg.family == "gpt_oss":
-        raise ValueError("exporting gpt_oss to Hugging Face tensors is not implemented (its experts are fused)")
+        raise ValueError("exporting gpt_oss to Hugging Face tensors is not implemented (fused experts)")
     out = {}
     for tensor in hf_tensors(cfg, "hub"):
         (target,) = tensor.targets

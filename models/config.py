@@ -119,7 +119,7 @@ class MoEConfig:
     attention_sinks: bool = False
     router_bias: bool = False
     swiglu_clamp: tuple[float, float] | None = None  # (swiglu_alpha, swiglu_limit)
-    # DeepSeek-V3 / GLM-4.5: a float32 bias added to the sigmoid scores to choose experts (not to weight them).
+    # DeepSeek-V3 / GLM-4.5: a float32 bias added to the sigmoid scores to choose experts, not to weight them.
     score_correction_bias: bool = False
     # MLA only: DeepSeek rotates adjacent pairs of the rotary dimensions (True) or halves (False).
     rope_interleave: bool = True
@@ -184,8 +184,8 @@ class MoEConfig:
                 raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if not self.is_mla and (self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim):
             raise ValueError(
-                f"partial_rotary_factor {self.rope.partial_rotary_factor} of head_dim {self.head_dim} rotates "
-                f"{self.rope_dim} dimensions; it must be a positive even number up to head_dim"
+                f"partial_rotary_factor {self.rope.partial_rotary_factor} of head_dim {self.head_dim} "
+                f"rotates {self.rope_dim} dimensions; it must be a positive even number up to head_dim"
             )
         if self.router == "sigmoid_grouped" and self.n_group > 1 and self.num_experts // self.n_group < 2:
             raise ValueError(
@@ -247,7 +247,9 @@ def rope_from_hf(
     if partial_rotary_factor is not None:
         partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", partial_rotary_factor))
         if kind != "default":
-            raise UnsupportedConfigError(f"rope type {kind!r} with a partial rotary factor is not implemented")
+            raise UnsupportedConfigError(
+                f"rope type {kind!r} with a partial rotary factor is not implemented"
+            )
         return RopeConfig(theta=float(theta), partial_rotary_factor=float(partial))
     if kind in ("su", "longrope"):
         if not allow_longrope:

@@ -1,9 +1,9 @@
 """DeepSeek-V3 (`model_type: deepseek_v3`: DeepSeek-V3, R1, V3.1; `kimi_k2`: Kimi-K2): DeepSeek-V2's latent
-attention, dense first layers and shared experts (`deepseek_v2.mla_moe_fields`), with sigmoid routing: experts
-are chosen by their sigmoid score plus a learned correction bias (`e_score_correction_bias`) among the
-`topk_group` best of `n_group` groups (a group ranked by the sum of its two best corrected scores), and weighted
-by their uncorrected scores, renormalised when `norm_topk_prob`, times `routed_scaling_factor`. GLM-4.5
-(`models/glm4_moe.py`) routes the same way. Config parsing and routing only.
+attention, dense first layers and shared experts (`deepseek_v2.mla_moe_fields`), with sigmoid routing:
+experts are chosen by their sigmoid score plus a learned correction bias (`e_score_correction_bias`) among
+the `topk_group` best of `n_group` groups (a group ranked by the sum of its two best corrected scores), and
+weighted by their uncorrected scores, renormalised when `norm_topk_prob`, times `routed_scaling_factor`.
+GLM-4.5 (`models/glm4_moe.py`) routes the same way. Config parsing and routing only.
 """
 
 from __future__ import annotations

@@ -297,7 +297,7 @@ class Attention(nnx.Module):
         return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
 
     def _softmax(self, scores: jax.Array) -> jax.Array:
-        """Softmax over the keys of `[B, K, G, T, S]` float32 scores, with each head's sink as one more key."""
+        """Softmax over the keys of `[B, K, G, T, S]` float32 scores, each head's sink one more key."""
         if self.sinks is None:
             return jax.nn.softmax(scores, axis=-1)
         b, k, g, t, _ = scores.shape
