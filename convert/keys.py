@@ -282,6 +282,16 @@ def _gpt_oss_moe(cfg: MoEConfig, i: int, layout: HFLayout) -> list[HFTensor]:
     ]
 
 
+# Parameters kept in float32 whatever the model's dtype: DeepSeek-V3's score-correction bias (its checkpoints
+# and transformers keep it so; it decides near-ties between experts).
+FLOAT32_PARAMS = ("score_correction",)
+
+
+def param_dtype(path: Path, dtype: np.dtype) -> np.dtype:
+    """The dtype a float parameter is held in: the model's `dtype`, or float32 for `FLOAT32_PARAMS`."""
+    return np.dtype(np.float32) if path[-1] in FLOAT32_PARAMS else np.dtype(dtype)
+
+
 def detect_layout(keys: Iterable[str]) -> HFLayout:
     """MXFP4 if any tensor is a stacked `experts.gate_up_proj_blocks`; fused if any is a stacked
     `experts.gate_up_proj`; else hub."""

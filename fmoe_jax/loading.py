@@ -23,8 +23,9 @@ from flax import nnx
 
 from fmoe_jax.convert.hf import CheckpointError, HFCheckpoint
 from fmoe_jax.models import MoECausalLM, MoEConfig, abstract_model
+from fmoe_jax.models import quant
 from fmoe_jax.models.moe import Kernel
-from fmoe_jax.models.quant import ExpertQuantization, expert_quantization, quantized_params
+from fmoe_jax.models.quant import ExpertQuantization, expert_quantization, is_expert_matrix, quantized_params
 
 from .engines import Engine
 from .engines.resident import ResidentEngine
@@ -177,7 +178,7 @@ def load_hf_params(
     `quantization`, each routed expert matrix is quantized (from its `dtype` cast) as it streams past."""
     flat = {}
     for _, target, value in ckpt.params(np.dtype(dtype)):
-        if quantization is not None and target.path[0] == "experts":
+        if quantization is not None and is_expert_matrix(target.path):
             for path, part in quantized_params(target.path, value, quantization).items():
                 flat[path] = place(path, part)
         else:
@@ -206,7 +207,7 @@ def quantization_request(
                 f"quantization_group_size={config[1]!r}; give the setting in one place"
             )
         asked = config if asked == (None, None) else asked
-    expert_quantization_of(asked, None)  # an unknown kind or a bad group size fails now
+    quant.expert_quantization(*asked)  # an unknown kind or a bad group size fails now
     return asked
 
 
@@ -214,9 +215,16 @@ def expert_quantization_of(
     asked: QuantizationRequest, stored: ExpertQuantization | None, source: str = ""
 ) -> ExpertQuantization | None:
     """The experts' storage: as the checkpoint holds them, or as asked (a float checkpoint quantizes while
-    loading). A quantized checkpoint loads only as itself: another kind or group size is an error."""
+    loading). A quantized checkpoint loads only as itself: another kind or group size is an error; MXFP4
+    is only ever kept, as a checkpoint publishes it."""
     kind, group_size = asked
     if stored is None:
+        if kind == "mxfp4":
+            raise ValueError(
+                f"{source}: expert_quantization='mxfp4' keeps experts a checkpoint stores in MXFP4 (gpt-oss "
+                "publishes them so); this checkpoint's experts are not, and fmoe_jax does not produce MXFP4: "
+                "ask 'int8' or 'int4', or None"
+            )
         return expert_quantization(kind, group_size)
     if kind is None and group_size is None:
         return stored
@@ -271,7 +279,7 @@ def load_model(
         )
     ckpt = HFCheckpoint(directory)
     cfg = ckpt.config
-    quantization = expert_quantization_of(asked, None)
+    quantization = expert_quantization_of(asked, ckpt.expert_storage, str(directory))
     if quantization is not None:
         quantization.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
     dtype = _dtype_arg(dtype, ckpt.stored_dtype())
