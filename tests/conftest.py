@@ -197,6 +197,75 @@ HF_CONFIGS = {
             "mscale_all_dim": 0.5,
         },
     ),
+    # gpt-oss's shape in small: sliding (128, crossed by 320-token prompts) then full attention, sinks, YaRN as
+    # gpt-oss ships it, top-2 of 4 experts with biases; a SwiGLU clamp low enough to bite at this scale.
+    "gpt_oss": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=128,
+        max_position_embeddings=131072,
+        swiglu_limit=0.1,
+    ),
+    # DeepSeek-V3's shape in small: sigmoid routing in n_group=4 groups (topk_group=2) with a correction bias
+    # (randomised in make_hf_model), renormalised then scaled by 2.5, q LoRA, YaRN, a dense first layer.
+    "deepseek_v3": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        kv_lora_rank=32,
+        q_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=1024,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),
+    # GLM-4.5's shape in small: q/k/v biases, per-head q/k norms, RoPE on half of each head, sigmoid routing
+    # with a correction bias in one group, a shared expert, a dense first layer.
+    "glm4_moe": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        use_qk_norm=True,
+        attention_bias=True,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=1024,
+    ),
 }
 FAMILY_OF = {
     "mixtral": "mixtral",
@@ -207,6 +276,9 @@ FAMILY_OF = {
     "olmoe": "olmoe",
     "deepseek_v2_lite": "deepseek_v2",
     "deepseek_v2": "deepseek_v2",
+    "gpt_oss": "gpt_oss",
+    "deepseek_v3": "deepseek_v3",
+    "glm4_moe": "glm4_moe",
 }
 
 
@@ -221,6 +293,9 @@ def make_hf_model(name: str, seed: int = 0):
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "olmoe": transformers.OlmoeConfig,
         "deepseek_v2": transformers.DeepseekV2Config,
+        "gpt_oss": transformers.GptOssConfig,
+        "deepseek_v3": transformers.DeepseekV3Config,
+        "glm4_moe": transformers.Glm4MoeConfig,
     }[FAMILY_OF[name]]
     torch.manual_seed(seed)
     config = config_cls(**HF_CONFIGS[name])
@@ -231,13 +306,20 @@ def make_hf_model(name: str, seed: int = 0):
             for module in model.modules():
                 if isinstance(module, torch.nn.LayerNorm) or module is model.lm_head:
                     module.bias.normal_(0.0, 0.02)
-    if FAMILY_OF[name] in ("qwen3_moe", "olmoe", "deepseek_v2"):
+    if FAMILY_OF[name] in ("qwen3_moe", "olmoe", "deepseek_v2", "gpt_oss", "deepseek_v3", "glm4_moe"):
         # Random norm weights (q/k norms, MLA's latent norms included), so a norm applied to the wrong
         # axis, or not at all, shows.
         with torch.no_grad():
             for module_name, param in model.named_parameters():
                 if "norm" in module_name:
                     param.normal_(1.0, 0.2)
+    if FAMILY_OF[name] in ("gpt_oss", "deepseek_v3", "glm4_moe"):
+        # Random biases (attention, router, experts), sinks and score-correction biases: transformers starts
+        # most of them at zero, where a bias left out would not show.
+        with torch.no_grad():
+            for module_name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if module_name.endswith(("bias", "sinks")):
+                    tensor.normal_(0.0, 1.0 if module_name.endswith("sinks") else 0.1)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
