@@ -19,6 +19,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 # Every model owns its compiled programs, so a test that loads a model again compiles again. XLA's
 # persistent cache (a test setting, in a folder of this session) turns those repeats into cache hits:
@@ -197,8 +198,8 @@ HF_CONFIGS = {
             "mscale_all_dim": 0.5,
         },
     ),
-    # gpt-oss's shape in small: sliding (128, crossed by 320-token prompts) then full attention, sinks, YaRN as
-    # gpt-oss ships it, top-2 of 4 experts with biases; a SwiGLU clamp low enough to bite at this scale.
+    # gpt-oss's shape in small: sliding (128, crossed by 320-token prompts) then full attention, sinks, YaRN
+    # as gpt-oss ships it, top-2 of 4 experts with biases; a SwiGLU clamp low enough to bite at this scale.
     "gpt_oss": dict(
         vocab_size=256,
         hidden_size=64,
@@ -335,6 +336,37 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         model.save_pretrained(root / name)
         out[name] = root / name
     return out
+
+
+def write_mxfp4(src: Path, dst: Path, seed: int = 0) -> Path:
+    """A gpt-oss checkpoint with MXFP4 experts named as gpt-oss publishes them (`*_blocks` `[J, out, in/32,
+    16]`, `*_scales` `[J, out, in/32]`, uint8), from the float one at `src`: random codes (every e2m1 value)
+    and scales of 2**-9 .. 2**-6, the size of the float model's weights; every other tensor kept."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for key, value in load_file(src / "model.safetensors").items():
+        if not key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[key] = value
+            continue
+        j, fan_in, out = value.shape  # transformers keeps them [in, out]; MXFP4 rows are outputs
+        tensors[f"{key}_blocks"] = rng.integers(0, 256, (j, out, fan_in // 32, 16), dtype=np.uint8)
+        tensors[f"{key}_scales"] = rng.integers(118, 122, (j, out, fan_in // 32), dtype=np.uint8)
+    dst.mkdir(parents=True)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.fixture(scope="session")
+def mxfp4_dir(hf_dirs, tmp_path_factory) -> Path:
+    """The tiny gpt-oss with its experts in MXFP4 (`write_mxfp4`)."""
+    return write_mxfp4(hf_dirs["gpt_oss"], tmp_path_factory.mktemp("mxfp4") / "gpt_oss_mxfp4")
 
 
 @pytest.fixture(scope="session")
