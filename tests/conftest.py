@@ -363,6 +363,68 @@ def write_mxfp4(src: Path, dst: Path, seed: int = 0) -> Path:
     return dst
 
 
+FP8_BLOCK = [16, 16]  # DeepSeek-V3 ships [128, 128]; 16 gives the tiny model several blocks and partial ones
+
+
+def fp8_quantize(w: np.ndarray, block: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """`[out, in]` float32 -> (e4m3 values as a float32 array of representable values, per-block
+    `weight_scale_inv` `[ceil(out/bo), ceil(in/bi)]`): each block scaled to e4m3's largest value, 448."""
+    import ml_dtypes
+
+    bo, bi = block
+    rows, cols = -(-w.shape[0] // bo), -(-w.shape[1] // bi)
+    scale = np.zeros((rows, cols), np.float32)
+    q = np.zeros_like(w, dtype=np.float32)
+    for r in range(rows):
+        for c in range(cols):
+            block_of = (slice(r * bo, (r + 1) * bo), slice(c * bi, (c + 1) * bi))
+            scale[r, c] = max(np.abs(w[block_of]).max() / 448.0, 1e-12)
+            q[block_of] = (w[block_of] / scale[r, c]).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def write_fp8(src: Path, dst: Path) -> Path:
+    """A DeepSeek-V3 checkpoint in FP8 as DeepSeek publishes it, from the float one at `src`: every linear
+    weight but the router's, the embedding and the LM head as e4m3 with block scales (`weight_scale_inv`),
+    `quantization_config` fp8 with `weight_block_size`, and a multi-token-prediction layer after the last."""
+    import json
+
+    import torch
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file
+
+    tensors = {}
+    config = json.loads((src / "config.json").read_text())
+    for key, value in load_file(src / "model.safetensors").items():
+        quantized = value.ndim == 2 and key.endswith("proj.weight") and ".mlp.gate." not in key
+        if not quantized:
+            tensors[key] = torch.from_numpy(value)
+            continue
+        q, scale = fp8_quantize(value, FP8_BLOCK)
+        tensors[key] = torch.from_numpy(q).to(torch.float8_e4m3fn)
+        tensors[f"{key}_scale_inv"] = torch.from_numpy(scale)
+    mtp = f"model.layers.{config['num_hidden_layers']}"
+    tensors[f"{mtp}.eh_proj.weight"] = torch.zeros(config["hidden_size"], 2 * config["hidden_size"])
+    tensors[f"{mtp}.enorm.weight"] = torch.ones(config["hidden_size"])
+    dst.mkdir(parents=True)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": FP8_BLOCK,
+    }
+    config["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.fixture(scope="session")
+def fp8_dir(hf_dirs, tmp_path_factory) -> Path:
+    """The tiny DeepSeek-V3 in FP8 with block scales (`write_fp8`)."""
+    return write_fp8(hf_dirs["deepseek_v3"], tmp_path_factory.mktemp("fp8") / "deepseek_v3_fp8")
+
+
 @pytest.fixture(scope="session")
 def mxfp4_dir(hf_dirs, tmp_path_factory) -> Path:
     """The tiny gpt-oss with its experts in MXFP4 (`write_mxfp4`)."""

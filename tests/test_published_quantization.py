@@ -1,7 +1,8 @@
-"""gpt-oss experts in MXFP4, as gpt-oss publishes them: the expansion against the slow reference and
-transformers' own, float32 parity of a tiny MXFP4 gpt-oss with transformers' dequantized model, experts held
-and copied at 4.25 bits per weight, and `fmoe-convert` keeping them so (conversion's bad inputs:
-test_convert_errors.py; losslessness: test_lossless.py)."""
+"""Checkpoints quantized as their publishers ship them. gpt-oss experts in MXFP4: the expansion against the
+slow reference and transformers' own, float32 parity of a tiny MXFP4 gpt-oss with transformers' dequantized
+model, experts held and copied at 4.25 bits per weight, and `fmoe-convert` keeping them so. DeepSeek-V3 in
+FP8 with block scales: converted dequantized, or into int4 experts. Bad inputs: test_convert_errors.py;
+losslessness: test_lossless.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_model
+from conftest import FP8_BLOCK, make_hf_model
 from fmoe_jax.convert.cli import main as convert_main
 from fmoe_jax.convert.manifest import Manifest
 from fmoe_jax.models import mxfp4
@@ -128,3 +129,60 @@ def test_fmoe_convert_keeps_mxfp4_experts(mxfp4_dir, tmp_path, capsys):
 def test_mxfp4_is_kept_never_produced(hf_dirs):
     with pytest.raises(ValueError, match="does not produce MXFP4"):
         fj.load_model(hf_dirs["gpt_oss"], expert_quantization="mxfp4")
+
+
+def fp8_reference(directory):
+    """The float transformers DeepSeek-V3 the FP8 checkpoint was written from (`conftest.write_fp8`), each
+    FP8 weight replaced by its e4m3 values times its block's scale (torch's float8, here)."""
+    from safetensors.torch import load_file as load_torch
+
+    model = make_hf_model("deepseek_v3")
+    tensors = load_torch(directory / "model.safetensors")
+    params = dict(model.named_parameters())
+    bo, bi = FP8_BLOCK
+    with torch.no_grad():
+        for key, value in tensors.items():
+            if value.dtype != torch.float8_e4m3fn:
+                continue
+            out, fan_in = value.shape
+            scale = tensors[f"{key}_scale_inv"].repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)
+            weight = value.float() * scale[:, :fan_in]
+            if ".experts." not in key:
+                params[key].copy_(weight)
+                continue
+            # transformers holds a layer's routed experts fused: gate_up_proj [J, 2F, D], down_proj [J, D, F]
+            layer, expert, name = key.split(".mlp.experts.")[0], int(key.split(".")[5]), key.split(".")[6]
+            fused = params[f"{layer}.mlp.experts.{'down_proj' if name == 'down_proj' else 'gate_up_proj'}"]
+            rows = {"gate_proj": slice(0, out), "up_proj": slice(out, 2 * out)}.get(name, slice(None))
+            fused[expert, rows].copy_(weight)
+    return model
+
+
+def test_fp8_deepseek_v3_converts_dequantized(fp8_dir, tmp_path):
+    """The FP8 weights (blocks of 16 over 24-, 40- and 64-wide matrices: partial blocks too) come out as
+    their block-scaled values; the multi-token-prediction layer is left out; loading the FP8 directory
+    directly gives the same model."""
+    out = tmp_path / "converted"
+    assert convert_main([str(fp8_dir), str(out), "--quiet"]) == 0
+    assert Manifest.read(out).dtype == "float32"  # the dtype of the checkpoint's unquantized tensors
+    ids = np.random.default_rng(6).integers(0, 256, (1, 40))
+    reference = fp8_reference(fp8_dir)
+    with torch.no_grad():
+        expected = reference(torch.tensor(ids)).logits.numpy()
+    converted = np.asarray(fj.forward(fj.load_model(out), ids))
+    np.testing.assert_allclose(converted, expected, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(fj.forward(fj.load_model(fp8_dir), ids)), converted)
+    assert convert_main(["verify", str(out), "--against", str(fp8_dir), "--quiet"]) == 0
+
+
+def test_fp8_deepseek_v3_converts_into_int4_experts(fp8_dir, tmp_path):
+    out = tmp_path / "int4"
+    args = [str(fp8_dir), str(out), "--expert-quantization", "int4", "--group-size", "8", "--quiet"]
+    assert convert_main(args) == 0
+    assert Manifest.read(out).expert_quantization == {"kind": "int4", "group_size": 8}
+    model = fj.load_model(out)
+    assert model.module.experts[1][0].weights().gate.values.dtype == np.uint8
+    ids = np.random.default_rng(6).integers(0, 256, (1, 40))
+    with torch.no_grad():
+        expected = fp8_reference(fp8_dir)(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(fj.forward(model, ids)), expected, rtol=0, atol=0.05)
