@@ -199,7 +199,7 @@ HF_CONFIGS = {
         },
     ),
     # gpt-oss's shape in small: sliding (128, crossed by 320-token prompts) then full attention, sinks, YaRN
-    # as gpt-oss ships it, top-2 of 4 experts with biases; a SwiGLU clamp low enough to bite at this scale.
+    # as gpt-oss ships it, top-2 of 8 experts with biases; a SwiGLU clamp low enough to bite at this scale.
     "gpt_oss": dict(
         vocab_size=256,
         hidden_size=64,
@@ -208,7 +208,7 @@ HF_CONFIGS = {
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        num_local_experts=4,
+        num_local_experts=8,
         num_experts_per_tok=2,
         sliding_window=128,
         max_position_embeddings=131072,
@@ -316,11 +316,18 @@ def make_hf_model(name: str, seed: int = 0):
                     param.normal_(1.0, 0.2)
     if FAMILY_OF[name] in ("gpt_oss", "deepseek_v3", "glm4_moe"):
         # Random biases (attention, router, experts), sinks and score-correction biases: transformers starts
-        # most of them at zero, where a bias left out would not show.
+        # most of them at zero, where a bias left out would not show. Router weights 10x transformers' init,
+        # so that the tokens' routing, not the biases, decides which experts they use.
         with torch.no_grad():
             for module_name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-                if module_name.endswith(("bias", "sinks")):
-                    tensor.normal_(0.0, 1.0 if module_name.endswith("sinks") else 0.1)
+                if module_name.endswith("sinks"):
+                    tensor.normal_(0.0, 1.0)
+                elif module_name.endswith("e_score_correction_bias"):
+                    tensor.normal_(0.0, 0.1)
+                elif module_name.endswith("bias"):  # the size of the embeddings, which it must not drown
+                    tensor.normal_(0.0, 0.02)
+                if module_name.endswith(("mlp.router.weight", "mlp.gate.weight")):
+                    tensor.normal_(0.0, 0.2)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model

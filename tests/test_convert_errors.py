@@ -283,7 +283,7 @@ def test_truncated_mxfp4_block_tensor(mxfp4_dir, tmp_path, capsys):
     blocks = "model.layers.1.mlp.experts.gate_up_proj_blocks"
     rewrite_single(source, lambda tensors: tensors.update({blocks: tensors[blocks][..., :8].clone()}))
     rc = convert(source, tmp_path / "out")
-    assert_failed_cleanly(capsys, rc, tmp_path / "out", blocks, "(4, 128, 2, 8)", "(4, 128, 2, 16)", "MXFP4")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", blocks, "(8, 128, 2, 8)", "(8, 128, 2, 16)", "MXFP4")
 
 
 def test_unknown_quantization_method(hf_dirs, tmp_path, capsys):
