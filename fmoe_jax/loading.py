@@ -22,8 +22,7 @@ import numpy as np
 from flax import nnx
 
 from fmoe_jax.convert.hf import CheckpointError, HFCheckpoint
-from fmoe_jax.models import MoECausalLM, MoEConfig, abstract_model
-from fmoe_jax.models import quant
+from fmoe_jax.models import MoECausalLM, MoEConfig, abstract_model, quant
 from fmoe_jax.models.moe import Kernel
 from fmoe_jax.models.quant import ExpertQuantization, expert_quantization, is_expert_matrix, quantized_params
 
@@ -258,6 +257,7 @@ def load_model(
       expert_quantization: None, "int8" or "int4": routed experts stored quantized (`models/quant.py`),
         quantized one at a time while loading unless the checkpoint already holds them so (then it must
         agree, or be left None). For offloading, `OffloadConfig(expert_quantization=...)` says the same.
+        Experts a checkpoint publishes in MXFP4 (gpt-oss) load as stored ("mxfp4", or None).
       quantization_group_size: inputs sharing one scale (default 64; must divide the hidden size and the
         expert intermediate size).
       verify: for a converted checkpoint, compare every file's sha256 with its manifest before loading

@@ -1,8 +1,8 @@
 """The one model configuration every family is described by, and its checks.
 
-Family modules (`mixtral.py`, `qwen2_moe.py`, `phimoe.py`, `qwen3_moe.py`, `olmoe.py`, `deepseek_v2.py`) build
-a `MoEConfig` from a Hugging Face `config.json`; shared layers, the engine and the offload runtime read only
-this dataclass.
+Family modules (`mixtral.py`, `qwen2_moe.py`, `phimoe.py`, `qwen3_moe.py`, `olmoe.py`, `deepseek_v2.py`,
+`deepseek_v3.py`, `glm4_moe.py`, `gpt_oss.py`) build a `MoEConfig` from a Hugging Face `config.json`; shared
+layers, the engine and the offload runtime read only this dataclass.
 """
 
 from __future__ import annotations
