@@ -27,7 +27,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from fmoe_jax.models import FAMILIES, UnsupportedConfigError
-from fmoe_jax.models.quant import KINDS, ExpertQuantization, quantized_params
+from fmoe_jax.models.quant import KINDS, ExpertQuantization, is_expert_matrix, quantized_params
 from tqdm import tqdm
 
 import fmoe_jax
@@ -175,9 +175,8 @@ def convert(
         raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     np_dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(ckpt.stored_dtype())
     cfg = ckpt.config
-    quantization = _quantization_arg(expert_quantization, group_size, cfg)
-    param_count = sum(int(np.prod(t.shape)) for tensor in ckpt.tensors for t in tensor.targets)
-    bytes_per_expert, param_bytes = _stored_bytes(cfg, param_count, np_dtype, quantization)
+    quantization = _quantization_arg(expert_quantization, group_size, cfg, ckpt.expert_storage)
+    bytes_per_expert, param_bytes = _stored_bytes(cfg, np_dtype, quantization)
     check_destination(out_dir, overwrite)
     parent = out_dir.parent
     remove_stale(parent, out_dir.name)
@@ -254,8 +253,18 @@ def convert(
     return manifest, time.perf_counter() - start
 
 
-def _quantization_arg(kind: str | None, group_size: int | None, cfg: Any) -> ExpertQuantization | None:
-    """The command's `--expert-quantization` / `--group-size`, checked against the model's dimensions."""
+def _quantization_arg(
+    kind: str | None, group_size: int | None, cfg: Any, stored: ExpertQuantization | None
+) -> ExpertQuantization | None:
+    """The command's `--expert-quantization` / `--group-size`, checked against the model's dimensions; or
+    how the source stores its experts when it keeps them so (MXFP4), which nothing requantizes."""
+    if stored is not None:
+        if kind is not None or group_size is not None:
+            raise ConvertError(
+                f"the source stores its experts in {stored.kind.upper()}, which is kept as published; "
+                "drop --expert-quantization / --group-size"
+            )
+        return stored
     if kind is None:
         if group_size is not None:
             raise ConvertError(
@@ -270,16 +279,16 @@ def _quantization_arg(kind: str | None, group_size: int | None, cfg: Any) -> Exp
     return quantization
 
 
-def _stored_bytes(
-    cfg: Any, param_count: int, dtype: np.dtype, quantization: ExpertQuantization | None
-) -> tuple[int, int]:
-    """Bytes of one routed expert as stored, and of all parameters."""
-    d, f, size = cfg.hidden_size, cfg.expert_intermediate_size, dtype.itemsize
-    if quantization is None:
-        return 3 * d * f * size, param_count * size
-    per_expert = 2 * quantization.matrix_bytes(f, d, size) + quantization.matrix_bytes(d, f, size)
-    experts = cfg.num_moe_layers * cfg.num_experts
-    return per_expert, (param_count - experts * 3 * d * f) * size + experts * per_expert
+def _stored_bytes(cfg: Any, dtype: np.dtype, quantization: ExpertQuantization | None) -> tuple[int, int]:
+    """Bytes of one routed expert as stored (its biases included), and of all parameters."""
+    items = orbax_io.expected_items(cfg, quantization)
+
+    def nbytes(path: tuple, shape: tuple[int, ...]) -> int:
+        return int(np.prod(shape)) * orbax_io.stored_dtype(path, dtype, quantization).itemsize
+
+    total = sum(nbytes(*entry) for entries in items.values() for entry in entries.values())
+    first = items[orbax_io.experts_item(cfg.moe_layer_ids[0])].values()
+    return sum(nbytes(path, shape) for path, shape in first if path[2] == 0), total
 
 
 def _abandon(hasher: _Hasher, tmp: Path) -> None:
@@ -341,7 +350,7 @@ def verify(
             stream = hf.params(dtype, where=lambda t, name=name: orbax_io.item_of_tensor(t) == name)
             for tensor, target, value in stream:
                 wanted = {target.path: value}
-                if manifest.quantization is not None and target.path[0] == "experts":
+                if manifest.quantization is not None and is_expert_matrix(target.path):
                     wanted = quantized_params(target.path, value, manifest.quantization)
                 for path, want in wanted.items():
                     ours = arrays[path]

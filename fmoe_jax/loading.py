@@ -24,9 +24,9 @@ import numpy as np
 from flax import nnx
 
 from fmoe_jax.checkpoint.hf import CheckpointError, HFCheckpoint
-from fmoe_jax.models import MoECausalLM, MoEConfig, abstract_model
+from fmoe_jax.models import MoECausalLM, MoEConfig, abstract_model, quant
 from fmoe_jax.models.moe import Kernel
-from fmoe_jax.models.quant import ExpertQuantization, expert_quantization, quantized_params
+from fmoe_jax.models.quant import ExpertQuantization, expert_quantization, is_expert_matrix, quantized_params
 from fmoe_jax.offload.config import OffloadConfig
 
 from .engines import Engine
@@ -180,7 +180,7 @@ def load_hf_params(
     `quantization`, each routed expert matrix is quantized (from its `dtype` cast) as it streams past."""
     flat = {}
     for _, target, value in ckpt.params(np.dtype(dtype)):
-        if quantization is not None and target.path[0] == "experts":
+        if quantization is not None and is_expert_matrix(target.path):
             for path, part in quantized_params(target.path, value, quantization).items():
                 flat[path] = place(path, part)
         else:
@@ -209,7 +209,7 @@ def quantization_request(
                 f"quantization_group_size={config[1]!r}; give the setting in one place"
             )
         asked = config if asked == (None, None) else asked
-    expert_quantization_of(asked, None)  # an unknown kind or a bad group size fails now
+    quant.expert_quantization(*asked)  # an unknown kind or a bad group size fails now
     return asked
 
 
@@ -217,9 +217,16 @@ def expert_quantization_of(
     asked: QuantizationRequest, stored: ExpertQuantization | None, source: str = ""
 ) -> ExpertQuantization | None:
     """The experts' storage: as the checkpoint holds them, or as asked (a float checkpoint quantizes while
-    loading). A quantized checkpoint loads only as itself: another kind or group size is an error."""
+    loading). A quantized checkpoint loads only as itself: another kind or group size is an error; MXFP4
+    is only ever kept, as a checkpoint publishes it."""
     kind, group_size = asked
     if stored is None:
+        if kind == "mxfp4":
+            raise ValueError(
+                f"{source}: expert_quantization='mxfp4' keeps experts a checkpoint stores in MXFP4 (gpt-oss "
+                "publishes them so); this checkpoint's experts are not, and fmoe_jax does not produce MXFP4: "
+                "ask 'int8' or 'int4', or None"
+            )
         return expert_quantization(kind, group_size)
     if kind is None and group_size is None:
         return stored
@@ -272,6 +279,7 @@ def load_model(
       expert_quantization: None, "int8" or "int4": routed experts stored quantized (`models/quant.py`),
         quantized one at a time while loading unless the checkpoint already holds them so (then it must
         agree, or be left None). For offloading, `OffloadConfig(expert_quantization=...)` says the same.
+        Experts a checkpoint publishes in MXFP4 (gpt-oss) load as stored ("mxfp4", or None).
       quantization_group_size: inputs sharing one scale (default 64; must divide the hidden size and the
         expert intermediate size).
       verify: for a converted checkpoint, compare every file's sha256 with its manifest before loading
@@ -316,7 +324,7 @@ def read_hf(directory: Path, place: Any, dtype: Any, asked: QuantizationRequest)
     """A Hugging Face directory's parameters, each streamed to `place(path)` (quantized when asked)."""
     ckpt = HFCheckpoint(directory)
     cfg = ckpt.config
-    quantization = expert_quantization_of(asked, None)
+    quantization = expert_quantization_of(asked, ckpt.expert_storage, str(directory))
     if quantization is not None:
         quantization.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
     dtype = _dtype_arg(dtype, ckpt.stored_dtype())

@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from . import deepseek_v2, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe
+from . import deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe
 from .base import DecoderLayer, MoECausalLM, RouteFn
 from .config import MoEConfig, RopeConfig, UnsupportedConfigError, model_identity
 from .layers import LayerKV, Layout, init_kv_cache
@@ -35,6 +35,10 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("qwen3_moe", qwen3_moe.config_from_hf, qwen3_moe.route),
     "olmoe": Family("olmoe", olmoe.config_from_hf, olmoe.route),
     "deepseek_v2": Family("deepseek_v2", deepseek_v2.config_from_hf, deepseek_v2.route),
+    "deepseek_v3": Family("deepseek_v3", deepseek_v3.config_from_hf, deepseek_v3.route),
+    "kimi_k2": Family("deepseek_v3", deepseek_v3.config_from_hf, deepseek_v3.route),  # Kimi-K2: V3's shape
+    "glm4_moe": Family("glm4_moe", glm4_moe.config_from_hf, glm4_moe.route),
+    "gpt_oss": Family("gpt_oss", gpt_oss.config_from_hf, gpt_oss.route),
 }
 
 

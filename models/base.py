@@ -18,10 +18,12 @@ from flax import nnx
 from .config import MoEConfig
 from .layers import Attention, LayerKV, Layout, Linear, linear, make_norm, rope_tables
 from .mla import LatentAttention
-from .moe import Expert, ExpertWeights, Kernel, Routing, expert_parts, sum_parts
+from .moe import AnyExpertWeights, ClampedSwiGLU, Expert, Kernel, Routing, expert_parts, sum_parts
 from .quant import ExpertQuantization
 
-RouteFn = Callable[[jax.Array, MoEConfig], Routing]  # router logits [N, J] (any dtype) -> Routing
+# Router logits [N, J] (any dtype) -> Routing; families with a score-correction bias (DeepSeek-V3) take it
+# as a third argument, [J] float32.
+RouteFn = Callable[..., Routing]
 
 
 class DecoderLayer(nnx.Module):
@@ -37,7 +39,9 @@ class DecoderLayer(nnx.Module):
         self.post_norm = make_norm(cfg, dtype=dtype)
         kw = dict(dtype=dtype, rngs=rngs)
         if self.is_moe:
-            self.router = Linear(cfg.hidden_size, cfg.num_experts, use_bias=False, **kw)
+            self.router = Linear(cfg.hidden_size, cfg.num_experts, use_bias=cfg.router_bias, **kw)
+            if cfg.score_correction_bias:  # float32 whatever the model's dtype, as DeepSeek-V3 keeps it
+                self.score_correction = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32))
             if cfg.shared_expert_intermediate_size:
                 self.shared_expert = Expert(cfg.hidden_size, cfg.shared_expert_intermediate_size, **kw)
             if cfg.shared_expert_gate:
@@ -59,6 +63,8 @@ class DecoderLayer(nnx.Module):
             logits = linear(z.astype(jnp.float32), self.router.weight[...].astype(jnp.float32))
         else:
             logits = self.router(z)
+        if self.config.score_correction_bias:
+            return self.route_fn(logits, self.config, self.score_correction[...])
         return self.route_fn(logits, self.config)
 
     def mix(self, z: jax.Array, parts: jax.Array) -> jax.Array:
@@ -124,6 +130,7 @@ class MoECausalLM(nnx.Module):
                             dtype=dtype,
                             key=key,
                             quantization=expert_quantization,
+                            activation=None if cfg.swiglu_clamp is None else ClampedSwiGLU(*cfg.swiglu_clamp),
                         )
                         for key in _expert_keys(rngs, cfg.num_experts)
                     ]
@@ -159,7 +166,7 @@ class MoECausalLM(nnx.Module):
         """Final norm and LM head: `[B, T, D]` -> logits `[B, T, V]` float32."""
         return output_logits(self.final_norm, self.output_projection, x)
 
-    def layer_experts(self, layer: int) -> list[ExpertWeights]:
+    def layer_experts(self, layer: int) -> list[AnyExpertWeights]:
         return [e.weights() for e in self.experts[layer]]
 
     def __call__(

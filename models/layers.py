@@ -242,7 +242,9 @@ class Attention(nnx.Module):
     """Grouped-query attention that appends the new keys/values to the cache and attends over it.
 
     Optional per config: RMSNorm of queries and keys before RoPE, per head (`qk_norm="head"`, Qwen3) or
-    over the whole projection (`"full"`, OLMoE), and OLMoE's clamp of q, k and v (`clip_qkv`).
+    over the whole projection (`"full"`, OLMoE), OLMoE's clamp of q, k and v (`clip_qkv`), RoPE on the first
+    `rope_dim` dimensions of each head only (GLM-4.5), and gpt-oss's sinks: a learned logit per head that
+    joins the softmax over the keys and takes its share of the probability without adding a value.
     """
 
     def __init__(self, cfg: MoEConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
@@ -254,6 +256,8 @@ class Attention(nnx.Module):
         self.o_proj = Linear(h * e, d, use_bias=cfg.o_bias, **kw)
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, e
         self.qk_norm, self.clip = cfg.qk_norm, cfg.clip_qkv
+        self.rope_dim = cfg.rope_dim
+        self.sinks = nnx.Param(jnp.zeros((h,), dtype)) if cfg.attention_sinks else None
         if cfg.qk_norm != "none":
             q_dim, k_dim = (e, e) if cfg.qk_norm == "head" else (h * e, k * e)
             self.q_norm = RMSNorm(q_dim, cfg.norm_eps, dtype=dtype)
@@ -273,7 +277,7 @@ class Attention(nnx.Module):
         if self.qk_norm == "head":
             q, k_new = self.q_norm(q), self.k_norm(k_new)
         cos, sin = rope
-        q, k_new = apply_rope(q, cos, sin), apply_rope(k_new, cos, sin)
+        q, k_new = self._rotate(q, cos, sin), self._rotate(k_new, cos, sin)
 
         keys, values = write_new(kv.k, k_new, layout), write_new(kv.v, v_new, layout)
         allowed = attention_mask(layout, keys.shape[1], window)  # [B, T, S]
@@ -281,6 +285,21 @@ class Attention(nnx.Module):
         qg = q.reshape(b, t, k, h // k, e)
         scores = jnp.einsum("btkge,bske->bkgts", qg, keys.astype(q.dtype)) * (1.0 / math.sqrt(e))
         scores = jnp.where(allowed[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        probs = self._softmax(scores).astype(q.dtype)
         out = jnp.einsum("bkgts,bske->btkge", probs, values.astype(q.dtype)).reshape(b, t, h * e)
         return self.o_proj(out), LayerKV(keys, values)
+
+    def _rotate(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """RoPE on the first `rope_dim` dimensions of each head `[B, T, N, E]`, the rest passed through."""
+        if self.rope_dim == self.head_dim:
+            return apply_rope(x, cos, sin)
+        r = self.rope_dim
+        return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
+
+    def _softmax(self, scores: jax.Array) -> jax.Array:
+        """Softmax over the keys of `[B, K, G, T, S]` float32 scores, each head's sink one more key."""
+        if self.sinks is None:
+            return jax.nn.softmax(scores, axis=-1)
+        b, k, g, t, _ = scores.shape
+        sink = jnp.broadcast_to(self.sinks[...].astype(jnp.float32).reshape(1, k, g, 1, 1), (b, k, g, t, 1))
+        return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]

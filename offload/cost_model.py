@@ -314,8 +314,9 @@ class ModelPreset:
     dense_layers: int = 0  # layers with a dense MLP instead of experts
     dense_intermediate_size: int = 0
     bytes_per_param: int = 2  # bf16
-    expert_quantization: str | None = None  # None: experts in bytes_per_param too
-    quantization_group_size: int | None = None  # default 64 when quantized
+    expert_quantization: str | None = None  # None: experts in bytes_per_param too; "mxfp4": gpt-oss's
+    quantization_group_size: int | None = None  # default 64 when quantized (MXFP4: 32)
+    expert_bias: bool = False  # gpt-oss: each expert's gate, up and down biases travel with it
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -366,6 +367,7 @@ class ModelPreset:
             dense_intermediate_size=cfg.dense_intermediate_size,
             expert_quantization=None if quantization is None else quantization.kind,
             quantization_group_size=None if quantization is None else quantization.group_size,
+            expert_bias=cfg.swiglu_clamp is not None,
         )
 
     # -- parameter counts (biases and norms are below 0.1 % and left out) -------------------------------
@@ -425,12 +427,14 @@ class ModelPreset:
     @property
     def expert_bytes(self) -> int:
         """Bytes of one routed expert as stored: what one host-to-device copy moves (quantized: values and
-        scales of gate `[F, D]`, up `[F, D]` and down `[D, F]`)."""
+        scales of gate `[F, D]`, up `[F, D]` and down `[D, F]`; MXFP4: 4.25 bits per weight), plus its
+        biases when it has them."""
         q = self.quantization
-        if q is None:
-            return self.expert_params * self.bytes_per_param
         d, f, size = self.hidden_size, self.expert_intermediate_size, self.bytes_per_param
-        return 2 * q.matrix_bytes(f, d, size) + q.matrix_bytes(d, f, size)
+        biases = (2 * f + d) * size if self.expert_bias else 0
+        if q is None:
+            return self.expert_params * self.bytes_per_param + biases
+        return 2 * q.matrix_bytes(f, d, size) + q.matrix_bytes(d, f, size) + biases
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -552,6 +556,108 @@ DEEPSEEK_V2_LITE = ModelPreset(
     dense_intermediate_size=10944,
 )
 
+# The models people offload to one small GPU today (issue 55). Experts at the precision fmoe_jax stores them:
+# gpt-oss's MXFP4 as published (4.25 bits per weight, with their bf16 biases); DeepSeek-V3's and Kimi-K2's
+# FP8 is dequantized to bf16 by fmoe-convert (`dataclasses.replace(DEEPSEEK_V3, expert_quantization="int4")`
+# for `--expert-quantization int4`). `num_layers` counts MoE layers only; dense first layers are
+# `dense_layers`.
+# openai/gpt-oss-20b config.json: hidden_size 2880, intermediate_size 2880, num_hidden_layers 24 (all MoE),
+# num_local_experts 32, num_experts_per_tok 4, num_attention_heads 64, num_key_value_heads 8, head_dim 64,
+# vocab_size 201088, tie_word_embeddings false, quantization_config mxfp4. 20.9 B parameters (model card).
+GPT_OSS_20B = ModelPreset(
+    "gpt-oss-20b",
+    num_layers=24,
+    num_experts=32,
+    top_k=4,
+    hidden_size=2880,
+    expert_intermediate_size=2880,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=64,
+    vocab_size=201088,
+    expert_quantization="mxfp4",
+    expert_bias=True,
+)
+# openai/gpt-oss-120b config.json: as gpt-oss-20b but num_hidden_layers 36 and num_local_experts 128.
+# 116.8 B parameters (model card).
+GPT_OSS_120B = dataclasses.replace(GPT_OSS_20B, name="gpt-oss-120b", num_layers=36, num_experts=128)
+# deepseek-ai/DeepSeek-V3 config.json (inference/configs/config_671B.json alike): hidden_size 7168,
+# num_hidden_layers 61 with first_k_dense_replace 3 (dense intermediate_size 18432), moe_intermediate_size
+# 2048, n_routed_experts 256, n_shared_experts 1, num_experts_per_tok 8 (n_group 8, topk_group 4),
+# num_attention_heads 128, kv_lora_rank 512, q_lora_rank 1536, qk_nope_head_dim 128, qk_rope_head_dim 64,
+# v_head_dim 128, vocab_size 129280, tie_word_embeddings false. 671 B parameters without the multi-token-
+# prediction module (model card). DeepSeek-R1 and V3.1 share these sizes.
+DEEPSEEK_V3 = ModelPreset(
+    "DeepSeek-V3",
+    num_layers=58,
+    num_experts=256,
+    top_k=8,
+    hidden_size=7168,
+    expert_intermediate_size=2048,
+    num_heads=128,
+    num_kv_heads=128,
+    head_dim=192,
+    vocab_size=129280,
+    shared_expert_intermediate_size=2048,
+    shared_expert_gate=False,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    dense_layers=3,
+    dense_intermediate_size=18432,
+)
+# moonshotai/Kimi-K2-Instruct config.json (model_type kimi_k2, DeepSeek-V3's architecture): hidden_size 7168,
+# num_hidden_layers 61 with first_k_dense_replace 1, moe_intermediate_size 2048, n_routed_experts 384,
+# n_shared_experts 1, num_experts_per_tok 8, num_attention_heads 64, the same latent attention, vocab_size
+# 163840. 1.04 T parameters (model card: 1 T total, 32 B activated).
+KIMI_K2 = dataclasses.replace(
+    DEEPSEEK_V3,
+    name="Kimi-K2",
+    num_layers=60,
+    num_experts=384,
+    num_heads=64,
+    num_kv_heads=64,
+    vocab_size=163840,
+    dense_layers=1,
+)
+# zai-org/GLM-4.5-Air config.json: hidden_size 4096, num_hidden_layers 46 with first_k_dense_replace 1 (dense
+# intermediate_size 10944), moe_intermediate_size 1408, n_routed_experts 128, n_shared_experts 1,
+# num_experts_per_tok 8, num_attention_heads 96, num_key_value_heads 8, head_dim 128, vocab_size 151552,
+# tie_word_embeddings false (q/k/v biases and RoPE on half of each head are below 0.1 % of the bytes).
+# 106 B parameters (model card).
+GLM_45_AIR = ModelPreset(
+    "GLM-4.5-Air",
+    num_layers=45,
+    num_experts=128,
+    top_k=8,
+    hidden_size=4096,
+    expert_intermediate_size=1408,
+    num_heads=96,
+    num_kv_heads=8,
+    head_dim=128,
+    vocab_size=151552,
+    shared_expert_intermediate_size=1408,
+    shared_expert_gate=False,
+    dense_layers=1,
+    dense_intermediate_size=10944,
+)
+# zai-org/GLM-4.5 config.json: hidden_size 5120, num_hidden_layers 92 with first_k_dense_replace 3 (dense
+# intermediate_size 12288), moe_intermediate_size 1536, n_routed_experts 160, n_shared_experts 1,
+# num_experts_per_tok 8, num_attention_heads 96, num_key_value_heads 8, head_dim 128, vocab_size 151552.
+# 355 B parameters (model card; GLM-4.6 shares these sizes).
+GLM_45 = dataclasses.replace(
+    GLM_45_AIR,
+    name="GLM-4.5",
+    num_layers=89,
+    num_experts=160,
+    hidden_size=5120,
+    expert_intermediate_size=1536,
+    shared_expert_intermediate_size=1536,
+    dense_layers=3,
+    dense_intermediate_size=12288,
+)
+
 MODELS: dict[str, ModelPreset] = {
     "mixtral": MIXTRAL_8X7B,
     "qwen2_moe": QWEN15_MOE_A27B,
@@ -559,7 +665,28 @@ MODELS: dict[str, ModelPreset] = {
     "qwen3_moe": QWEN3_30B_A3B,
     "olmoe": OLMOE_1B_7B,
     "deepseek_v2": DEEPSEEK_V2_LITE,
+    "gpt_oss": GPT_OSS_20B,
+    "deepseek_v3": DEEPSEEK_V3,
+    "glm4_moe": GLM_45_AIR,
 }  # by model family, as `RoutingTrace.meta["family"]` names it
+# Every preset by its model's name (the families above have several sizes).
+PRESETS: dict[str, ModelPreset] = {
+    p.name: p
+    for p in (
+        MIXTRAL_8X7B,
+        QWEN15_MOE_A27B,
+        PHI35_MOE,
+        QWEN3_30B_A3B,
+        OLMOE_1B_7B,
+        DEEPSEEK_V2_LITE,
+        GPT_OSS_20B,
+        GPT_OSS_120B,
+        DEEPSEEK_V3,
+        KIMI_K2,
+        GLM_45_AIR,
+        GLM_45,
+    )
+}
 
 
 class CostModel:

@@ -23,8 +23,12 @@ from fmoe_jax.checkpoint.manifest import MANIFEST_NAME, Manifest
 from fmoe_jax.loading import param_sharding
 
 # Tiny models of conftest.HF_CONFIGS: one per family, and DeepSeek-V2's two shapes (latent attention with and
-# without the q LoRA).
-FAMILIES = ("mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2_lite", "deepseek_v2")
+# without the q LoRA). DeepSeek-V3 converts from FP8 and gpt-oss from MXFP4 in test_published_quantization.py
+# (gpt-oss's float layout goes through the same key table whenever a test loads its HF directory).
+FAMILIES = (
+    *("mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2_lite", "deepseek_v2"),
+    "glm4_moe",
+)
 PROMPT = [3, 17, 42, 99, 5, 250, 7, 64, 128, 11, 1, 200]  # vocab of the tiny models is 256
 # The shape test_parity.py uses too, so a full run compiles this forward once.
 F32_IDS = np.random.default_rng(3).integers(0, 256, (2, 40)).astype(np.int32)

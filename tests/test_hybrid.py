@@ -6,7 +6,6 @@ on Mixtral, and the other families) with test_lossless.py's helpers."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import pytest
@@ -31,7 +30,7 @@ from fmoe_jax.offload.policies import POLICIES, Fiddler, PolicyContext, StaticSp
 from fmoe_jax.offload.policies.fiddler import expert_usage
 from fmoe_jax.offload.simulator import SimulatedLink, simulate
 from serving import served
-from test_lossless import Subject, check_lossless, subject_loader
+from test_lossless import OneTokenOnHost, Subject, check_lossless, subject_loader
 from toy_costs import TOY_HARDWARE, TOY_MODEL, toy_trace
 
 import fmoe_jax as fj
@@ -453,20 +452,6 @@ def test_live_statistics_and_measured_decisions(mixtral):
 
 
 # -- lossless ------------------------------------------------------------------------------------------------
-class OneTokenOnHost:
-    """A host cost under which the host takes every missed expert that one token uses and the device the
-    others: layers computed on both at once (a padded prefill, a batch's decode step)."""
-
-    def overhead_s(self, tokens: int) -> float:
-        return 0.0
-
-    def expert_s(self, tokens: int) -> float:
-        return 0.0 if tokens <= 1 else math.inf
-
-    def __repr__(self) -> str:
-        return "OneTokenOnHost()"
-
-
 # Hybrid execution compiles the per-layer programs of each shape it serves, and those dominate these tests'
 # time: the policies share one batch shape of one family, the other families one other shape each.
 BATCH_OF_3 = [[3, 14, 15], list(range(20, 44)), [7, 7, 7, 7, 7, 7]]

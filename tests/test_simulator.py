@@ -21,6 +21,7 @@ from fmoe_jax.offload.cost_model import (
     MODELS,
     OLMOE_1B_7B,
     PHI35_MOE,
+    PRESETS,
     QWEN3_30B_A3B,
     QWEN15_MOE_A27B,
     CostModel,
@@ -489,15 +490,36 @@ def test_cache_bytes_budget_uses_the_preset_expert_size():
         (QWEN3_30B_A3B, 30.5e9),
         (OLMOE_1B_7B, 6.9e9),
         (DEEPSEEK_V2_LITE, 15.7e9),
+        (PRESETS["gpt-oss-20b"], 20.9e9),
+        (PRESETS["gpt-oss-120b"], 116.8e9),
+        (PRESETS["DeepSeek-V3"], 671e9),
+        (PRESETS["Kimi-K2"], 1.026e12),
     ],  # model cards
 )
 def test_model_presets_match_published_parameter_counts(preset, published):
     np.testing.assert_allclose(preset.total_params, published, rtol=0.005)
 
 
+@pytest.mark.parametrize("name, published", [("GLM-4.5-Air", 106e9), ("GLM-4.5", 355e9)])
+def test_glm_presets_match_their_rounded_parameter_counts(name, published):
+    """GLM-4.5's cards give whole billions (and may count the multi-token-prediction layer): within 1 %."""
+    np.testing.assert_allclose(PRESETS[name].total_params, published, rtol=0.01)
+
+
+def test_gpt_oss_experts_are_charged_at_mxfp4():
+    """4.25 bits per weight (e2m1 values, one e8m0 scale per 32) plus the bf16 biases that travel along."""
+    d = f = 2880
+    for name in ("gpt-oss-20b", "gpt-oss-120b"):
+        assert PRESETS[name].expert_bytes == 3 * d * f * 17 // 32 + (2 * f + d) * 2
+
+
 def test_presets_are_registered_and_sane():
     assert MIXTRAL_8X7B.expert_bytes == 3 * 4096 * 14336 * 2
-    assert set(MODELS) == {"mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2"}
+    assert set(MODELS) == {
+        *("mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2"),
+        *("gpt_oss", "deepseek_v3", "glm4_moe"),
+    }
+    assert set(MODELS.values()) <= set(PRESETS.values())
     # DeepSeek-V2-Lite's latent cache: 512 + 64 numbers per token and layer, not 16 heads x (192 + 128).
     assert DEEPSEEK_V2_LITE.kv_bytes_per_token == (512 + 64) * 2
     for hardware in HARDWARE.values():

@@ -4,7 +4,9 @@
 are understood: the hub layout that `save_pretrained` writes (one tensor per expert matrix) and the fused
 layout transformers 5 keeps in memory (`mlp.experts.gate_up_proj` `[J, 2F, D]`, `mlp.experts.down_proj`
 `[J, D, F]`). Our matrices are stored `[out, in]` like HF's (see `models/layers.py` for why), so tensors are
-copied as they are; only the fused layout is sliced per expert.
+copied as they are; only the fused layout is sliced per expert. gpt-oss publishes its own fused layout
+(`gate_up_proj` `[J, D, 2F]` `[in, out]` with gate and up interleaved, biases beside), or the same experts in
+MXFP4 (`*_blocks`, `*_scales`: the "mxfp4" layout, `models/mxfp4.py`), sliced per expert as they are.
 """
 
 from __future__ import annotations
@@ -18,8 +20,19 @@ import numpy as np
 from fmoe_jax.models.config import MoEConfig
 
 Path = tuple[str | int, ...]
-Transform = Literal["copy", "fused_gate", "fused_up", "fused_down"]
-HFLayout = Literal["hub", "fused"]
+Transform = Literal[
+    "copy",
+    "fused_gate",
+    "fused_up",
+    "fused_down",
+    "expert",  # one expert's slice of a stacked tensor
+    "expert_even_rows",  # its rows 0, 2, 4, ... (gpt-oss: the gate's, gate and up interleaved)
+    "expert_odd_rows",  # rows 1, 3, 5, ... (the up projection's)
+    "expert_even_columns_t",  # columns 0, 2, ... of an `[in, out]` slice, transposed to `[out, in]`
+    "expert_odd_columns_t",
+    "expert_t",  # the slice transposed
+]
+HFLayout = Literal["hub", "fused", "mxfp4"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +73,9 @@ HUB_NAMES = {
     "qwen3_moe": HubNames("mlp", GATE_UP_DOWN),
     "olmoe": HubNames("mlp", GATE_UP_DOWN),
     "deepseek_v2": HubNames("mlp", GATE_UP_DOWN, "mlp.shared_experts"),
+    "deepseek_v3": HubNames("mlp", GATE_UP_DOWN, "mlp.shared_experts"),
+    "glm4_moe": HubNames("mlp", GATE_UP_DOWN, "mlp.shared_experts"),
+    "gpt_oss": HubNames("mlp", GATE_UP_DOWN),  # its router and experts: `_gpt_oss_moe`
 }
 
 
@@ -131,6 +147,8 @@ def _attention(cfg: MoEConfig, i: int) -> list[HFTensor]:
     out += _linear(f"{key}.k_proj", (*path, "k_proj"), d, k * e, cfg.qkv_bias, i)
     out += _linear(f"{key}.v_proj", (*path, "v_proj"), d, k * e, cfg.qkv_bias, i)
     out += _linear(f"{key}.o_proj", (*path, "o_proj"), h * e, d, cfg.o_bias, i)
+    if cfg.attention_sinks:
+        out.append(HFTensor(f"{key}.sinks", (h,), (Target((*path, "sinks"), (h,)),), i))
     if cfg.qk_norm != "none":
         q_dim, k_dim = (e, e) if cfg.qk_norm == "head" else (h * e, k * e)
         out.append(_vector(f"{key}.q_norm", (*path, "q_norm"), q_dim, i))
@@ -150,6 +168,9 @@ def hf_tensors(cfg: MoEConfig, layout: HFLayout = "hub") -> list[HFTensor]:
         tensors += _norm(f"{p}.input_layernorm", (*lp, "input_norm"), cfg, i)
         tensors += _attention(cfg, i)
         tensors += _norm(f"{p}.post_attention_layernorm", (*lp, "post_norm"), cfg, i)
+        if cfg.family == "gpt_oss":
+            tensors += _gpt_oss_moe(cfg, i, layout)
+            continue
         if not cfg.moe_layers[i]:
             tensors += _swiglu(
                 f"{p}.mlp",
@@ -160,9 +181,12 @@ def hf_tensors(cfg: MoEConfig, layout: HFLayout = "hub") -> list[HFTensor]:
                 i,
             )
             continue
-        tensors += _linear(
-            f"{p}.{moe}.{_router_name(cfg, layout)}", (*lp, "router"), d, cfg.num_experts, False, i
-        )
+        router = f"{p}.{moe}.{_router_name(cfg, layout)}"
+        tensors += _linear(router, (*lp, "router"), d, cfg.num_experts, False, i)
+        if cfg.score_correction_bias:
+            j = cfg.num_experts
+            target = Target((*lp, "score_correction"), (j,))
+            tensors.append(HFTensor(f"{router}.e_score_correction_bias", (j,), (target,), i))
         if cfg.shared_expert_intermediate_size:
             tensors += _swiglu(
                 f"{p}.{names.shared}",
@@ -202,8 +226,79 @@ def hf_tensors(cfg: MoEConfig, layout: HFLayout = "hub") -> list[HFTensor]:
     return tensors
 
 
+def _gpt_oss_moe(cfg: MoEConfig, i: int, layout: HFLayout) -> list[HFTensor]:
+    """gpt-oss's router (with a bias) and its experts, stacked per layer: float (`gate_up_proj` `[J, D, 2F]`,
+    gate and up interleaved along 2F, `down_proj` `[J, F, D]`, both `[in, out]`), or MXFP4 blocks and scales
+    (rows `[out]` in the checkpoint's order, `models/mxfp4.py`), each with its biases."""
+    d, f, n = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
+    p, j_all = f"model.layers.{i}.mlp", range(n)
+    tensors = _linear(f"{p}.router", ("layers", i, "router"), d, n, True, i)
+
+    def stacked(key: str, shape: tuple[int, ...], parts: list[tuple[tuple, tuple, str]]) -> HFTensor:
+        targets = tuple(
+            Target(("experts", i, j, *names), part_shape, transform, j)
+            for names, part_shape, transform in parts
+            for j in j_all
+        )
+        return HFTensor(f"{p}.experts.{key}", (n, *shape), targets, i)
+
+    if layout == "mxfp4":
+        blocks, scales = (d // 32, 16), (d // 32,)
+        tensors += [
+            stacked(
+                "gate_up_proj_blocks",
+                (2 * f, *blocks),
+                [
+                    (("gate", "values"), (f, d // 2), "expert_even_rows"),
+                    (("up", "values"), (f, d // 2), "expert_odd_rows"),
+                ],
+            ),
+            stacked(
+                "gate_up_proj_scales",
+                (2 * f, *scales),
+                [
+                    (("gate", "scales"), (f, d // 32), "expert_even_rows"),
+                    (("up", "scales"), (f, d // 32), "expert_odd_rows"),
+                ],
+            ),
+            stacked("down_proj_blocks", (d, f // 32, 16), [(("down", "values"), (d, f // 2), "expert")]),
+            stacked("down_proj_scales", (d, f // 32), [(("down", "scales"), (d, f // 32), "expert")]),
+        ]
+    else:
+        tensors += [
+            stacked(
+                "gate_up_proj",
+                (d, 2 * f),
+                [(("gate",), (f, d), "expert_even_columns_t"), (("up",), (f, d), "expert_odd_columns_t")],
+            ),
+            stacked("down_proj", (f, d), [(("down",), (d, f), "expert_t")]),
+        ]
+    return tensors + [
+        stacked(
+            "gate_up_proj_bias",
+            (2 * f,),
+            [(("gate_bias",), (f,), "expert_even_rows"), (("up_bias",), (f,), "expert_odd_rows")],
+        ),
+        stacked("down_proj_bias", (d,), [(("down_bias",), (d,), "expert")]),
+    ]
+
+
+# Parameters kept in float32 whatever the model's dtype: DeepSeek-V3's score-correction bias (its checkpoints
+# and transformers keep it so; it decides near-ties between experts).
+FLOAT32_PARAMS = ("score_correction",)
+
+
+def param_dtype(path: Path, dtype: np.dtype) -> np.dtype:
+    """The dtype a float parameter is held in: the model's `dtype`, or float32 for `FLOAT32_PARAMS`."""
+    return np.dtype(np.float32) if path[-1] in FLOAT32_PARAMS else np.dtype(dtype)
+
+
 def detect_layout(keys: Iterable[str]) -> HFLayout:
-    """Fused if any tensor is a stacked `experts.gate_up_proj`, else hub."""
+    """MXFP4 if any tensor is a stacked `experts.gate_up_proj_blocks`; fused if any is a stacked
+    `experts.gate_up_proj`; else hub."""
+    keys = list(keys)
+    if any(key.endswith("experts.gate_up_proj_blocks") for key in keys):
+        return "mxfp4"
     return "fused" if any(key.endswith("experts.gate_up_proj") for key in keys) else "hub"
 
 
@@ -212,16 +307,25 @@ def apply_transform(array: np.ndarray, target: Target) -> np.ndarray:
     if target.transform == "copy":
         return np.ascontiguousarray(array)
     f = target.shape[0] if target.transform != "fused_down" else target.shape[1]
+    j = target.expert
     sliced = {
-        "fused_gate": lambda: array[target.expert, :f, :],
-        "fused_up": lambda: array[target.expert, f:, :],
-        "fused_down": lambda: array[target.expert],
+        "fused_gate": lambda: array[j, :f, :],
+        "fused_up": lambda: array[j, f:, :],
+        "fused_down": lambda: array[j],
+        "expert": lambda: array[j],
+        "expert_even_rows": lambda: array[j, 0::2],
+        "expert_odd_rows": lambda: array[j, 1::2],
+        "expert_even_columns_t": lambda: array[j][:, 0::2].T,
+        "expert_odd_columns_t": lambda: array[j][:, 1::2].T,
+        "expert_t": lambda: array[j].T,
     }[target.transform]()
-    return np.ascontiguousarray(sliced)
+    return np.ascontiguousarray(sliced).reshape(target.shape)
 
 
 def to_hf(cfg: MoEConfig, params: Mapping[Path, np.ndarray]) -> dict[str, np.ndarray]:
     """Our parameters (flat, by path) -> HF hub-layout tensors, the inverse of the loading table."""
+    if cfg.family == "gpt_oss":
+        raise ValueError("exporting gpt_oss to Hugging Face tensors is not implemented (fused experts)")
     out = {}
     for tensor in hf_tensors(cfg, "hub"):
         (target,) = tensor.targets

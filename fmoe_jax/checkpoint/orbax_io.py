@@ -27,10 +27,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from fmoe_jax.models import MoEConfig, config_from_hf
-from fmoe_jax.models.quant import ExpertQuantization, quantized_params
+from fmoe_jax.models.quant import ExpertQuantization, is_expert_matrix, quantized_params
 
 from .hf import CheckpointError, HFCheckpoint, read_json
-from .keys import HFTensor, hf_tensors
+from .keys import HFTensor, hf_tensors, param_dtype
 from .manifest import MANIFEST_NAME, Manifest, verify_files
 
 DENSE_ITEM = "dense"
@@ -101,7 +101,7 @@ def item_of_tensor(tensor: HFTensor) -> str:
 def expected_items(cfg: MoEConfig, quantization: ExpertQuantization | None = None) -> Expected:
     """Item name -> {key in the item: (our parameter path, shape)}, in write order, from the key tables
     (`assemble` checks those against the model; tracing `abstract_model` here would cost seconds). With
-    `quantization`, each routed expert matrix is its `values` and `scales`."""
+    `quantization`, each routed expert matrix is its `values` and `scales` (biases stay as they are)."""
     items: Expected = {DENSE_ITEM: {}}
     for layer in range(cfg.num_layers):
         items[dense_layer_item(layer)] = {}
@@ -110,7 +110,7 @@ def expected_items(cfg: MoEConfig, quantization: ExpertQuantization | None = Non
     for tensor in hf_tensors(cfg, "hub"):
         for target in tensor.targets:
             path, shape = target.path, target.shape
-            if quantization is not None and path[0] == "experts":
+            if quantization is not None and is_expert_matrix(path):
                 for part, part_shape in (
                     ("values", quantization.values_shape(*shape)),
                     ("scales", quantization.scales_shape(*shape)),
@@ -123,10 +123,13 @@ def expected_items(cfg: MoEConfig, quantization: ExpertQuantization | None = Non
 
 def stored_dtype(path: ParamPath, dtype: np.dtype, quantization: ExpertQuantization | None) -> np.dtype:
     """The dtype a parameter is stored and restored in: a quantized expert's values keep their integer
-    type; everything else (scales included) is in the model's `dtype`."""
+    type, MXFP4 scales too; everything else (other scales included) is in the model's `dtype`, but for
+    float32 parameters (`keys.param_dtype`)."""
     if quantization is not None and path[0] == "experts" and path[-1] == "values":
         return quantization.storage_dtype
-    return np.dtype(dtype)
+    if quantization is not None and path[0] == "experts" and path[-1] == "scales":
+        return quantization.scales_dtype(dtype)
+    return param_dtype(path, dtype)
 
 
 def _item_info(name: str, flat: dict[ItemKey, np.ndarray]) -> dict[str, Any]:
@@ -206,7 +209,7 @@ def write_items(
         for group in groups:
             buffers: dict[str, dict[ItemKey, np.ndarray]] = {name: {} for name in group}
             for tensor, target, value in ckpt.params(dtype, where=lambda t, g=group: item_of_tensor(t) in g):
-                if quantization is not None and target.path[0] == "experts":
+                if quantization is not None and is_expert_matrix(target.path):
                     for path, part in quantized_params(target.path, value, quantization).items():
                         buffers[item_of(path)][item_key(path)] = part
                 else:
@@ -346,13 +349,16 @@ def _restore_quantizing(
     quantization: ExpertQuantization,
     sharding: Placement,
 ) -> dict[ParamPath, jax.Array]:
-    """One float expert restored to the host in `dtype`, quantized, and placed (values and scales)."""
+    """One float expert restored to the host in `dtype`, quantized, and placed (values and scales; its
+    biases, if any, as they are)."""
     args = {key: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.dtype(dtype)) for key in group}
     targets = {key: np.zeros(shape, np.dtype(dtype)) for key, (_, shape) in group.items()}
     restored = _restore(ckptr, path, targets, args)
     out = {}
     for key, (param, _) in group.items():
-        for part_path, part in quantized_params(param, restored.pop(key), quantization).items():
+        value = restored.pop(key)
+        parts = quantized_params(param, value, quantization) if is_expert_matrix(param) else {param: value}
+        for part_path, part in parts.items():
             out[part_path] = jax.device_put(part, sharding(part_path))
     return out
 
