@@ -20,7 +20,7 @@ from fmoe_jax.models.config import MoEConfig
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from .keys import HFTensor, Target, apply_transform, detect_layout, hf_tensors
+from .keys import HFTensor, Target, apply_transform, detect_layout, detect_prefix, hf_tensors, not_converted
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -174,7 +174,9 @@ class HFCheckpoint:
                 if key not in self.shards[name].entries:
                     raise CheckpointError(f"{self.dir / name}: index says it holds {key!r}, but it does not")
         self.layout = detect_layout(self.location)
-        self.tensors: list[HFTensor] = hf_tensors(self.config, self.layout)
+        self.tensors: list[HFTensor] = hf_tensors(self.config, self.layout, detect_prefix(self.location))
+        # {part: tensors} the checkpoint holds beside the language model, left out (a vision tower, ...)
+        self.not_converted = not_converted(self.config, self.location)
         self._check_names_and_shapes()
 
     def _check_names_and_shapes(self) -> None:
@@ -187,7 +189,11 @@ class HFCheckpoint:
                 f"{self.dir}: tensor(s) missing from the checkpoint: {', '.join(missing[:5])}{more}"
             )
         ignorable = ("rotary_emb.inv_freq",)
-        unexpected = [k for k in self.location if k not in expected and not k.endswith(ignorable)]
+        unexpected = [
+            k
+            for k in self.location
+            if k not in expected and not k.endswith(ignorable) and not not_converted(self.config, [k])
+        ]
         if self.config.tie_word_embeddings:
             unexpected = [k for k in unexpected if k != "lm_head.weight"]
         if unexpected:
@@ -213,10 +219,17 @@ class HFCheckpoint:
                 )
 
     @property
+    def not_converted_note(self) -> str | None:
+        """One line naming what the checkpoint holds that the model leaves out, or None."""
+        if not self.not_converted:
+            return None
+        parts = ", ".join(f"{what} ({n} tensors)" for what, n in self.not_converted.items())
+        return f"not converted: {parts}; fmoe_jax serves the language model only"
+
+    @property
     def total_bytes(self) -> int:
-        return sum(
-            end - begin for shard in self.shards.values() for _, _, begin, end in shard.entries.values()
-        )
+        """Bytes of the tensors the model reads (what a conversion streams)."""
+        return sum(self.tensor_bytes(t.key) for t in self.tensors)
 
     def tensor_bytes(self, key: str) -> int:
         _, _, begin, end = self.location[key].entries[key]
