@@ -34,7 +34,17 @@ SHIPPED = ["fmoe-tiny-mixtral", "fmoe-tiny-qwen-moe", "fmoe-tiny-qwen3-moe"]
 KNOWN_DIFFERENT = {("deepseek_v2_lite", "float32")}
 RANDOM = [
     (family, dtype)
-    for family in ("mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2_lite", "deepseek_v2")
+    for family in (
+        "mixtral",
+        "qwen2_moe",
+        "phimoe",
+        "qwen3_moe",
+        "olmoe",
+        "deepseek_v2_lite",
+        "deepseek_v2",
+        "qwen3_next",
+        "qwen3_5_moe",
+    )
     for dtype in ("bfloat16", "float32")
     if (family, dtype) not in KNOWN_DIFFERENT
 ]
@@ -288,6 +298,19 @@ def test_fmoe_lossless_while_it_stops_wanting_contexts(subjects):
         np.testing.assert_array_equal(logits, ref_logits, err_msg=f"{slots} slots")
         if slots < cfg.num_moe_layers * cfg.num_experts:  # with every expert resident nothing is at stake
             assert stats["unrecorded_iterations"] > 0 and stats["unpaid_reuse"] > 0, (slots, stats)
+
+
+def test_linear_attention_model_at_one_slot_and_a_quarter(subjects):
+    """Hybrid models (`models/gated_deltanet.py`): each linear layer's recurrent state and convolution window
+    ride beside the full layers' KV cache through the per-layer programs. bfloat16 as models ship, a
+    left-padded batch of two, on-demand LRU and fmoe at one slot and at a quarter of the routed experts, on
+    Qwen3-Next (Qwen3.5-MoE, whose linear layers differ only in their projections, is drawn above)."""
+    subject = subjects(("qwen3_next", "bfloat16"))
+    cfg = subject.resident.config
+    prompts = [[5, 100, 200, 30, 41, 17, 9, 12, 250, 77, 3], [44, 3, 81]]
+    for policy in ("on_demand_lru", "fmoe"):
+        for slots in (1, cfg.num_moe_layers * cfg.num_experts // 4):
+            check_lossless(subject, policy, slots, prompts, 4)
 
 
 @pytest.mark.xfail(
