@@ -17,6 +17,7 @@ from fmoe_jax.convert.cli import main as convert_main
 from fmoe_jax.models import LinearState, UnsupportedConfigError, config_from_hf, init_kv_cache
 from fmoe_jax.models.gated_deltanet import GatedDeltaNet, chunked_delta_rule, delta_rule_step, l2_normalize
 from fmoe_jax.models.layers import Layout
+from fmoe_jax.offload.cost_model import ModelPreset
 from test_batching import serve as serve_batch
 
 import fmoe_jax as fj
@@ -129,6 +130,7 @@ def test_layer_kinds_and_defaults_follow_transformers():
     text = config_from_hf({**HF_CONFIGS["qwen3_5_moe"], "model_type": "qwen3_5_moe_text"})
     assert text == config_from_hf(hf("qwen3_5_moe")) and text.family == "qwen3_5_moe"
     assert not text.linear_attention.fused_projections and cfg.linear_attention.fused_projections
+    assert [ModelPreset.from_config(c).linear_layers for c in (cfg, text)] == [6, 3]
 
 
 def test_conversion_leaves_out_the_vision_tower_with_a_note(hf_dirs, tmp_path, capsys):
