@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import MoEConfig
-from .layers import Layout, Linear, LinearState
+from .layers import Layout, Linear, LinearState, rms_normalized
 
 CHUNK = 64  # tokens per chunk of the prefill (transformers' reference uses the same)
 L2_EPS = 1e-6  # queries and keys are L2-normalised with this epsilon, as in the reference
@@ -149,9 +149,7 @@ class GatedRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        y = self.weight[...] * x32.astype(x.dtype)
+        y = self.weight[...] * rms_normalized(x, self.eps).astype(x.dtype)
         return (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
 
 

@@ -19,6 +19,12 @@ from flax import nnx
 from .config import MoEConfig, RopeConfig
 
 
+def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
+    """x in float32, divided by its root mean square over the last axis (every RMSNorm's first step)."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm computed in float32 and cast back, as the Mixtral/Qwen reference implementations do."""
 
@@ -27,9 +33,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x32.astype(x.dtype)
+        return self.weight[...] * rms_normalized(x, self.eps).astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -58,9 +62,7 @@ class ZeroCenteredRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        return (rms_normalized(x, self.eps) * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
 NORMS = {"rms": RMSNorm, "layer": LayerNorm, "rms_zero_centered": ZeroCenteredRMSNorm}
