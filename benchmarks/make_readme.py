@@ -51,6 +51,7 @@ BENCHMARKS = [
     ("convert_speed", "checkpoint conversion throughput and peak memory"),
     ("multi_device", "expert-parallel decoding over several devices"),
     ("quantization", "int8 / int4 experts: bytes, held-out NLL, expert-kernel speed, simulated TPOT"),
+    ("linear_prefill", "prefill of a hybrid (Gated DeltaNet) model against a same-size Qwen3-MoE"),
 ]
 
 TITLE = "# Benchmarks and experiments"
