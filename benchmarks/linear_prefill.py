@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from benchmarks.common import RESULTS, HelpFormatter, bar_plot, print_table, save, saved
+from benchmarks.harness import command_line
 
 NAME = "linear_prefill"
 # Sizes shared by both models; the hybrid's linear layers have 4 key heads, 8 value heads of 64 dimensions.
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = measure(args.prompt_lens, args.repeats)
     print_table([{k: v for k, v in r.items() if k != "times_s"} for r in rows])
     payload = {
-        "command": "python -m benchmarks.linear_prefill " + " ".join(argv or []),
+        "command": command_line(),
         "models": {"hybrid": HYBRID, "softmax": SOFTMAX},
         "rows": rows,
         "notes": [
