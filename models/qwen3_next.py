@@ -39,7 +39,8 @@ def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
     # transformers' Qwen3.5 routers always renormalise; a config asking otherwise is not what it runs.
     only = {"norm_topk_prob": True, "mlp_only_layers": ((), []), "decoder_sparse_step": 1}
     refuse_unsupported(text, only, "qwen3_5_moe")
-    merged = {**text, **{k: hf[k] for k in ("tie_word_embeddings",) if k in hf and k not in text}}
+    shared = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")  # may sit at the top
+    merged = {**text, **{k: hf[k] for k in shared if k in hf and k not in text}}
     return _hybrid_config({**merged, "norm_topk_prob": True}, "qwen3_5_moe", fused_projections=False)
 
 
