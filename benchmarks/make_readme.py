@@ -57,6 +57,7 @@ BENCHMARKS = [
     ("multi_device", "expert-parallel decoding over several devices"),
     ("quantization", "int8 / int4 experts: bytes, held-out NLL, expert-kernel speed, simulated TPOT"),
     ("serve_soak", "fmoe-serve under 32 hostile and careless clients: no 5xx, none lost, p99, memory"),
+    ("linear_prefill", "prefill of a hybrid (Gated DeltaNet) model against a same-size Qwen3-MoE"),
 ]
 
 TITLE = "# Benchmarks and experiments"

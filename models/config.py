@@ -1,8 +1,8 @@
 """The one model configuration every family is described by, and its checks.
 
 Family modules (`mixtral.py`, `qwen2_moe.py`, `phimoe.py`, `qwen3_moe.py`, `olmoe.py`, `deepseek_v2.py`,
-`deepseek_v3.py`, `glm4_moe.py`, `gpt_oss.py`) build a `MoEConfig` from a Hugging Face `config.json`; shared
-layers, the engine and the offload runtime read only this dataclass.
+`deepseek_v3.py`, `glm4_moe.py`, `gpt_oss.py`, `qwen3_next.py`) build a `MoEConfig` from a Hugging Face
+`config.json`; shared layers, the engine and the offload runtime read only this dataclass.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import json
 import math
 from typing import Any, Literal
 
-NormKind = Literal["rms", "layer"]
+# "rms_zero_centered": RMSNorm whose stored weight w scales by 1 + w (Qwen3-Next, Qwen3.5), in float32.
+NormKind = Literal["rms", "layer", "rms_zero_centered"]
 # "topk_softmax": softmax over the top-k logits (gpt-oss); "sigmoid_grouped": DeepSeek-V3's sigmoid scores,
 # chosen with a correction bias within the best groups (DeepSeek-V3, Kimi-K2, GLM-4.5).
 RouterKind = Literal["softmax_topk", "sparsemixer", "deepseek", "topk_softmax", "sigmoid_grouped"]
@@ -51,6 +52,42 @@ class RopeConfig:
     mscale_all_dim: float = 0.0  # yarn: DeepSeek's attention softmax scale uses it (`yarn_mscale`)
     truncate: bool = True  # yarn: round the ramp's ends outwards to whole dimensions
     partial_rotary_factor: float = 1.0  # share of each head's dimensions rotated (GLM-4.5: the first half)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3-Next, Qwen3.5-MoE; `models/gated_deltanet.py`).
+
+    `layers[i]` is True where layer i mixes tokens by the gated delta rule (a recurrent state per head of
+    `key_head_dim x value_head_dim` and a causal convolution of `conv_kernel` taps) instead of softmax
+    attention. Queries and keys have `num_key_heads` heads, values `num_value_heads` (a multiple: each key
+    head serves that many value heads in turn). `fused_projections`: Qwen3-Next projects q, k, v and the
+    output gate z in one matrix interleaved per key head (`in_proj_qkvz`) and b, a in another (`in_proj_ba`);
+    Qwen3.5 in four plain ones.
+    """
+
+    layers: tuple[bool, ...]
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    fused_projections: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"linear attention: {name} must be positive, got {getattr(self, name)}")
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of linear_num_key_heads "
+                f"({self.num_key_heads})"
+            )
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: queries, keys and values side by side."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,6 +147,10 @@ class MoEConfig:
     # DeepSeek-V2 computes the router's matmul in float32 (input and weight cast up); the others in the
     # model's dtype. Only bfloat16 / float16 models see the difference.
     router_matmul_float32: bool = False
+    # Hybrid models: the Gated DeltaNet layers (None: every layer is softmax attention).
+    linear_attention: LinearAttentionConfig | None = None
+    # Qwen3-Next: q_proj also yields a gate per query dimension; attention's output is scaled by its sigmoid.
+    attention_output_gate: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -182,6 +223,10 @@ class MoEConfig:
                 )
             if self.qk_rope_head_dim % 2:
                 raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.linear_attention is not None and len(self.linear_attention.layers) != self.num_layers:
+            raise ValueError(
+                f"linear attention names {len(self.linear_attention.layers)} layers of {self.num_layers}"
+            )
         if not self.is_mla and (self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim):
             raise ValueError(
                 f"partial_rotary_factor {self.rope.partial_rotary_factor} of head_dim {self.head_dim} "
@@ -212,6 +257,10 @@ class MoEConfig:
         """Dimensions per head that RoPE rotates: `head_dim` times `partial_rotary_factor` (all of it but in
         GLM-4.5), or MLA's `qk_rope_head_dim`."""
         return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.rope.partial_rotary_factor)
+
+    def is_linear(self, layer: int) -> bool:
+        """Layer `layer` is a Gated DeltaNet (linear attention) layer."""
+        return self.linear_attention is not None and self.linear_attention.layers[layer]
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:

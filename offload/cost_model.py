@@ -284,7 +284,10 @@ class ModelPreset:
     replay come from the routing trace, so a trace recorded on a small model replays "at real size" with
     these per-layer and per-expert sizes. `num_layers`, `num_experts` and `top_k` describe the real model
     (`num_layers` counts its MoE layers). Attention is grouped-query, or multi-head latent (DeepSeek-V2)
-    when `kv_lora_rank > 0`; then `head_dim` is the query/key head (nope + rope part). Dense layers
+    when `kv_lora_rank > 0`; then `head_dim` is the query/key head (nope + rope part). Hybrid models
+    (Qwen3-Next, Qwen3.5-MoE) have `linear_layers` Gated DeltaNet layers among their MoE layers, each with a
+    fixed-size recurrent state per sequence read and written at every step (`linear_state_bytes`), and gate
+    their softmax attention's output (`attention_output_gate`: q_proj twice as wide). Dense layers
     (DeepSeek's first) count in the parameters and the resident bytes; their time is not modelled (the
     simulator steps through the MoE layers of a trace): 1 of 27 layers in DeepSeek-V2-Lite.
 
@@ -313,6 +316,13 @@ class ModelPreset:
     v_head_dim: int = 0  # MLA: value head size
     dense_layers: int = 0  # layers with a dense MLP instead of experts
     dense_intermediate_size: int = 0
+    attention_output_gate: bool = False  # Qwen3-Next: q_proj also yields a gate per query dimension
+    linear_layers: int = 0  # MoE layers whose token mixer is Gated DeltaNet instead of softmax attention
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
     bytes_per_param: int = 2  # bf16
     expert_quantization: str | None = None  # None: experts in bytes_per_param too; "mxfp4": gpt-oss's
     quantization_group_size: int | None = None  # default 64 when quantized (MXFP4: 32)
@@ -327,6 +337,11 @@ class ModelPreset:
             raise ValueError(
                 f"model {self.name!r}: hidden_size ({self.hidden_size}) and expert_intermediate_size "
                 f"({self.expert_intermediate_size}) must be positive"
+            )
+        if self.linear_layers > self.num_layers or (self.linear_layers and not self.linear_key_head_dim):
+            raise ValueError(
+                f"model {self.name!r}: linear_layers ({self.linear_layers}) must be at most num_layers "
+                f"({self.num_layers}) and have their heads' sizes"
             )
         try:
             q = self.quantization
@@ -365,6 +380,8 @@ class ModelPreset:
             v_head_dim=cfg.v_head_dim,
             dense_layers=cfg.num_layers - cfg.num_moe_layers,
             dense_intermediate_size=cfg.dense_intermediate_size,
+            attention_output_gate=cfg.attention_output_gate,
+            **_linear_fields(cfg),
             expert_quantization=None if quantization is None else quantization.kind,
             quantization_group_size=None if quantization is None else quantization.group_size,
             expert_bias=cfg.swiglu_clamp is not None,
@@ -386,9 +403,35 @@ class ModelPreset:
                 else d * h * self.head_dim
             )
             return q + d * (r + p) + r * h * (self.head_dim - p + v) + h * v * d
-        q_and_o = 2 * d * h * self.head_dim
+        q_and_o = (3 if self.attention_output_gate else 2) * d * h * self.head_dim
         k_and_v = 2 * d * self.num_kv_heads * self.head_dim
         return q_and_o + k_and_v
+
+    @property
+    def linear_attention_params(self) -> int:
+        """One Gated DeltaNet layer: the q, k, v, z, b, a projections, the convolution and the output."""
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+        conv = (2 * key_dim + value_dim) * self.linear_conv_kernel
+        return self.hidden_size * (2 * key_dim + 2 * value_dim + 2 * self.linear_num_value_heads) + conv + (
+            value_dim * self.hidden_size
+        )
+
+    @property
+    def token_mixer_params(self) -> float:
+        """Attention parameters of an MoE layer, averaged over the layer kinds (softmax and linear)."""
+        share = self.linear_layers / self.num_layers
+        return (1 - share) * self.attention_params + share * self.linear_attention_params
+
+    @property
+    def linear_state_bytes(self) -> int:
+        """One linear layer's state per sequence: the float32 recurrent state (value heads x key dim x value
+        dim) and the convolution's last K-1 inputs."""
+        state = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        conv_dim = 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
+            self.linear_num_value_heads * self.linear_value_head_dim
+        )
+        return state + max(0, self.linear_conv_kernel - 1) * conv_dim * self.bytes_per_param
 
     @property
     def score_flops(self) -> int:
@@ -416,13 +459,13 @@ class ModelPreset:
     def total_params(self) -> int:
         """All parameters of the real model (a check of the preset against the published counts)."""
         per_layer = (
-            self.attention_params
+            self.token_mixer_params
             + self.router_params(self.num_experts)
             + self.shared_params
             + self.num_experts * self.expert_params
         )
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + self.dense_layers * self.dense_layer_params + embeddings
+        return round(self.num_layers * per_layer + self.dense_layers * self.dense_layer_params + embeddings)
 
     @property
     def expert_bytes(self) -> int:
@@ -446,10 +489,10 @@ class ModelPreset:
     def resident_bytes(self, num_layers: int, num_experts: int) -> int:
         """Weights that stay on the device whatever the policy: attention, routers, shared experts, dense
         layers, embedding and LM head, for `num_layers` MoE layers of `num_experts` experts."""
-        per_layer = self.attention_params + self.router_params(num_experts) + self.shared_params
+        per_layer = self.token_mixer_params + self.router_params(num_experts) + self.shared_params
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         dense = self.dense_layers * self.dense_layer_params
-        return (num_layers * per_layer + dense + embeddings) * self.bytes_per_param
+        return round((num_layers * per_layer + dense + embeddings) * self.bytes_per_param)
 
 
 # Sizes from each model's published Hugging Face `config.json`.
@@ -657,6 +700,84 @@ GLM_45 = dataclasses.replace(
     dense_layers=3,
     dense_intermediate_size=12288,
 )
+# Qwen/Qwen3-Next-80B-A3B: hidden_size 2048, num_hidden_layers 48 (every 4th full attention, the rest Gated
+# DeltaNet), num_attention_heads 16, num_key_value_heads 2, head_dim 256 (RoPE on a quarter, output gate),
+# linear_num_key_heads 16, linear_num_value_heads 32, linear key/value head dims 128, linear_conv_kernel_dim
+# 4, num_experts 512, num_experts_per_tok 10, moe_intermediate_size 512, shared_expert_intermediate_size 512
+# (gated), vocab_size 151936, tie_word_embeddings false: transformers 5.23's Qwen3NextConfig defaults, which
+# describe this checkpoint (its docstring), and THUDM/slime scripts/models/qwen3-next-80B-A3B.sh. 80 B
+# parameters (model card: 80 B total, 3 B activated); its multi-token prediction layer is left out.
+QWEN3_NEXT_80B_A3B = ModelPreset(
+    "Qwen3-Next-80B-A3B",
+    num_layers=48,
+    num_experts=512,
+    top_k=10,
+    hidden_size=2048,
+    expert_intermediate_size=512,
+    num_heads=16,
+    num_kv_heads=2,
+    head_dim=256,
+    vocab_size=151936,
+    shared_expert_intermediate_size=512,
+    attention_output_gate=True,
+    linear_layers=36,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel=4,
+)
+# Qwen/Qwen3.5-35B-A3B (text model): hidden_size 2048, num_hidden_layers 40 (full_attention_interval 4),
+# num_attention_heads 16, num_key_value_heads 2, head_dim 256, linear heads 16 key / 32 value of 128, conv 4,
+# num_experts 256, num_experts_per_tok 8, moe_intermediate_size 512, shared_expert_intermediate_size 512,
+# vocab_size 248320, tie_word_embeddings false (THUDM/slime scripts/models/qwen3.5-35B-A3B.sh; transformers
+# 5.23's Qwen3_5MoeTextConfig defaults). 34.7 B parameters here; the model card's 35 B counts the vision
+# tower.
+QWEN35_35B_A3B = ModelPreset(
+    "Qwen3.5-35B-A3B",
+    num_layers=40,
+    num_experts=256,
+    top_k=8,
+    hidden_size=2048,
+    expert_intermediate_size=512,
+    num_heads=16,
+    num_kv_heads=2,
+    head_dim=256,
+    vocab_size=248320,
+    shared_expert_intermediate_size=512,
+    attention_output_gate=True,
+    linear_layers=30,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel=4,
+)
+# Qwen/Qwen3.5-122B-A10B (text model): hidden_size 3072, num_hidden_layers 48 (12 full attention),
+# num_attention_heads 32, num_key_value_heads 2, head_dim 256, linear heads 16 key / 64 value of 128, conv 4,
+# num_experts 256, num_experts_per_tok 8, moe_intermediate_size 1024, shared_expert_intermediate_size 1024,
+# vocab_size 248320 (its config.json as transcribed in public test configs, and apxml.com/models/
+# qwen35-122b-a10b for the attention and expert sizes). 122 B parameters (model card).
+QWEN35_122B_A10B = ModelPreset(
+    "Qwen3.5-122B-A10B",
+    num_layers=48,
+    num_experts=256,
+    top_k=8,
+    hidden_size=3072,
+    expert_intermediate_size=1024,
+    num_heads=32,
+    num_kv_heads=2,
+    head_dim=256,
+    vocab_size=248320,
+    shared_expert_intermediate_size=1024,
+    attention_output_gate=True,
+    linear_layers=36,
+    linear_num_key_heads=16,
+    linear_num_value_heads=64,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel=4,
+)
 
 MODELS: dict[str, ModelPreset] = {
     "mixtral": MIXTRAL_8X7B,
@@ -668,6 +789,8 @@ MODELS: dict[str, ModelPreset] = {
     "gpt_oss": GPT_OSS_20B,
     "deepseek_v3": DEEPSEEK_V3,
     "glm4_moe": GLM_45_AIR,
+    "qwen3_next": QWEN3_NEXT_80B_A3B,
+    "qwen3_5_moe": QWEN35_35B_A3B,
 }  # by model family, as `RoutingTrace.meta["family"]` names it
 # Every preset by its model's name (the families above have several sizes).
 PRESETS: dict[str, ModelPreset] = {
@@ -685,8 +808,30 @@ PRESETS: dict[str, ModelPreset] = {
         KIMI_K2,
         GLM_45_AIR,
         GLM_45,
+        QWEN3_NEXT_80B_A3B,
+        QWEN35_35B_A3B,
+        QWEN35_122B_A10B,
     )
 }
+
+
+def _linear_fields(cfg: Any) -> dict[str, Any]:
+    """`ModelPreset`'s linear-attention fields from a `MoEConfig` (none for a model without linear layers)."""
+    la = cfg.linear_attention
+    if la is None:
+        return {}
+    return dict(
+        linear_layers=sum(la.layers[i] for i in cfg.moe_layer_ids),
+        linear_num_key_heads=la.num_key_heads,
+        linear_num_value_heads=la.num_value_heads,
+        linear_key_head_dim=la.key_head_dim,
+        linear_value_head_dim=la.value_head_dim,
+        linear_conv_kernel=la.conv_kernel,
+    )
+
+
+# Tokens per chunk of a linear layer's prefill (`models/gated_deltanet.py`), for its within-chunk FLOPs.
+LINEAR_CHUNK = 64
 
 
 class CostModel:
@@ -710,7 +855,31 @@ class CostModel:
 
     def attention_s(self, new_tokens: np.ndarray, past_tokens: np.ndarray) -> float:
         """One layer's attention and router: `new_tokens` `[R]` tokens per active row, `past_tokens` `[R]`
-        tokens each row already has in its KV cache."""
+        tokens each row already has in its KV cache. A hybrid model's layer kinds are averaged by their shares
+        of the MoE layers (the simulator charges every layer of a trace this time): softmax attention reads
+        its KV cache, a linear layer its fixed-size state (`linear_attention_s`)."""
+        softmax = self.softmax_attention_s(new_tokens, past_tokens)
+        share = self.model.linear_layers / self.model.num_layers
+        if not share:
+            return softmax
+        return (1 - share) * softmax + share * self.linear_attention_s(new_tokens)
+
+    def linear_attention_s(self, new_tokens: np.ndarray) -> float:
+        """One Gated DeltaNet layer and router: its weights read once and each active row's state read and
+        written once; FLOPs of the projections, plus per token the state's decay, read, update and query
+        (8 H Dk Dv) and, for a prefill's tokens, the within-chunk scores of its chunked form
+        (4 H L (Dk + Dv))."""
+        m = self.model
+        new = np.asarray(new_tokens, np.float64)
+        params = m.linear_attention_params + m.router_params(self.num_experts)
+        bytes_read = params * m.bytes_per_param + 2.0 * np.count_nonzero(new) * m.linear_state_bytes
+        h, dk, dv = m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
+        flops = (2.0 * params + 8.0 * h * dk * dv) * float(new.sum())
+        flops += 4.0 * h * LINEAR_CHUNK * (dk + dv) * float(new[new > 1].sum())
+        return self.hardware.attention_kernel_s + self.hardware.roofline_s(bytes_read, flops)
+
+    def softmax_attention_s(self, new_tokens: np.ndarray, past_tokens: np.ndarray) -> float:
+        """One softmax-attention layer and router (`attention_s`'s arguments)."""
         m = self.model
         new = np.asarray(new_tokens, np.float64)
         past = np.asarray(past_tokens, np.float64)

@@ -38,7 +38,28 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 # window, Qwen's dense layer and shared expert, Phi's biases and LongRoPE (original max 64 < 300 tokens),
 # Qwen3's per-head q/k norms with a head_dim that is not hidden / heads and top-8 of 16 experts renormalised,
 # OLMoE's whole-projection q/k norms and clip_qkv, DeepSeek-V2's latent attention with YaRN, its dense
-# first layer and shared experts, greedy (Lite) and group-limited routing with a q LoRA (V2).
+# first layer and shared experts, greedy (Lite) and group-limited routing with a q LoRA (V2); Qwen3-Next's and
+# Qwen3.5-MoE's Gated DeltaNet layers (two value heads per key head, a 4-tap convolution) beside gated
+# attention with partial RoPE, zero-centred norms and a gated shared expert, Qwen3-Next with a dense layer and
+# Qwen3.5 saved as the vision-language model it ships as (a tiny vision tower the loaders leave out).
+_HYBRID = dict(
+    vocab_size=256,
+    hidden_size=64,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=16,
+    num_experts_per_tok=4,
+    linear_conv_kernel_dim=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=24,
+    max_position_embeddings=1024,
+)
 HF_CONFIGS = {
     "mixtral": dict(
         vocab_size=256,
@@ -267,7 +288,11 @@ HF_CONFIGS = {
         routed_scaling_factor=2.5,
         max_position_embeddings=1024,
     ),
+    "qwen3_next": dict(_HYBRID, intermediate_size=80, mlp_only_layers=[1], norm_topk_prob=True),
+    "qwen3_5_moe": dict(_HYBRID, num_experts_per_tok=6),
 }
+# Qwen3.5-MoE's vision tower, as small as transformers builds it.
+QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
 FAMILY_OF = {
     "mixtral": "mixtral",
     "mixtral_window": "mixtral",
@@ -280,6 +305,8 @@ FAMILY_OF = {
     "gpt_oss": "gpt_oss",
     "deepseek_v3": "deepseek_v3",
     "glm4_moe": "glm4_moe",
+    "qwen3_next": "qwen3_next",
+    "qwen3_5_moe": "qwen3_5_moe",
 }
 
 
@@ -297,23 +324,33 @@ def make_hf_model(name: str, seed: int = 0):
         "gpt_oss": transformers.GptOssConfig,
         "deepseek_v3": transformers.DeepseekV3Config,
         "glm4_moe": transformers.Glm4MoeConfig,
+        "qwen3_next": transformers.Qwen3NextConfig,
+        "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
     }[FAMILY_OF[name]]
     torch.manual_seed(seed)
     config = config_cls(**HF_CONFIGS[name])
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if FAMILY_OF[name] == "qwen3_5_moe":  # as it ships: the vision-language model around the text model
+        config = transformers.Qwen3_5MoeConfig(text_config=config.to_dict(), vision_config=QWEN35_VISION)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
     if FAMILY_OF[name] == "phimoe":
         # Random LayerNorm biases and LM-head bias, so the test sees whether they are applied.
         with torch.no_grad():
             for module in model.modules():
                 if isinstance(module, torch.nn.LayerNorm) or module is model.lm_head:
                     module.bias.normal_(0.0, 0.02)
-    if FAMILY_OF[name] in ("qwen3_moe", "olmoe", "deepseek_v2", "gpt_oss", "deepseek_v3", "glm4_moe"):
+    if FAMILY_OF[name] in (
+        *("qwen3_moe", "olmoe", "deepseek_v2", "gpt_oss", "deepseek_v3", "glm4_moe"),
+        *("qwen3_next", "qwen3_5_moe"),
+    ):
         # Random norm weights (q/k norms, MLA's latent norms included), so a norm applied to the wrong
-        # axis, or not at all, shows.
+        # axis, or not at all, shows; zero-centred ones (Qwen3-Next's, scaling by 1 + w) around zero.
+        centred = FAMILY_OF[name] in ("qwen3_next", "qwen3_5_moe")
         with torch.no_grad():
             for module_name, param in model.named_parameters():
                 if "norm" in module_name:
-                    param.normal_(1.0, 0.2)
+                    param.normal_(0.0 if centred and "linear_attn" not in module_name else 1.0, 0.2)
     if FAMILY_OF[name] in ("gpt_oss", "deepseek_v3", "glm4_moe"):
         # Random biases (attention, router, experts), sinks and score-correction biases: transformers starts
         # most of them at zero, where a bias left out would not show. Router weights 10x transformers' init,

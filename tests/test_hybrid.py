@@ -501,11 +501,12 @@ def test_hybrid_balancing_is_bit_identical(policy, subjects):
         assert host_computed > 0, f"{policy}, {host_cost}: the host computed nothing"
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "phimoe", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "phimoe", "deepseek_v2", "qwen3_next"])
 def test_hybrid_execution_is_bit_identical_for_every_family(family, subjects):
     """The other families' expert kernels and layer layouts on the host: Qwen1.5-MoE (a dense layer, the
-    gated shared expert), Phi-3.5-MoE, and DeepSeek-V2 (dense first layer, ungated shared experts, routing
-    weights scaled by 2.5); Qwen3-MoE and OLMoE run Mixtral's kernel. Batch 1 at one slot: the prefill mixes
+    gated shared expert), Phi-3.5-MoE, DeepSeek-V2 (dense first layer, ungated shared experts, routing
+    weights scaled by 2.5) and Qwen3-Next (linear-attention layers between the MoE blocks); Qwen3-MoE and
+    OLMoE run Mixtral's kernel. Batch 1 at one slot: the prefill mixes
     host and device in each layer, decode sends every miss to the host."""
     subject = subjects((family, "bfloat16"))
     host_computed = check_lossless(

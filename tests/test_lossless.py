@@ -47,6 +47,8 @@ RANDOM = [
         "deepseek_v2_lite",
         "deepseek_v2",
         *NEW_FAMILIES,
+        "qwen3_next",
+        "qwen3_5_moe",
     )
     for dtype in ("bfloat16", "float32")
     if (family, dtype) not in KNOWN_DIFFERENT
@@ -333,6 +335,19 @@ def test_new_families_are_lossless_copy_only_and_hybrid(name, subjects, mxfp4_di
             check_lossless(subject, policy, slots, prompts, 3)
             hosted += check_lossless(subject, policy, slots, prompts, 3, OneTokenOnHost(), against_copy=True)
     assert hosted > 0, f"{name}: the host computed nothing; the hybrid half compares little"
+
+
+def test_linear_attention_model_at_one_slot_and_a_quarter(subjects):
+    """Hybrid models (`models/gated_deltanet.py`): each linear layer's recurrent state and convolution window
+    ride beside the full layers' KV cache through the per-layer programs. bfloat16 as models ship, a
+    left-padded batch of two, on-demand LRU and fmoe at one slot and at a quarter of the routed experts, on
+    Qwen3-Next (Qwen3.5-MoE, whose linear layers differ only in their projections, is drawn above)."""
+    subject = subjects(("qwen3_next", "bfloat16"))
+    cfg = subject.resident.config
+    prompts = [[5, 100, 200, 30, 41, 17, 9, 12, 250, 77, 3], [44, 3, 81]]
+    for policy in ("on_demand_lru", "fmoe"):
+        for slots in (1, cfg.num_moe_layers * cfg.num_experts // 4):
+            check_lossless(subject, policy, slots, prompts, 4)
 
 
 @pytest.mark.xfail(

@@ -28,7 +28,10 @@ from test_lossless import Subject, _load, serve
 import fmoe_jax as fj
 
 ALWAYS = "mixtral"
-DRAWN = ["qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2", "gpt_oss", "deepseek_v3", "glm4_moe"]
+DRAWN = [
+    *("qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2"),
+    *("gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe"),
+]
 PROMPTS = [[5, 100, 200, 30, 41, 17, 9], [3, 14, 15, 92, 65]]
 NEW_TOKENS = 3
 # Every MoE layer's router input is recorded: bit-equal router inputs at every layer and step, plus equal

@@ -22,7 +22,16 @@ from fmoe_jax.models import UnsupportedConfigError, config_from_hf
 from fmoe_jax.models.config import MoEConfig
 from fmoe_jax.models.quant import ExpertQuantization
 
-from .keys import HFTensor, Target, apply_transform, detect_layout, hf_tensors, param_dtype
+from .keys import (
+    HFTensor,
+    Target,
+    apply_transform,
+    detect_layout,
+    detect_prefix,
+    hf_tensors,
+    not_converted,
+    param_dtype,
+)
 from .quantized import FP8, SourceQuantization, check_fp8_scales, fp8_scale_key
 
 DTYPES: dict[str, np.dtype] = {
@@ -214,7 +223,9 @@ class HFCheckpoint:
                 if key not in self.shards[name].entries:
                     raise CheckpointError(f"{self.dir / name}: index says it holds {key!r}, but it does not")
         self.layout = detect_layout(self.location)
-        self.tensors: list[HFTensor] = hf_tensors(self.config, self.layout)
+        self.tensors: list[HFTensor] = hf_tensors(self.config, self.layout, detect_prefix(self.location))
+        # {part: tensors} the checkpoint holds beside the language model, left out (a vision tower, ...)
+        self.not_converted = not_converted(self.config, self.location)
         self._check_names_and_shapes()
 
     def _check_names_and_shapes(self) -> None:
@@ -233,13 +244,17 @@ class HFCheckpoint:
             raise CheckpointError(problem)
         ignorable = ("rotary_emb.inv_freq",)
         # Multi-token-prediction layers (DeepSeek-V3, GLM-4.5) follow the last layer; decoding does not use
-        # them.
+        # them. Parts a family's model leaves out (`keys.NOT_CONVERTED`) are noted, not refused.
         n, extra = self.config.num_layers, int(self.hf_config.get("num_nextn_predict_layers") or 0)
         mtp = tuple(f"model.layers.{i}." for i in range(n, n + extra))
         unexpected = [
             k
             for k in self.location
-            if k not in expected and k not in scales and not k.endswith(ignorable) and not k.startswith(mtp)
+            if k not in expected
+            and k not in scales
+            and not k.endswith(ignorable)
+            and not k.startswith(mtp)
+            and not not_converted(self.config, [k])
         ]
         if self.config.tie_word_embeddings and "lm_head.weight" in unexpected:
             self._check_tied_head()
@@ -291,10 +306,17 @@ class HFCheckpoint:
         )
 
     @property
+    def not_converted_note(self) -> str | None:
+        """One line naming what the checkpoint holds that the model leaves out, or None."""
+        if not self.not_converted:
+            return None
+        parts = ", ".join(f"{what} ({n} tensors)" for what, n in self.not_converted.items())
+        return f"not converted: {parts}; fmoe_jax serves the language model only"
+
+    @property
     def total_bytes(self) -> int:
-        return sum(
-            end - begin for shard in self.shards.values() for _, _, begin, end in shard.entries.values()
-        )
+        """Bytes of the tensors the model reads (what a conversion streams)."""
+        return sum(self.tensor_bytes(t.key) for t in self.tensors)
 
     def tensor_bytes(self, key: str) -> int:
         _, _, begin, end = self.location[key].entries[key]

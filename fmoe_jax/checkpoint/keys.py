@@ -76,7 +76,17 @@ HUB_NAMES = {
     "deepseek_v3": HubNames("mlp", GATE_UP_DOWN, "mlp.shared_experts"),
     "glm4_moe": HubNames("mlp", GATE_UP_DOWN, "mlp.shared_experts"),
     "gpt_oss": HubNames("mlp", GATE_UP_DOWN),  # its router and experts: `_gpt_oss_moe`
+    "qwen3_next": HubNames("mlp", GATE_UP_DOWN, "mlp.shared_expert"),
+    "qwen3_5_moe": HubNames("mlp", GATE_UP_DOWN, "mlp.shared_expert"),
 }
+# Tensors a family's checkpoints hold beside the language model, which fmoe_jax does not run (by key prefix):
+# the loaders leave them out and the conversion says so in one line.
+NOT_CONVERTED = {
+    "qwen3_next": {"mtp.": "multi-token prediction head"},
+    "qwen3_5_moe": {"mtp.": "multi-token prediction head", "model.visual.": "vision tower"},
+}
+# Where a vision-language checkpoint (Qwen3.5's) keeps the language model's tensors, instead of `model.`.
+LANGUAGE_MODEL_PREFIX = "model.language_model."
 
 
 def _moe_prefix(cfg: MoEConfig, layout: HFLayout) -> str:
@@ -126,10 +136,34 @@ def _vector(key: str, path: Path, size: int, layer: int) -> HFTensor:
     return HFTensor(f"{key}.weight", (size,), (Target((*path, "weight"), (size,)),), layer)
 
 
-def _attention(cfg: MoEConfig, i: int) -> list[HFTensor]:
-    """Layer i's attention: grouped-query (with the optional q/k norms) or multi-head latent (MLA)."""
+def _linear_attention(cfg: MoEConfig, key: str, i: int) -> list[HFTensor]:
+    """Layer i's Gated DeltaNet (`models/gated_deltanet.py`): its projections (Qwen3-Next's two fused ones or
+    Qwen3.5's four), the convolution `[C, 1, K]`, the decay parameters, the gated norm and the output."""
+    la, d, path = cfg.linear_attention, cfg.hidden_size, ("layers", i, "attn")
+    h, value_dim = la.num_value_heads, la.num_value_heads * la.value_head_dim
+    qkv = la.conv_dim
+    if la.fused_projections:
+        projections = {"in_proj_qkvz": qkv + value_dim, "in_proj_ba": 2 * h}
+    else:
+        projections = {"in_proj_qkv": qkv, "in_proj_z": value_dim, "in_proj_b": h, "in_proj_a": h}
+    out = []
+    for name, size in projections.items():
+        out += _linear(f"{key}.{name}", (*path, name), d, size, False, i)
+    conv = (la.conv_dim, 1, la.conv_kernel)
+    out.append(HFTensor(f"{key}.conv1d.weight", conv, (Target((*path, "conv_weight"), conv),), i))
+    for name in ("dt_bias", "A_log"):
+        out.append(HFTensor(f"{key}.{name}", (h,), (Target((*path, name), (h,)),), i))
+    out.append(_vector(f"{key}.norm", (*path, "norm"), la.value_head_dim, i))
+    return out + _linear(f"{key}.out_proj", (*path, "out_proj"), value_dim, d, False, i)
+
+
+def _attention(cfg: MoEConfig, i: int, prefix: str = "model.") -> list[HFTensor]:
+    """Layer i's attention: grouped-query (with the optional q/k norms and output gate), multi-head latent
+    (MLA), or a hybrid model's linear attention."""
     d, h, k, e = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    key, path = f"model.layers.{i}.self_attn", ("layers", i, "attn")
+    if cfg.is_linear(i):
+        return _linear_attention(cfg, f"{prefix}layers.{i}.linear_attn", i)
+    key, path = f"{prefix}layers.{i}.self_attn", ("layers", i, "attn")
     if cfg.is_mla:
         n, p, v, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         out = []
@@ -143,7 +177,8 @@ def _attention(cfg: MoEConfig, i: int) -> list[HFTensor]:
         out.append(_vector(f"{key}.kv_a_layernorm", (*path, "kv_a_norm"), r, i))
         out += _linear(f"{key}.kv_b_proj", (*path, "kv_b_proj"), r, h * (n + v), False, i)
         return out + _linear(f"{key}.o_proj", (*path, "o_proj"), h * v, d, False, i)
-    out = _linear(f"{key}.q_proj", (*path, "q_proj"), d, h * e, cfg.qkv_bias, i)
+    q_out = h * e * (2 if cfg.attention_output_gate else 1)
+    out = _linear(f"{key}.q_proj", (*path, "q_proj"), d, q_out, cfg.qkv_bias, i)
     out += _linear(f"{key}.k_proj", (*path, "k_proj"), d, k * e, cfg.qkv_bias, i)
     out += _linear(f"{key}.v_proj", (*path, "v_proj"), d, k * e, cfg.qkv_bias, i)
     out += _linear(f"{key}.o_proj", (*path, "o_proj"), h * e, d, cfg.o_bias, i)
@@ -156,17 +191,18 @@ def _attention(cfg: MoEConfig, i: int) -> list[HFTensor]:
     return out
 
 
-def hf_tensors(cfg: MoEConfig, layout: HFLayout = "hub") -> list[HFTensor]:
-    """Every tensor of a checkpoint of this config, in a streaming-friendly order (layer by layer)."""
+def hf_tensors(cfg: MoEConfig, layout: HFLayout = "hub", prefix: str = "model.") -> list[HFTensor]:
+    """Every tensor of a checkpoint of this config, in a streaming-friendly order (layer by layer); `prefix`:
+    where the language model's tensors are (`LANGUAGE_MODEL_PREFIX` in a vision-language checkpoint)."""
     d, v = cfg.hidden_size, cfg.vocab_size
     f = cfg.expert_intermediate_size
-    tensors = [HFTensor("model.embed_tokens.weight", (v, d), (Target(("embed", "embedding"), (v, d)),))]
+    tensors = [HFTensor(f"{prefix}embed_tokens.weight", (v, d), (Target(("embed", "embedding"), (v, d)),))]
     names = HUB_NAMES[cfg.family]
     moe = _moe_prefix(cfg, layout)
     for i in range(cfg.num_layers):
-        p, lp = f"model.layers.{i}", ("layers", i)
+        p, lp = f"{prefix}layers.{i}", ("layers", i)
         tensors += _norm(f"{p}.input_layernorm", (*lp, "input_norm"), cfg, i)
-        tensors += _attention(cfg, i)
+        tensors += _attention(cfg, i, prefix)
         tensors += _norm(f"{p}.post_attention_layernorm", (*lp, "post_norm"), cfg, i)
         if cfg.family == "gpt_oss":
             tensors += _gpt_oss_moe(cfg, i, layout)
@@ -220,7 +256,7 @@ def hf_tensors(cfg: MoEConfig, layout: HFLayout = "hub") -> list[HFTensor]:
                     i,
                 )
             )
-    tensors += _norm("model.norm", ("final_norm",), cfg, -1)
+    tensors += _norm(f"{prefix}norm", ("final_norm",), cfg, -1)
     if not cfg.tie_word_embeddings:
         tensors += _linear("lm_head", ("lm_head",), d, v, cfg.lm_head_bias, -1)
     return tensors
@@ -300,6 +336,24 @@ def detect_layout(keys: Iterable[str]) -> HFLayout:
     if any(key.endswith("experts.gate_up_proj_blocks") for key in keys):
         return "mxfp4"
     return "fused" if any(key.endswith("experts.gate_up_proj") for key in keys) else "hub"
+
+
+def detect_prefix(keys: Iterable[str]) -> str:
+    """`LANGUAGE_MODEL_PREFIX` if the checkpoint keeps its language model there (a vision-language model's),
+    else `model.`."""
+    return LANGUAGE_MODEL_PREFIX if any(k.startswith(LANGUAGE_MODEL_PREFIX) for k in keys) else "model."
+
+
+def not_converted(cfg: MoEConfig, keys: Iterable[str]) -> dict[str, int]:
+    """{what: how many tensors} of `keys` that belong to parts of the checkpoint the family's model leaves out
+    (`NOT_CONVERTED`)."""
+    parts = NOT_CONVERTED.get(cfg.family, {})
+    counts: dict[str, int] = {}
+    for key in keys:
+        what = next((name for prefix, name in parts.items() if key.startswith(prefix)), None)
+        if what is not None:
+            counts[what] = counts.get(what, 0) + 1
+    return counts
 
 
 def apply_transform(array: np.ndarray, target: Target) -> np.ndarray:

@@ -35,7 +35,8 @@ class Engine(Protocol):
     programs: Programs  # the engine's compiled programs, their compilations and compile time
 
     def init_cache(self, batch: int, length: int) -> list[LayerKV]:
-        """A fresh KV cache `[B, S, ...]` per layer."""
+        """A fresh per-request cache: per layer a KV cache `[B, S, ...]`, or a linear-attention layer's state
+        (`models.init_kv_cache`)."""
 
     def begin(self, batch: int) -> None:
         """A `generate` call over `batch` rows starts (statistics count from here)."""
