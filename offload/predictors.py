@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from fmoe_jax.files import write_atomically
+from .files import write_atomically
 
 FORMAT_VERSION = 1
 Kind = Literal["promoe", "duoserve", "reuse"]

@@ -24,8 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from fmoe_jax.trace import RoutingTrace
-
 from .cache import Key
 from .config import OffloadConfig
 from .cost_model import CostModel, HardwarePreset, HostPreset, ModelPreset
@@ -33,6 +31,7 @@ from .driver import Driver, Routed
 from .hybrid import HybridPlanner, ModelledHostCost
 from .policies import Policy, PolicyContext
 from .resources import Copy, SimulatedHost, SimulatedLink  # noqa: F401  (Copy: part of this module's API)
+from .trace import RoutingTrace
 from .transfer import DeviceExpertCache
 
 
