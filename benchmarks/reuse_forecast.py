@@ -50,7 +50,7 @@ def collect(workload: h.Workload, neighbours: int) -> dict[str, np.ndarray]:
     two iterations after it. Features are what the policy knows as t starts, plus (`hint_now`, `used_now`)
     what it knows once t has routed. The store starts from the store prompts and learns each replayed request
     after it, as fMoE's does online."""
-    from fmoe_jax.offload.expert_map_store import ExpertMapStore
+    from fmoe_jax.offload.policies.fmoe.store import ExpertMapStore
 
     meta = workload.store[0].trace.meta
     layers, experts = meta["num_layers"], meta["num_experts"]
@@ -112,7 +112,7 @@ def learn(store: Any, iterations: list[Any]) -> None:
 
 def binned(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The policy's bins (`offload/forecast.py`) of each feature."""
-    from fmoe_jax.offload.forecast import GAP_EDGES, P_EDGES, SHARE_EDGES
+    from fmoe_jax.offload.policies.fmoe.forecast import GAP_EDGES, P_EDGES, SHARE_EDGES
 
     gap = np.where(
         data["gap"] == GAP_NEVER, len(GAP_EDGES) + 1, np.searchsorted(GAP_EDGES, data["gap"], side="right")

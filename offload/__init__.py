@@ -17,9 +17,9 @@ from .cost_model import (
     HardwarePreset,
     ModelPreset,
 )
-from .expert_map_store import ExpertMapStore
 from .placement import CacheGroup, round_robin
 from .policies import POLICIES, Policy, PolicyContext, make_policy, store_from_traces
+from .policies.fmoe.store import ExpertMapStore
 from .simulator import SimResult, SimulatedLink, simulate
 from .transfer import DeviceExpertCache, JaxMover
 

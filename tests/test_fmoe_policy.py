@@ -9,10 +9,10 @@ import pytest
 from fakes import RecordingCache, iteration_start, layer_routed
 from fmoe_jax.offload.cache import Entry
 from fmoe_jax.offload.config import OffloadConfig
-from fmoe_jax.offload.expert_map_store import ExpertMapStore
 from fmoe_jax.offload.policies import FMoE, PolicyContext, store_from_traces
-from fmoe_jax.offload.policies import fmoe as fmoe_module
-from fmoe_jax.offload.policies.fmoe import _Context
+from fmoe_jax.offload.policies.fmoe import policy as fmoe_module
+from fmoe_jax.offload.policies.fmoe.policy import _Context
+from fmoe_jax.offload.policies.fmoe.store import ExpertMapStore
 
 import fmoe_jax as fj
 

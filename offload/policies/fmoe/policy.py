@@ -47,14 +47,14 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..cache import CacheView, Entry, Key
-from ..events import IterationStart, LayerRouted, RequestStart
-from ..expert_map_store import CAPACITY, ExpertMapStore, PrefixDots
-from ..fmoe_select import SortedMaps, keep_priority
-from ..forecast import MAX_DISTANCE, Calibration, ReuseForecast
-from ..predictors import Predictor
-from .base import Policy, PolicyContext
-from .fiddler import expert_usage
+from ...cache import CacheView, Entry, Key
+from ...events import IterationStart, LayerRouted, RequestStart
+from ...predictors import Predictor
+from ..base import Policy, PolicyContext
+from ..fiddler import expert_usage
+from .forecast import MAX_DISTANCE, Calibration, ReuseForecast
+from .select import SortedMaps, keep_priority
+from .store import CAPACITY, ExpertMapStore, PrefixDots
 
 # Requests whose last tokens the matcher remembers for follower links (`FMoE._learn`).
 _RECENT_REQUESTS = 1024
@@ -322,7 +322,7 @@ class FMoE(Policy):
             if options.get("eviction", "reuse") != "reuse":
                 eviction = options["eviction"]
                 raise ValueError(f"a reuse_predictor serves eviction 'reuse' only, not {eviction!r}")
-            from ..predictor_training import require_fields
+            from ...predictor_training import require_fields
 
             require_fields((it for t in traces for r in t.requests for it in r.iterations), ("hidden",))
             options["reuse_predictor"] = None
@@ -468,7 +468,7 @@ class FMoE(Policy):
         0.986x in geometric mean, 0.93-1.02x: slower at Mixtral's 50 % points (1.02x) and Qwen3's 25 % (up to
         1.011x)."""
         if horizon not in self._trained_reuse:
-            from ..predictor_training import train_reuse
+            from ...predictor_training import train_reuse
 
             self._trained_reuse[horizon] = train_reuse(self._reuse_traces, horizon=horizon, progress=False)
         return self._trained_reuse[horizon]

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .files import write_atomically
+from ...files import write_atomically
 
 # Defaults, chosen for the host time of a decode iteration at real shapes. Measured on this 2-core machine
 # (fmoe's whole policy per batch-1 iteration at Qwen1.5-MoE's shapes, `matcher_overhead.policy_iteration`,
