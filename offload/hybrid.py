@@ -43,14 +43,20 @@ from .cache import Key
 FILL_PRIORITY = -math.inf
 
 
-class HostCost(Protocol):
-    """Seconds of host work, as the planner needs them."""
+class HostCost:
+    """Seconds of host work, as the planner needs them. Subclasses give `overhead_s` and `expert_s`; one
+    that learns from the host calls the engine measures overrides `record`."""
 
     def overhead_s(self, tokens: int) -> float:
         """Once per layer with host work: the call's fixed cost and the `tokens` activations to the host."""
+        raise NotImplementedError
 
     def expert_s(self, tokens: int) -> float:
         """One expert computed for `tokens` of the layer's tokens, its output's trip back included."""
+        raise NotImplementedError
+
+    def record(self, expert_tokens: Sequence[int], seconds: float) -> None:
+        """One host call that computed experts with `expert_tokens` tokens each took `seconds`."""
 
 
 class DeviceCost(Protocol):
@@ -151,7 +157,7 @@ def _entry_state(entry: Any) -> str:
 
 
 # -- host cost -----------------------------------------------------------------------------------------------
-class ModelledHostCost:
+class ModelledHostCost(HostCost):
     """The host's cost from a model preset and a host preset (the simulator's `HostCost`).
 
     Per layer with host work: the call latency, a transfer latency each way, and the activations
@@ -183,7 +189,7 @@ class ModelledHostCost:
         return self.overhead_s(tokens) + sum(self.expert_s(t) for t in expert_tokens)
 
 
-class MeasuredHostCost:
+class MeasuredHostCost(HostCost):
     """The host's cost as measured online (the live engine's `HostCost`): per expert, an exponential average
     of the seconds a host call took divided by its experts, kept per power-of-two bucket of tokens per expert.
     A bucket not measured yet borrows the nearest measured smaller one, scaled linearly in tokens above it
@@ -234,7 +240,7 @@ class MeasuredHostCost:
 
 
 @dataclasses.dataclass
-class FixedHostCost:
+class FixedHostCost(HostCost):
     """A host cost given outright: `per_expert_s` per expert per token (tests, and what-if studies)."""
 
     per_expert_s: float = 0.0
