@@ -3,8 +3,9 @@ from each set of features fMoE could use, against a forecast that knows the next
 
     python -m benchmarks.reuse_forecast [--split validation] [--model NAME ...]
 
-fMoE's eviction (`offload/forecast.py`, `ReuseForecast`) ranks resident experts by the probability that
-the request needs them within the next two iterations, from binned counts over the iterations since the
+fMoE's eviction (`offload/policies/fmoe/forecast.py`, `ReuseForecast`) ranks resident experts by the
+probability that the request needs them within the next two iterations, from binned counts over the iterations
+since the
 expert's last use (gap), its decayed share of iterations (share) and the reuse hint (what followed the
 stored maps most like the last token's; `ExpertMapStore.future_of`). This script replays the recorded
 routing of the prompts (the validation split by default: no evaluation prompt is seen) outside the
@@ -111,7 +112,7 @@ def learn(store: Any, iterations: list[Any]) -> None:
 
 
 def binned(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The policy's bins (`offload/forecast.py`) of each feature."""
+    """The policy's bins (`offload/policies/fmoe/forecast.py`) of each feature."""
     from fmoe_jax.offload.policies.fmoe.forecast import GAP_EDGES, P_EDGES, SHARE_EDGES
 
     gap = np.where(
