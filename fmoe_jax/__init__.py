@@ -9,12 +9,12 @@ Public API (see README):
 """
 
 from fmoe_jax.offload.config import OffloadConfig
-from fmoe_jax.offload.trace import RoutingTrace
 
 from .generation import GenerateOutput, GenerationStats, forward, generate, generate_stream
 from .loading import Model, from_module, load_model, shipped_models
 from .sampling import Greedy, Sample
 from .streaming import GenerationStream, StreamPiece
+from .trace import RoutingTrace
 
 __all__ = [
     "GenerateOutput",

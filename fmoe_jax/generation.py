@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from fmoe_jax.models import Layout
-from fmoe_jax.offload.trace import RoutingTrace
 
 from .loading import Model
 from .prompts import check_token_ids
 from .request import Request, make_request
 from .sampling import Sampling, sampler_key
 from .streaming import GenerationStream, Rows, StreamPiece, log_softmax, make_streamer
+from .trace import RoutingTrace
 
 MIN_BUCKET = 16
 

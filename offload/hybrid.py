@@ -17,12 +17,8 @@ The decision (DESIGN.md, "One decode iteration", step c), per needed expert:
   experts too go to the host, fewest tokens first, while that ends the layer sooner: the layer ends when
   both have finished, and where the device's fixed cost per expert matches the host's (Hopper's 30 us kernel
   tails against a server's 12 memory channels reading a 9 MiB Qwen3-30B-A3B expert) a device that computes
-  every hit leaves the host idle. On the validation split at Qwen3-30B-A3B sizes, H100 beside a 12-channel
-  server, 25 / 50 % budgets, it lowered the TPOT of fiddler by 4 / 17 %, on-demand LRU + hybrid by 7 / 20 %
-  and fmoe + hybrid by 13 / 24 % (8-channel server: 1 / 8, 3 / 12, 6 / 15 %; Qwen1.5-MoE sizes 0-6 %);
-  where a device expert costs far less than a host one hardly anything moves (Mixtral-8x7B's 336 MiB experts
-  on the H100: nothing; on the RTX 3090 preset, which has no fixed kernel cost, a few prefill experts:
-  experiment 8's TPOTs there moved by at most 0.2 %).
+  every hit leaves the host idle; where a device expert costs far less than a host one hardly anything moves
+  (decision "hybrid balance", `benchmarks/DECISIONS.md`).
 So decode (one token per expert) mostly computes misses on the host and prefill (many tokens per expert)
 mostly copies; the cost model decides.
 Fiddler's rule (efeslab/fiddler, `src/fiddler/mixtral.py`) is the miss rule with fixed latencies (7 ms per

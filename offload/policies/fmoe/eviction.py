@@ -2,8 +2,8 @@
 p * freq; ours by default ("reuse") keeps the experts most likely needed soon: later in this iteration (a
 guide's need probability), in the next iterations (the reuse forecast, from the request's own routing and a
 reuse hint), or in any token (the experts' popularity). A prefetch evicts only an expert worth less than the
-one it brings, net of what a wrong copy costs. Decisions "reuse horizon", "popularity prior", "prefetch
-against its victim".
+one it brings, net of what a wrong copy costs.
+Decisions "reuse horizon", "popularity prior", "prefetch against its victim", "eviction rule".
 """
 
 from __future__ import annotations

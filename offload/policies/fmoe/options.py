@@ -32,9 +32,10 @@ class FMoEOptions:
       dynamic_delta: similarity-aware selection (delta = 1 - score); off: exactly top-k per layer.
       eviction: "reuse" (keep the experts most likely needed soon: later in this iteration, by calibrated
         map probability, or in the next `reuse_horizon` iterations, by the reuse forecast), "fmoe" (the
-        paper's rule: keep the highest p * freq), "lfu", or "lru".
+        paper's rule: keep the highest p * freq), "lfu", or "lru". Decision "eviction rule".
       calibrate: turn matched-map probabilities into need probabilities learned online (`Calibration`)
         before admission, priority and eviction use them; off: the raw map probability (the paper).
+        Decision "calibrated need".
       reuse_horizon: iterations ahead the reuse forecast looks (eviction "reuse"), or "auto": from the
         cache's size at `bind` (`auto_reuse_horizon`, 2 to 4; decision "reuse horizon").
       reuse_predictor: a learned `Predictor` of kind "reuse" (or its path): from each MoE layer's router
@@ -47,7 +48,7 @@ class FMoEOptions:
         serves (from the counts saved with a loaded store) and saves them with the store. False: no prior.
         Decision "popularity prior".
       traj_target: "band" guides every layer from l + d on after layer l (as the authors' code);
-        "single" guides layer l + d only (as the paper's text).
+        "single" guides layer l + d only (as the paper's text). Decision "band targets".
       asynchronous: match on a thread of its own (the paper's publisher/subscriber); off: inline and
         deterministic (tests, and the simulator).
       learn: add every iteration's expert maps to the store (online mode); off: the store is fixed.

@@ -42,8 +42,8 @@ from .store_file import store_from_traces
 # Requests whose last tokens the matcher remembers for follower links (`FMoE._learn`).
 _RECENT_REQUESTS = 1024
 # The reuse hint averages what followed this many of the stored maps most like the last token's, weighted by
-# similarity (`ExpertMapStore.future_of`): one map's followers is a noisy forecast. Decision "hint
-# neighbours".
+# similarity (`ExpertMapStore.future_of`): one map's followers is a noisy forecast.
+# Decision "hint neighbours".
 HINT_NEIGHBOURS = 8
 
 

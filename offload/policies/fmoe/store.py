@@ -14,8 +14,8 @@ Layout, chosen so that one match is one matrix-vector product over contiguous fl
   every map prefix [L, C] (row l-1 is 1/||map[:l*J]||, from a cumulative sum over layers), written
   once per stored map, so a match never recomputes a norm.
 
-An exact semantic search reads all n*H floats per query, memory-bound (decision "sketched semantic
-search"). Above `rerank` stored maps the search therefore
+An exact semantic search reads all n*H floats per query, memory-bound
+(decision "sketched semantic search"). Above `rerank` stored maps the search therefore
 shortlists the R best candidates on a k-dimensional sketch of the unit embeddings, [C, k], and
 rescores those R exactly: the reported score is always the exact cosine of the returned map, and
 the returned map is the exact best unless R stored maps beat it on the sketch. The sketch is a count
