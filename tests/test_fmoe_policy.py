@@ -836,3 +836,25 @@ def test_the_next_tokens_first_layers_are_guessed_late_in_the_iteration_and_lear
     # Off: nothing is guessed.
     policy, cache = bound(calibrate=False, copy_s=1e-3, layer_s=1e-3, next_token=False)
     assert token(policy, cache) == ([], [])
+
+
+def test_a_paused_policy_learns_no_maps_and_learns_again_after():
+    """`Policy.paused_learning` (the batcher's warm-up): the iterations inside add nothing to the store."""
+    ctx = PolicyContext(num_layers=4, num_experts=4, top_k=1, embed_dim=3, prefetch_distance=1, capacity=4)
+    policy = FMoE(store=one_map_store(), asynchronous=False)
+    policy.bind(ctx, RecordingCache())
+    valid = np.ones((1, 1), bool)
+
+    def iteration():
+        iteration_start(policy, np.ones((1, 3), np.float32), valid)
+        for layer in range(4):
+            layer_routed(policy, layer, np.full((1, 4), 0.25, np.float32), np.array([[layer]]), valid)
+        policy.on_iteration_end()
+
+    with policy.paused_learning():
+        iteration()
+        assert not policy.learn
+    assert policy.learn and len(policy.store) == 1
+    iteration()
+    assert len(policy.store) == 2
+    policy.close()
