@@ -30,6 +30,7 @@ from ..fiddler import expert_usage
 from .admission import Admission
 from .budget import SearchBudget
 from .eviction import Eviction, Popularity, PredictedReuse, auto_reuse_horizon
+from .followers import FollowerLinks
 from .forecast import Calibration, ReuseForecast
 from .guides import Guides
 from .matcher import Context, Matcher, make_matcher
@@ -39,8 +40,6 @@ from .skips import SearchSkips
 from .store import ExpertMapStore, PrefixDots
 from .store_file import store_from_traces
 
-# Requests whose last tokens the matcher remembers for follower links (`FMoE._learn`).
-_RECENT_REQUESTS = 1024
 # The reuse hint averages what followed this many of the stored maps most like the last token's, weighted by
 # similarity (`ExpertMapStore.future_of`): one map's followers is a noisy forecast.
 # Decision "hint neighbours".
@@ -266,9 +265,7 @@ class FMoE(Policy):
         self._hint: np.ndarray | None = None  # [L, J] what the store says follows the last token
         self._hinted = -1  # the iteration the hint was made in (or at the end of)
         self._recording = True  # this iteration's maps are kept (`_maps`) for searches and the update
-        # Matcher: each request's last slots in the store, by (request count, row), or by the request id the
-        # engine gives (continuous batching); the least recently used go beyond `_RECENT_REQUESTS`.
-        self._recent: collections.OrderedDict[tuple, collections.deque] = collections.OrderedDict()
+        self._followers = FollowerLinks(self.reuse_horizon)  # matcher: what the store learns
         self._requests: tuple[int, ...] | None = None  # the current iteration's rows' requests
         self._prefix_dots = PrefixDots()  # matcher: an iteration's trajectory searches, layer after layer
 
@@ -480,7 +477,7 @@ class FMoE(Policy):
     def _update(self, context: Context) -> None:
         start = time.perf_counter()
         if self.learn:
-            self._learn(context)
+            self._followers.learn(self.store, context, self._prefix_dots)
         if self.options.eviction == "reuse" and self.reuse_predictor is None:  # the next hint: what
             # followed the maps most like each row's last token's
             last = np.flatnonzero(np.append(context.rows[1:] != context.rows[:-1], True))
@@ -522,26 +519,6 @@ class FMoE(Policy):
             return []
         layers, picked, need = self.guides.guide(scores, maps, targets, current, fresh=fresh)
         return self.admission.prefetches(layers, picked, need, current)
-
-    def _learn(self, context: Context) -> None:
-        """Adds the iteration's maps to the store and records each as a follower of the same request's
-        previous `reuse_horizon` tokens (`ExpertMapStore.add_future`)."""
-        # In decode the iteration's searches have summed most of these maps' dot products with the store's.
-        dots = self._prefix_dots.full_dots(self.store, context.extra)
-        slots = self.store.add(context.data, context.extra, dots)
-        for slot, row, token_map in zip(slots, context.rows, context.extra, strict=True):
-            key = (context.request, int(row)) if context.requests is None else (context.requests[row],)
-            recent = self._recent.get(key)
-            if recent is None:
-                recent = self._recent[key] = collections.deque(maxlen=self.reuse_horizon)
-                if len(self._recent) > _RECENT_REQUESTS:
-                    self._recent.popitem(last=False)
-            self._recent.move_to_end(key)
-            if recent:
-                self.store.add_future(
-                    np.fromiter(recent, np.int64), np.repeat(token_map[None], len(recent), 0)
-                )
-            recent.append(int(slot))
 
     def _record_match(self, kind: str, scores: np.ndarray) -> None:
         self.counts[f"{kind}_matches"] += 1
