@@ -149,7 +149,7 @@ def sim_rows(w: h.Workload, hardware: str, real: list[dict]) -> list[dict]:
 
 def memory_rows(capacities: list[int], prefetch_distance: int) -> list[dict]:
     from fmoe_jax.offload.cost_model import MODELS
-    from fmoe_jax.offload.expert_map_store import ExpertMapStore
+    from fmoe_jax.offload.policies.fmoe.store import ExpertMapStore
 
     rows = []
     for preset in MODELS.values():

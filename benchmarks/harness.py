@@ -385,7 +385,7 @@ class Variant:
     over the link in: None, each runtime's default (live: one `device_put` per expert; simulated: the cost
     model's choice, `HardwarePreset.copy_chunks`: 3, one per matrix, on the RTX 3090 preset, whole on the
     Hopper presets, whose copies pay a fixed cost each), 1 whole experts (both), 3 per matrix (live:
-    `OffloadConfig(chunked_copies=True)`)."""
+    `OffloadConfig(transfer="chunked")`)."""
 
     label: str
     policy: str
@@ -477,8 +477,7 @@ def offload_config(
         cache_experts=workload.slots(budget if budget is not None else args.budget),
         prefetch_distance=d,
         max_inflight=args.max_inflight,
-        synchronous_transfers=synchronous,
-        chunked_copies=variant.chunks is not None and variant.chunks > 1,
+        transfer="synchronous" if synchronous else "chunked" if (variant.chunks or 0) > 1 else "direct",
         execution=variant.execution,
     )
 

@@ -28,11 +28,7 @@ from . import cost_model
 from .config import OffloadConfig
 from .policies import POLICIES, accepted_options
 from .simulator import Replay, SimResult, common_meta
-
-try:  # the trace's home moves with the package's layering; either place serves
-    from .trace import RoutingTrace
-except ImportError:  # pragma: no cover
-    from fmoe_jax.trace import RoutingTrace
+from .trace import RoutingTrace
 
 
 class UsageError(Exception):

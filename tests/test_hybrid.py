@@ -233,10 +233,10 @@ def test_static_split_places_whole_layers_and_restores_them():
 
 
 def test_a_failing_host_call_leaves_the_cache_usable():
+    from fmoe_jax.offload.cache import DeviceExpertCache
     from fmoe_jax.offload.driver import Driver, Routed
     from fmoe_jax.offload.policies import OnDemandLRU
     from fmoe_jax.offload.simulator import SimulatedLink
-    from fmoe_jax.offload.transfer import DeviceExpertCache
 
     policy = OnDemandLRU()
     cache = DeviceExpertCache(SimulatedLink(100, 1e3), 2, 100, policy)
@@ -393,7 +393,7 @@ def test_replay_counts_equal_live_hybrid_engine(policy, options, mixtral):
     offload = OffloadConfig(
         policy=policy,
         cache_experts=4,
-        synchronous_transfers=True,
+        transfer="synchronous",
         prefetch_distance=1,
         execution="hybrid",
         policy_options=options,

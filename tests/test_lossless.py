@@ -21,6 +21,7 @@ import pytest
 from fmoe_jax.models import Layout
 from fmoe_jax.offload import predictors
 from fmoe_jax.offload.config import OffloadConfig
+from fmoe_jax.offload.hybrid import HostCost
 from fmoe_jax.offload.policies import POLICIES, DuoServe, FMoE, Oracle, ProMoE
 from fmoe_jax.research import predictor_training
 from hypothesis import HealthCheck, Phase, given, settings
@@ -305,7 +306,7 @@ def test_fmoe_lossless_while_it_stops_wanting_contexts(subjects):
             assert stats["unrecorded_iterations"] > 0 and stats["unpaid_reuse"] > 0, (slots, stats)
 
 
-class OneTokenOnHost:
+class OneTokenOnHost(HostCost):
     """A host cost under which the host takes every missed expert that one token uses and the device the
     others: layers computed on both at once (a padded prefill, a batch's decode step)."""
 

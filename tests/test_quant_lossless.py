@@ -19,6 +19,7 @@ import dataclasses
 import numpy as np
 import pytest
 from fmoe_jax.models.quant import KINDS
+from fmoe_jax.offload.hybrid import HostCost
 from fmoe_jax.offload.policies import POLICIES
 from fmoe_jax.research import predictor_training
 from hypothesis import HealthCheck, Phase, given, settings
@@ -110,7 +111,7 @@ def test_offloaded_drawn_family_equals_resident(family, kind, subjects):
     check_every_policy(*subjects(family, kind, new_tokens=1))
 
 
-class _AllOnHost:
+class _AllOnHost(HostCost):
     """Hybrid execution's host cost when the host is free: every missed expert is computed there."""
 
     def overhead_s(self, tokens: int) -> float:

@@ -108,7 +108,7 @@ def live_and_replayed(hf_dir, policy: str, cache_experts: int | None, base: fj.M
     offload = OffloadConfig(
         policy=policy,
         cache_experts=cache_experts,
-        synchronous_transfers=True,
+        transfer="synchronous",
         prefetch_distance=1,
         policy_options=policy_options(policy, hf_dir),
     )

@@ -114,7 +114,7 @@ def test_concurrent_saves_of_one_trace_do_not_collide(tmp_path):
 
 
 def _routing_set(directory, ids: dict, weights: dict | None = None, num_experts: int = 8):
-    """A routing-set directory as the shared gpt-oss-20b routing is stored (`fmoe_jax.trace_formats`)."""
+    """A routing-set directory as the shared gpt-oss-20b routing is stored (`offload/trace_formats.py`)."""
     import json
 
     arrays = {f"{name}__ids": a for name, a in ids.items()}

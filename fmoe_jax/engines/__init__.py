@@ -8,6 +8,7 @@ by one through the iteration driver. Both implement `Engine`; their compiled pro
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 import jax
@@ -63,6 +64,10 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Stops background work and saves state (once)."""
+
+    def paused_learning(self) -> contextlib.AbstractContextManager[None]:
+        """While it is entered, requests teach the engine's expert policy nothing it keeps (a warm-up's
+        random tokens); `Policy.paused_learning`."""
 
 
 __all__ = ["Engine", "Programs", "Recorded", "StepOutput"]

@@ -1,4 +1,4 @@
-"""Readers of routing recorded outside fmoe_jax, for `RoutingTrace.from_external(path)`.
+"""Readers of routing recorded outside fmoe_jax, for `RoutingTrace.from_external(path)` (`offload/trace.py`).
 
 Two formats:
 - a *routing set* directory: `decode_routing.npz` (per request `<name>__ids` `[T, L, k]`, optional
