@@ -42,19 +42,20 @@ def child(task: str, src: Path, out: Path) -> dict:
         _, seconds = convert(src, out)
         return {"seconds": seconds}
     import jax
-    from fmoe_jax.convert import orbax_io
     from fmoe_jax.offload.config import OffloadConfig
 
     import fmoe_jax as fj
+    from fmoe_jax.checkpoint import orbax_io
+    from fmoe_jax.loading import param_sharding
 
     start = time.perf_counter()
     if task == "restore_pinned_host":
-        _, _, flat = orbax_io.restore_params(out, offload=OffloadConfig())
+        _, _, flat = orbax_io.restore_params(out, sharding=lambda p: param_sharding(p, OffloadConfig()))
         kinds = sorted({a.sharding.memory_kind for p, a in flat.items() if p[0] == "experts"})
         jax.block_until_ready(list(flat.values()))
         return {"seconds": time.perf_counter() - start, "expert_memory_kinds": kinds}
     if task == "restore_device":
-        _, _, flat = orbax_io.restore_params(out, offload=None)
+        _, _, flat = orbax_io.restore_params(out, sharding=lambda p: param_sharding(p, None))
         jax.block_until_ready(list(flat.values()))
     elif task == "load_model_offload":
         fj.load_model(out, offload=OffloadConfig()).close()

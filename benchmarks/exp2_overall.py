@@ -36,7 +36,8 @@ def live_row(label: str, r: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    h.add_arguments(parser)
+    h.add_arguments(parser, model=h.default_models() + list(h.PRESET_REPLAYS))
+    h.add_merge_argument(parser)
     parser.add_argument(
         "--policies",
         nargs="+",
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
         w = h.load_workload(name, args)
         notes.append(h.settings_note(w))
         result = payload["models"][w.name] = {"live": {}, "sim": {}}
-        if not args.no_live:
+        if not args.no_live and not w.simulated_only:
             rows = []
             print(f"[{w.name}] live, the policies interleaved request by request", flush=True)
             result["live"] = h.run_live_interleaved(w, h.variants(args.policies))
@@ -85,7 +86,13 @@ def main(argv: list[str] | None = None) -> dict:
         w.model.close()
     payload["args"] = {k: str(v) for k, v in vars(args).items()}
     h.write_results(
-        NAME, "Experiment 2: overall TTFT, TPOT and hit rate (figure 9)", payload, tables, notes, args.out
+        NAME,
+        "Experiment 2: overall TTFT, TPOT and hit rate (figure 9)",
+        payload,
+        tables,
+        notes,
+        args.out,
+        merge=args.merge,
     )
     plot(h.saved(NAME, args.out), args.out / f"{NAME}.png")
     return payload

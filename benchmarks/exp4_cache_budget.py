@@ -81,7 +81,8 @@ def plot(payload: dict, path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    h.add_arguments(parser, live_requests=8)
+    h.add_arguments(parser, live_requests=8, model=h.default_models() + list(h.PRESET_REPLAYS))
+    h.add_merge_argument(parser)
     parser.add_argument(
         "--budgets",
         type=float,
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         w = h.load_workload(name, args)
         notes.append(h.settings_note(w) + " (the budget varies here)")
         result = payload["models"][w.name] = {"live": [], "sim": {}}
-        if not args.no_live:
+        if not args.no_live and not w.simulated_only:
             for budget in args.budgets:
                 print(
                     f"[{w.name}] live, budget {budget}, the policies interleaved request by request",
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         tables,
         notes,
         args.out,
+        merge=args.merge,
     )
     plot(h.saved(NAME, args.out), args.out / f"{NAME}.png")
     return payload

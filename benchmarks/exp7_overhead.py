@@ -81,11 +81,9 @@ def real_size_rows(
         "deepseek_v2": "DeepSeek-V2-Lite",
     }
     rows = []
-    for family, preset in MODELS.items():
-        dims = mo.MODELS[names[family]]
-        m = mo.measure(
-            names[family], dims, store_capacity, repeats, flush, prefetch_distance, top_k=preset.top_k
-        )
+    for family, name in names.items():  # the models whose matcher was measured (matcher_overhead.MODELS)
+        preset, dims = MODELS[family], mo.MODELS[name]
+        m = mo.measure(name, dims, store_capacity, repeats, flush, prefetch_distance, top_k=preset.top_k)
         host, rounds = m["policy_iteration"]["p50_ms"], m["policy_iteration_rounds_ms"]
         for hw in hardware:
             costs = CostModel(preset, HARDWARE[hw], preset.num_experts)
@@ -151,7 +149,7 @@ def sim_rows(w: h.Workload, hardware: str, real: list[dict]) -> list[dict]:
 
 def memory_rows(capacities: list[int], prefetch_distance: int) -> list[dict]:
     from fmoe_jax.offload.cost_model import MODELS
-    from fmoe_jax.offload.expert_map_store import ExpertMapStore
+    from fmoe_jax.offload.policies.fmoe.store import ExpertMapStore
 
     rows = []
     for preset in MODELS.values():

@@ -58,6 +58,9 @@ POLICIES = (
     "fmoe",
     "oracle",
 )
+# Simulated-only workloads experiments 2 and 4 add to the shipped models: a shipped model's traces replayed at
+# the sizes of a model no shipped model has the architecture of (NAME@PRESET, see `--model`).
+PRESET_REPLAYS = ("fmoe-tiny-qwen3-moe@qwen3_next",)
 PROMPT_LOADERS = {"sharegpt": "load_sharegpt", "mt_bench": "load_mt_bench", "alpaca_eval": "load_alpaca_eval"}
 
 
@@ -90,7 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
         | defaults
     )
     a = parser.add_argument
-    a("--model", nargs="+", default=d["model"], help="shipped model names or checkpoint directories")
+    a(
+        "--model",
+        nargs="+",
+        default=d["model"],
+        help="shipped model names or checkpoint directories; NAME@PRESET replays NAME's traces at the sizes "
+        "of cost_model.MODELS[PRESET] (simulated only: e.g. fmoe-tiny-qwen3-moe@qwen3_next)",
+    )
     a("--data", type=Path, default=DATA, help="data directory (corpora/, prompts/, arrivals/)")
     a(
         "--prompts",
@@ -139,6 +148,16 @@ def add_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     )
     a("--out", type=Path, default=RESULTS)
     a("--cache-dir", type=Path, default=CACHE, help="recorded traces and trained predictors")
+
+
+def add_merge_argument(parser: argparse.ArgumentParser) -> None:
+    """`--merge`: run some models only, keeping the saved results' other models (`write_results`)."""
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="add the --model results to the saved ones (others kept; the saved command stays the one to "
+        "rerun)",
+    )
 
 
 SPLITS = ("eval", "validation")
@@ -191,6 +210,7 @@ class Workload:
     router_weights: tuple[np.ndarray, ...]
     args: argparse.Namespace
     cache_dir: Path
+    simulated_only: bool = False  # NAME@PRESET: another model's sizes, so no live run stands for it
 
     @property
     def config(self) -> Any:
@@ -245,7 +265,11 @@ def load_workload(name: str, args: argparse.Namespace, *, record: bool = True) -
     import fmoe_jax as fj
     from fmoe_jax.engines.offload import router_weights
 
-    path = resolve_model(name, args.cache_dir)
+    base, _, preset_name = name.partition("@")
+    if preset_name and preset_name not in MODELS:
+        known = ", ".join(MODELS)
+        raise SystemExit(f"--model {name}: no preset {preset_name!r} (cost_model.MODELS: {known})")
+    path = resolve_model(base, args.cache_dir)
     # Experts go to pinned host memory; each run builds its own engine (`serving`) over these weights.
     model = fj.load_model(path, offload=fj.OffloadConfig(policy="on_demand_lru", cache_experts=1))
     cfg = model.config
@@ -263,12 +287,14 @@ def load_workload(name: str, args: argparse.Namespace, *, record: bool = True) -
     )
     cache_dir = args.cache_dir / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     requests = [Request(p, i, None) for p, i in zip(store + evaluation, ids, strict=True)]
-    if args.sim_model == "own" or cfg.family not in MODELS:
-        preset = ModelPreset.from_config(cfg, name=Path(name).name)
+    if preset_name:
+        preset = MODELS[preset_name]
+    elif args.sim_model == "own" or cfg.family not in MODELS:
+        preset = ModelPreset.from_config(cfg, name=Path(base).name)
     else:
         preset = MODELS[cfg.family]
     w = Workload(
-        name=Path(name).name,
+        name=Path(base).name + (f"@{preset_name}" if preset_name else ""),
         model=model,
         store=requests[: len(store)],
         eval=requests[len(store) :],
@@ -276,6 +302,7 @@ def load_workload(name: str, args: argparse.Namespace, *, record: bool = True) -
         router_weights=router_weights(model.module),
         args=args,
         cache_dir=cache_dir,
+        simulated_only=bool(preset_name),
     )
     if record:
         for request, trace in zip(requests, record_traces(w, ids, cache_dir / "traces"), strict=True):
@@ -358,7 +385,7 @@ class Variant:
     over the link in: None, each runtime's default (live: one `device_put` per expert; simulated: the cost
     model's choice, `HardwarePreset.copy_chunks`: 3, one per matrix, on the RTX 3090 preset, whole on the
     Hopper presets, whose copies pay a fixed cost each), 1 whole experts (both), 3 per matrix (live:
-    `OffloadConfig(chunked_copies=True)`)."""
+    `OffloadConfig(transfer="chunked")`)."""
 
     label: str
     policy: str
@@ -450,8 +477,7 @@ def offload_config(
         cache_experts=workload.slots(budget if budget is not None else args.budget),
         prefetch_distance=d,
         max_inflight=args.max_inflight,
-        synchronous_transfers=synchronous,
-        chunked_copies=variant.chunks is not None and variant.chunks > 1,
+        transfer="synchronous" if synchronous else "chunked" if (variant.chunks or 0) > 1 else "direct",
         execution=variant.execution,
     )
 
@@ -511,6 +537,8 @@ def run_live_interleaved(
     themselves; interleaved, it falls on each alike and their TPOT ratios hold."""
     import fmoe_jax as fj
 
+    if workload.simulated_only:
+        raise ValueError(f"{workload.name}: replays another model's sizes, so it has no live run")
     measured = measured if measured is not None else batches(workload.eval[: workload.args.live_requests], 1)
     warmup = warmup if warmup is not None else batches(workload.store[: workload.args.warmup], 1)
     if len({v.label for v in variants}) != len(variants):
@@ -643,12 +671,17 @@ def write_results(
     tables: dict[str, list[dict[str, Any]]],
     notes: Sequence[str],
     out: Path,
+    *,
+    merge: bool = False,
 ) -> Path:
-    """Prints the tables and writes `<name>.json` and `<name>.md` (the PNG is the experiment's own)."""
+    """Prints the tables and writes `<name>.json` and `<name>.md` (the PNG is the experiment's own). With
+    `merge`, the models run now join (or replace) the saved results' other models (`merged_results`)."""
     command = command_line()
     for caption, rows in tables.items():
         print(f"\n{caption}")
         print_table(rows)
+    if merge and (Path(out) / f"{name}.json").exists():
+        payload, tables, notes, command = merged_results(saved(name, out), payload, tables, notes, command)
     save(name, {"command": command, **payload, "tables": tables, "notes": list(notes)}, out)
     m = machine()
     lines = [
@@ -669,6 +702,28 @@ def write_results(
     return path
 
 
+def merged_results(
+    old: dict[str, Any], payload: dict[str, Any], tables: dict, notes: Sequence[str], command: str
+) -> tuple[dict[str, Any], dict, list[str], str]:
+    """Saved results with the models of a partial run added or replaced: their entries, tables (captions
+    start with the model's name) and settings notes; the saved command (the whole run's, which `rerun`
+    repeats) stays, and the partial run's command is listed under `merged`."""
+    models = list(payload["models"])
+
+    def mine(text: str) -> bool:
+        return any(text.startswith(f"{m}:") or text.startswith(f"{m},") for m in models)
+
+    merged = {**old, **{k: v for k, v in payload.items() if k != "models"}}
+    merged["models"] = {**old["models"], **payload["models"]}
+    merged["args"] = old.get("args", payload.get("args"))
+    merged["merged"] = [*old.get("merged", []), {"command": command, "models": models}]
+    for key in ("command", "tables", "notes", "machine"):
+        merged.pop(key, None)
+    old_tables = {caption: rows for caption, rows in old["tables"].items() if not mine(caption)}
+    old_notes = [n for n in old["notes"] if not mine(n)]
+    return merged, {**old_tables, **tables}, [*old_notes, *notes], old["command"]
+
+
 def simulated_sizes(payload: dict[str, Any], model: str) -> str:
     """The real model whose sizes the simulator charged for `model`'s traces, read from the table captions."""
     for caption in payload.get("tables", {}):
@@ -680,6 +735,13 @@ def simulated_sizes(payload: dict[str, Any], model: str) -> str:
 def settings_note(workload: Workload) -> str:
     a, cfg = workload.args, workload.config
     eams = "" if a.eam_capacity == a.store_capacity else f" (MoE-Infinity: {a.eam_capacity} EAMs)"
+    sizes = ""
+    if workload.simulated_only:
+        sizes = (
+            f" (traces of {cfg.num_moe_layers} MoE layers replayed with the per-layer sizes of "
+            f"{workload.preset.name}, which has {workload.preset.num_layers}: not projected onto its layer "
+            "count)"
+        )
     return (
         f"{workload.name}: {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}; "
         f"prompts '{Path(a.prompts).name}', {len(workload.store)} store / {len(workload.eval)} "
@@ -688,7 +750,8 @@ def settings_note(workload: Workload) -> str:
         f"greedy; cache {workload.slots(a.budget)} of {workload.total_experts} experts ({a.budget:.0%}), "
         f"d = {a.prefetch_distance}, store capacity {a.store_capacity}{eams}, "
         f"{a.warmup} warm-up store prompts; "
-        f"simulated sizes: {workload.preset.name} ({workload.preset.expert_bytes / 2**20:.0f} MiB per expert)"
+        f"simulated sizes: {workload.preset.name} ({workload.preset.expert_bytes / 2**20:.0f} MiB per "
+        f"expert){sizes}"
     )
 
 

@@ -29,8 +29,8 @@ from typing import Any
 import matplotlib
 import numpy as np
 from fmoe_jax.offload.cache import BookView, CacheBook
-from fmoe_jax.offload.expert_map_store import ExpertMapStore, PrefixDots
 from fmoe_jax.offload.policies.fmoe import HINT_NEIGHBOURS
+from fmoe_jax.offload.policies.fmoe.store import ExpertMapStore, PrefixDots
 
 from benchmarks.common import HelpFormatter
 

@@ -66,10 +66,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
     parser.add_argument("--budget", type=float, default=0.25, help="fraction of experts the cache holds")
     parser.add_argument(
-        "--chunked", action="store_true", help="also both policies with `OffloadConfig(chunked_copies=True)`"
+        "--chunked", action="store_true", help="also both policies with `OffloadConfig(transfer='chunked')`"
     )
     parser.add_argument(
-        "--thread", action="store_true", help="also both policies with `OffloadConfig(transfer_thread=True)`"
+        "--thread", action="store_true", help="also both policies with `OffloadConfig(transfer='thread')`"
     )
     parser.add_argument(
         "--out", type=Path, default=RESULTS, help="directory for the JSON, PNG and markdown results"
@@ -94,13 +94,10 @@ def main() -> None:
         f"on_demand_lru, {args.budget:.0%}": fj.OffloadConfig(policy="on_demand_lru", cache_experts=slots),
         f"fmoe, {args.budget:.0%}": fj.OffloadConfig(policy="fmoe", cache_experts=slots, prefetch_distance=1),
     }
-    for flag, option, label in (
-        (args.chunked, "chunked_copies", "chunked"),
-        (args.thread, "transfer_thread", "thread"),
-    ):
+    for flag, transfer in ((args.chunked, "chunked"), (args.thread, "thread")):
         for policy in ("on_demand_lru", "fmoe") if flag else ():  # copies from the transfer thread
-            configs[f"{policy} {label}, {args.budget:.0%}"] = dataclasses.replace(
-                configs[f"{policy}, {args.budget:.0%}"], **{option: True}
+            configs[f"{policy} {transfer}, {args.budget:.0%}"] = dataclasses.replace(
+                configs[f"{policy}, {args.budget:.0%}"], transfer=transfer
             )
 
     for name, offload in configs.items():

@@ -3,8 +3,9 @@ from each set of features fMoE could use, against a forecast that knows the next
 
     python -m benchmarks.reuse_forecast [--split validation] [--model NAME ...]
 
-fMoE's eviction (`offload/forecast.py`, `ReuseForecast`) ranks resident experts by the probability that
-the request needs them within the next two iterations, from binned counts over the iterations since the
+fMoE's eviction (`offload/policies/fmoe/forecast.py`, `ReuseForecast`) ranks resident experts by the
+probability that the request needs them within the next two iterations, from binned counts over the iterations
+since the
 expert's last use (gap), its decayed share of iterations (share) and the reuse hint (what followed the
 stored maps most like the last token's; `ExpertMapStore.future_of`). This script replays the recorded
 routing of the prompts (the validation split by default: no evaluation prompt is seen) outside the
@@ -50,7 +51,7 @@ def collect(workload: h.Workload, neighbours: int) -> dict[str, np.ndarray]:
     two iterations after it. Features are what the policy knows as t starts, plus (`hint_now`, `used_now`)
     what it knows once t has routed. The store starts from the store prompts and learns each replayed request
     after it, as fMoE's does online."""
-    from fmoe_jax.offload.expert_map_store import ExpertMapStore
+    from fmoe_jax.offload.policies.fmoe.store import ExpertMapStore
 
     meta = workload.store[0].trace.meta
     layers, experts = meta["num_layers"], meta["num_experts"]
@@ -111,8 +112,8 @@ def learn(store: Any, iterations: list[Any]) -> None:
 
 
 def binned(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The policy's bins (`offload/forecast.py`) of each feature."""
-    from fmoe_jax.offload.forecast import GAP_EDGES, P_EDGES, SHARE_EDGES
+    """The policy's bins (`offload/policies/fmoe/forecast.py`) of each feature."""
+    from fmoe_jax.offload.policies.fmoe.forecast import GAP_EDGES, P_EDGES, SHARE_EDGES
 
     gap = np.where(
         data["gap"] == GAP_NEVER, len(GAP_EDGES) + 1, np.searchsorted(GAP_EDGES, data["gap"], side="right")

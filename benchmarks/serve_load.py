@@ -61,7 +61,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(command + options, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout
         while (
-            found := re.search(r"Uvicorn running on (http://\S+)", Path(self.log.name).read_text())
+            found := re.search(r"serving .+? on (http://\S+)", Path(self.log.name).read_text())
         ) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()

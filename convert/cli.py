@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import contextlib
 import datetime
 import gc
+import json
 import logging
 import os
 import shutil
@@ -26,24 +27,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from fmoe_jax.models import FAMILIES, UnsupportedConfigError
-from fmoe_jax.models.quant import KINDS, ExpertQuantization, quantized_params
+from fmoe_jax.models.quant import KINDS, ExpertQuantization, is_expert_matrix, quantized_params
 from tqdm import tqdm
 
 import fmoe_jax
-
-from . import orbax_io
-from .destination import (
-    PROG,
-    ConvertError,
-    check_destination,
-    check_space,
-    install,
-    remove_stale,
-    remove_tree,
-    work_dir,
-)
-from .hf import CheckpointError, HFCheckpoint
-from .manifest import (
+from fmoe_jax.checkpoint import orbax_io
+from fmoe_jax.checkpoint.hf import CheckpointError, HFCheckpoint
+from fmoe_jax.checkpoint.manifest import (
     FLOAT_FORMAT_VERSION,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -54,6 +44,17 @@ from .manifest import (
     files_under,
     hash_file,
     verify_files,
+)
+
+from .destination import (
+    PROG,
+    ConvertError,
+    check_destination,
+    check_space,
+    install,
+    remove_stale,
+    remove_tree,
+    work_dir,
 )
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -146,16 +147,18 @@ def convert(
     poll: Callable[[], None] = lambda: None,
     expert_quantization: str | None = None,
     group_size: int | None = None,
+    untie: bool = False,
 ) -> tuple[Manifest, float]:
     """Converts a Hugging Face checkpoint directory into an fmoe_jax checkpoint at `out_dir`.
 
     With `expert_quantization` ("int8" or "int4", `group_size` inputs per scale, default 64) the routed
     experts are stored quantized, as `load_model(..., expert_quantization=...)` would quantize them, and the
-    manifest records it, so that loading never quantizes again. Everything is checked before anything is
-    written. Weights stream one layer at a time into a
-    hidden directory beside `out_dir`, which is renamed to `out_dir` only once complete; on any failure
-    or interruption it is removed. `poll` is called at every safe point (between tensors, after each
-    item); raising from it abandons the conversion. Returns the manifest and the seconds it took.
+    manifest records it, so that loading never quantizes again. `untie`: see `HFCheckpoint`. Everything is
+    checked before anything is written (a float16 `dtype` reads every tensor once first: none may overflow).
+    Weights stream one layer at a time into a hidden directory beside `out_dir`, which is renamed to
+    `out_dir` only once complete; on any failure or interruption it is removed. `poll` is called at every
+    safe point (between tensors, after each item); raising from it abandons the conversion. Returns the
+    manifest and the seconds it took.
 
     Raises:
       CheckpointError, UnsupportedConfigError: the source is incomplete, corrupt or not supported.
@@ -165,18 +168,20 @@ def convert(
     """
     start = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
-    ckpt = HFCheckpoint(hf_dir)
+    ckpt = HFCheckpoint(hf_dir, untie=untie)
+    if untie and not ckpt.untied:
+        raise ConvertError(f"--untie: {hf_dir / 'config.json'} does not tie the embeddings; nothing to untie")
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     np_dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(ckpt.stored_dtype())
     cfg = ckpt.config
-    quantization = _quantization_arg(expert_quantization, group_size, cfg)
-    param_count = sum(int(np.prod(t.shape)) for tensor in ckpt.tensors for t in tensor.targets)
-    bytes_per_expert, param_bytes = _stored_bytes(cfg, param_count, np_dtype, quantization)
+    quantization = _quantization_arg(expert_quantization, group_size, cfg, ckpt.expert_storage)
+    bytes_per_expert, param_bytes = _stored_bytes(cfg, np_dtype, quantization)
     check_destination(out_dir, overwrite)
     parent = out_dir.parent
     remove_stale(parent, out_dir.name)
     check_space(parent, param_bytes)
+    ckpt.check_cast(np_dtype, poll=poll)
     tmp = work_dir(out_dir)
     try:
         tmp.mkdir()
@@ -193,6 +198,8 @@ def convert(
             hasher.add(f"source/{name}", hf_dir / name)
         for name in side:
             shutil.copyfile(hf_dir / name, tmp / name)
+            if name == "config.json" and ckpt.untied:
+                (tmp / name).write_text(json.dumps(ckpt.hf_config, indent=2) + "\n")
             hasher.add(name, tmp / name)
 
         def item_written(item: str) -> None:
@@ -246,8 +253,18 @@ def convert(
     return manifest, time.perf_counter() - start
 
 
-def _quantization_arg(kind: str | None, group_size: int | None, cfg: Any) -> ExpertQuantization | None:
-    """The command's `--expert-quantization` / `--group-size`, checked against the model's dimensions."""
+def _quantization_arg(
+    kind: str | None, group_size: int | None, cfg: Any, stored: ExpertQuantization | None
+) -> ExpertQuantization | None:
+    """The command's `--expert-quantization` / `--group-size`, checked against the model's dimensions; or
+    how the source stores its experts when it keeps them so (MXFP4), which nothing requantizes."""
+    if stored is not None:
+        if kind is not None or group_size is not None:
+            raise ConvertError(
+                f"the source stores its experts in {stored.kind.upper()}, which is kept as published; "
+                "drop --expert-quantization / --group-size"
+            )
+        return stored
     if kind is None:
         if group_size is not None:
             raise ConvertError(
@@ -262,16 +279,16 @@ def _quantization_arg(kind: str | None, group_size: int | None, cfg: Any) -> Exp
     return quantization
 
 
-def _stored_bytes(
-    cfg: Any, param_count: int, dtype: np.dtype, quantization: ExpertQuantization | None
-) -> tuple[int, int]:
-    """Bytes of one routed expert as stored, and of all parameters."""
-    d, f, size = cfg.hidden_size, cfg.expert_intermediate_size, dtype.itemsize
-    if quantization is None:
-        return 3 * d * f * size, param_count * size
-    per_expert = 2 * quantization.matrix_bytes(f, d, size) + quantization.matrix_bytes(d, f, size)
-    experts = cfg.num_moe_layers * cfg.num_experts
-    return per_expert, (param_count - experts * 3 * d * f) * size + experts * per_expert
+def _stored_bytes(cfg: Any, dtype: np.dtype, quantization: ExpertQuantization | None) -> tuple[int, int]:
+    """Bytes of one routed expert as stored (its biases included), and of all parameters."""
+    items = orbax_io.expected_items(cfg, quantization)
+
+    def nbytes(path: tuple, shape: tuple[int, ...]) -> int:
+        return int(np.prod(shape)) * orbax_io.stored_dtype(path, dtype, quantization).itemsize
+
+    total = sum(nbytes(*entry) for entries in items.values() for entry in entries.values())
+    first = items[orbax_io.experts_item(cfg.moe_layer_ids[0])].values()
+    return sum(nbytes(path, shape) for path, shape in first if path[2] == 0), total
 
 
 def _abandon(hasher: _Hasher, tmp: Path) -> None:
@@ -319,7 +336,7 @@ def verify(
     _, cfg, expected = orbax_io.open_converted(out_dir)
     hf = None
     if against is not None:
-        hf = HFCheckpoint(against)
+        hf = HFCheckpoint(against, untie=not cfg.tie_word_embeddings)
         if hf.config != cfg:
             raise CheckpointError(f"{against}: its config.json describes a different model than {out_dir}")
     dtype = np.dtype(jnp.dtype(manifest.dtype))
@@ -333,7 +350,7 @@ def verify(
             stream = hf.params(dtype, where=lambda t, name=name: orbax_io.item_of_tensor(t) == name)
             for tensor, target, value in stream:
                 wanted = {target.path: value}
-                if manifest.quantization is not None and target.path[0] == "experts":
+                if manifest.quantization is not None and is_expert_matrix(target.path):
                     wanted = quantized_params(target.path, value, manifest.quantization)
                 for path, want in wanted.items():
                     ours = arrays[path]
@@ -413,6 +430,7 @@ def _convert_parser() -> argparse.ArgumentParser:
         help="inputs sharing one scale; must divide hidden_size and the expert intermediate size "
         "(default with --expert-quantization: 64)",
     )
+    parser.add_argument("--untie", action="store_true", help="use lm_head.weight though config.json ties it")
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -540,12 +558,14 @@ def _run(args: argparse.Namespace, is_verify: bool, progress: bool, poll: Callab
         poll=poll,
         expert_quantization=args.expert_quantization,
         group_size=args.group_size,
+        untie=args.untie,
     )
     source_bytes = sum(r.size for r in manifest.source_files.values())
+    note = HFCheckpoint(args.hf_dir).not_converted_note
     return (
         f"{args.out_dir}: {manifest.family}, {manifest.num_layers} layers x {manifest.num_experts} experts, "
         f"{_stored_as(manifest)}, {manifest.param_bytes / 1e9:.2f} GB written in {seconds:.1f} s "
-        f"({source_bytes / 1e6 / seconds:.0f} MB/s of source)"
+        f"({source_bytes / 1e6 / seconds:.0f} MB/s of source)" + (f"\n{note}" if note else "")
     )
 
 

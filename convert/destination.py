@@ -10,8 +10,8 @@ import shutil
 import time
 from pathlib import Path
 
-from .hf import CheckpointError
-from .manifest import MANIFEST_NAME, listed_files
+from fmoe_jax.checkpoint.hf import CheckpointError
+from fmoe_jax.checkpoint.manifest import MANIFEST_NAME, listed_files
 
 PROG = "fmoe-convert"
 TMP_TAG, OLD_TAG = ".fmoe-tmp-", ".fmoe-old-"

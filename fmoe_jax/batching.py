@@ -251,18 +251,14 @@ class ContinuousBatch:
     def warmup(self, passes: int = 2) -> float:
         """Compiles every program serving will run: `passes` busy periods in which `slots` requests of one
         chunk of random tokens join and decode 3 tokens each (an offloaded model's steps stop at no layer only
-        once its cache has filled, hence two). An fMoE policy learns nothing from them. Returns the
-        seconds spent compiling."""
+        once its cache has filled, hence two). The expert policy learns nothing from them
+        (`Engine.paused_learning`). Returns the seconds spent compiling."""
         if self.busy:
             raise RuntimeError("warm up before serving: requests are in the batch")
-        policy = getattr(self.engine, "policy", None)
-        learning = getattr(policy, "learn", False)
-        if learning:
-            policy.learn = False
         compiled = self.engine.programs.compile_s
         rng = np.random.default_rng(0)
         vocab = self.model.config.vocab_size
-        try:
+        with self.engine.paused_learning():
             for _ in range(passes):
                 self.begin()
                 for i in range(self.slots):
@@ -273,9 +269,4 @@ class ContinuousBatch:
                     self.prefill()
                     self.decode()
                 self.end()
-        finally:
-            if hasattr(policy, "wait_idle"):
-                policy.wait_idle()  # the matcher has seen the warm-up's last context
-            if learning:
-                policy.learn = True
         return self.engine.programs.compile_s - compiled

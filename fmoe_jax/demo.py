@@ -38,7 +38,7 @@ def default_cache_dir() -> Path:
 def domain_prompts(data_dir: Path | None, per_domain: int, seed: int) -> list[tuple[str, str]]:
     """(domain, prompt) pairs from the held-out corpora when `data_dir` has them, else built-in prompts."""
     if data_dir is not None and (data_dir / "corpora").is_dir():
-        from fmoe_jax.research.workloads import domain_prompts as held_out
+        from fmoe_jax.corpora import domain_prompts as held_out
 
         prompts = held_out(data_dir / "corpora", per_domain, min_chars=100, max_chars=170, seed=seed)
         return [(p.category, p.text) for p in prompts]
@@ -47,9 +47,9 @@ def domain_prompts(data_dir: Path | None, per_domain: int, seed: int) -> list[tu
 
 def _stale(source: Path, converted: Path) -> str | None:
     """Why `converted` is not a conversion of the files now in `source` (None: it is)."""
+    from fmoe_jax.checkpoint.hf import CheckpointError
+    from fmoe_jax.checkpoint.manifest import Manifest, hash_file
     from fmoe_jax.convert.cli import SIDE_FILES
-    from fmoe_jax.convert.hf import CheckpointError
-    from fmoe_jax.convert.manifest import Manifest, hash_file
 
     try:
         manifest = Manifest.read(converted)
@@ -177,7 +177,8 @@ def interpretation(rows: dict[str, dict[str, float]], expert_kb: float, backend:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """`fmoe-demo`'s arguments."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -200,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         default=default_cache_dir(),
         help="converted checkpoints ($XDG_CACHE_HOME/fmoe_jax)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # fmoe_jax uses transformers for tokenizers only: its advice that PyTorch is missing does not apply.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -259,6 +264,16 @@ def main(argv: list[str] | None = None) -> int:
         policy: run_policy(path, policy, slots, warmup, prompts, args.new_tokens) for policy in POLICIES
     }
 
+    same = print_answers(evaluation, results, slots)
+    rows = {policy: summarise(outputs) for policy, outputs in results.items()}
+    print_statistics(rows)
+    say(interpretation(rows, expert_kb, jax.default_backend()), indent=0)
+    plot(args.out / "demo.png", results, slots / total)
+    return 0 if same else 1
+
+
+def print_answers(evaluation: list[tuple[str, Any]], results: dict, slots: int) -> bool:
+    """Prints fmoe's answers; whether on_demand_lru generated the same tokens (offloading is lossless)."""
     print(f"=== answers (fmoe; {slots} expert slots) ===")
     same = all(a.tokens == b.tokens for a, b in zip(results["fmoe"], results["on_demand_lru"], strict=True))
     for (domain, text), out in zip(evaluation, results["fmoe"], strict=True):
@@ -273,8 +288,11 @@ def main(argv: list[str] | None = None) -> int:
             else "different tokens: THIS IS A BUG (offloading should be lossless)."
         )
     )
+    return same
 
-    rows = {policy: summarise(outputs) for policy, outputs in results.items()}
+
+def print_statistics(rows: dict[str, dict]) -> None:
+    """The table of each policy's medians (`summarise`)."""
     print("\n=== statistics (medians over prompts and steps; hit rate over every expert use) ===")
     print(
         f"{'policy':<15}{'TTFT ms':>10}{'TPOT ms':>10}{'hit rate':>10}{'MB to device':>14}{'prefetches':>12}"
@@ -285,9 +303,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['mb_to_device']:>14.1f}{r['prefetches']:>12}"
         )
     print()
-    say(interpretation(rows, expert_kb, jax.default_backend()), indent=0)
-    plot(args.out / "demo.png", results, slots / total)
-    return 0 if same else 1
 
 
 def plot(path: Path, results: dict, budget: float) -> None:

@@ -17,8 +17,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from fmoe_jax.convert.hf import write_safetensors
-from fmoe_jax.convert.keys import to_hf
+from fmoe_jax.checkpoint.hf import write_safetensors
+from fmoe_jax.checkpoint.keys import to_hf
 from fmoe_jax.models import MoECausalLM, config_from_hf
 
 DTYPES = {
@@ -29,7 +29,7 @@ DTYPES = {
 
 
 def flat_params(module: MoECausalLM) -> dict[tuple, np.ndarray]:
-    """{parameter path: NumPy array} of a module, the form `convert.keys.to_hf` takes."""
+    """{parameter path: NumPy array} of a module, the form `checkpoint.keys.to_hf` takes."""
     return {tuple(path): np.asarray(var.get_value()) for path, var in nnx.to_flat_state(nnx.split(module)[1])}
 
 

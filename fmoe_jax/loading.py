@@ -10,8 +10,10 @@ import contextlib
 import dataclasses
 import functools
 import json
+import numbers
 import os
 import threading
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fmoe_jax.convert.hf import CheckpointError, HFCheckpoint
-from fmoe_jax.models import MoECausalLM, MoEConfig, abstract_model
+from fmoe_jax.checkpoint.hf import CheckpointError, HFCheckpoint
+from fmoe_jax.models import MoECausalLM, MoEConfig, abstract_model, quant
 from fmoe_jax.models.moe import Kernel
-from fmoe_jax.models.quant import ExpertQuantization, expert_quantization, quantized_params
+from fmoe_jax.models.quant import ExpertQuantization, expert_quantization, is_expert_matrix, quantized_params
+from fmoe_jax.offload.config import OffloadConfig
 
 from .engines import Engine
 from .engines.resident import ResidentEngine
@@ -177,7 +180,7 @@ def load_hf_params(
     `quantization`, each routed expert matrix is quantized (from its `dtype` cast) as it streams past."""
     flat = {}
     for _, target, value in ckpt.params(np.dtype(dtype)):
-        if quantization is not None and target.path[0] == "experts":
+        if quantization is not None and is_expert_matrix(target.path):
             for path, part in quantized_params(target.path, value, quantization).items():
                 flat[path] = place(path, part)
         else:
@@ -206,7 +209,7 @@ def quantization_request(
                 f"quantization_group_size={config[1]!r}; give the setting in one place"
             )
         asked = config if asked == (None, None) else asked
-    expert_quantization_of(asked, None)  # an unknown kind or a bad group size fails now
+    quant.expert_quantization(*asked)  # an unknown kind or a bad group size fails now
     return asked
 
 
@@ -214,9 +217,16 @@ def expert_quantization_of(
     asked: QuantizationRequest, stored: ExpertQuantization | None, source: str = ""
 ) -> ExpertQuantization | None:
     """The experts' storage: as the checkpoint holds them, or as asked (a float checkpoint quantizes while
-    loading). A quantized checkpoint loads only as itself: another kind or group size is an error."""
+    loading). A quantized checkpoint loads only as itself: another kind or group size is an error; MXFP4
+    is only ever kept, as a checkpoint publishes it."""
     kind, group_size = asked
     if stored is None:
+        if kind == "mxfp4":
+            raise ValueError(
+                f"{source}: expert_quantization='mxfp4' keeps experts a checkpoint stores in MXFP4 (gpt-oss "
+                "publishes them so); this checkpoint's experts are not, and fmoe_jax does not produce MXFP4: "
+                "ask 'int8' or 'int4', or None"
+            )
         return expert_quantization(kind, group_size)
     if kind is None and group_size is None:
         return stored
@@ -227,6 +237,25 @@ def expert_quantization_of(
             f"was asked; load it with expert_quantization={stored.kind!r} (or None), or convert it again"
         )
     return stored
+
+
+def check_load_arguments(offload: Any, kernel: Any) -> None:
+    """TypeError / ValueError naming `offload` or `kernel` when `load_model` could not serve with them; the
+    engines would otherwise fail later, at the first `generate`, with a raw error."""
+    if offload is not None and not isinstance(offload, OffloadConfig):
+        hint = f"fj.OffloadConfig(**{offload!r})" if isinstance(offload, dict) else "fj.OffloadConfig(...)"
+        raise TypeError(
+            f"offload must be None or an fmoe_jax.OffloadConfig, got {type(offload).__name__} "
+            f"{offload!r:.80}; pass offload={hint:.100}"
+        )
+    if offload is not None:
+        for name in ("cache_experts", "cache_bytes", "prefetch_distance", "max_inflight"):
+            value = getattr(offload, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise ValueError(f"OffloadConfig({name}=...) must be an int, got {value!r}")
+    kernels = typing.get_args(Kernel)
+    if kernel not in kernels:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, kernels))}, got {kernel!r}")
 
 
 def load_model(
@@ -250,34 +279,31 @@ def load_model(
       expert_quantization: None, "int8" or "int4": routed experts stored quantized (`models/quant.py`),
         quantized one at a time while loading unless the checkpoint already holds them so (then it must
         agree, or be left None). For offloading, `OffloadConfig(expert_quantization=...)` says the same.
+        Experts a checkpoint publishes in MXFP4 (gpt-oss) load as stored ("mxfp4", or None).
       quantization_group_size: inputs sharing one scale (default 64; must divide the hidden size and the
         expert intermediate size).
       verify: for a converted checkpoint, compare every file's sha256 with its manifest before loading
-        (reads the checkpoint once more); otherwise only their sizes are compared, which catches files
-        truncated or replaced since the conversion. A Hugging Face directory has no manifest; its
-        safetensors headers are always checked against the files' sizes.
+        (reads the checkpoint once more); otherwise only the weights' sizes are compared, which catches
+        files truncated or replaced since the conversion, and the small files beside them (config.json,
+        tokenizer) are always hashed. A Hugging Face directory has no manifest; its safetensors headers
+        are always checked against the files' sizes.
     Raises:
+      TypeError: `offload` is not an `OffloadConfig`.
       CheckpointError: a file is missing, corrupt or differs from the manifest (the message names it).
-      ValueError: an unknown quantization, a group size that does not divide an expert's input dimension,
+      ValueError: an unknown kernel, an `OffloadConfig` budget that is not an int, an unknown quantization,
+        a group size that does not divide an expert's input dimension,
         or a setting that conflicts with a quantized checkpoint's (the message names the values).
     """
+    check_load_arguments(offload, kernel)
     asked = quantization_request(offload, expert_quantization, quantization_group_size)
     directory = resolve(path_or_name)
-    from fmoe_jax.convert import orbax_io  # local import: orbax is heavy and only needed here
+    from fmoe_jax.checkpoint import orbax_io  # local import: orbax is heavy and only needed here
 
+    place = functools.partial(param_sharding, offload=offload)
     if orbax_io.is_converted(directory):
-        return orbax_io.load_converted(
-            directory, offload=offload, dtype=dtype, kernel=kernel, verify=verify, quantization=asked
-        )
-    ckpt = HFCheckpoint(directory)
-    cfg = ckpt.config
-    quantization = expert_quantization_of(asked, None)
-    if quantization is not None:
-        quantization.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
-    dtype = _dtype_arg(dtype, ckpt.stored_dtype())
-    flat = load_hf_params(
-        ckpt, dtype, lambda path, value: jax.device_put(value, param_sharding(path, offload)), quantization
-    )
+        cfg, dtype, flat, quantization = restore_converted(directory, place, dtype, verify, asked)
+    else:
+        cfg, dtype, flat, quantization = read_hf(directory, place, dtype, asked)
     return build(
         cfg,
         dtype,
@@ -289,6 +315,39 @@ def load_model(
         kernel=kernel,
         quantization=quantization,
     )
+
+
+Loaded = tuple[MoEConfig, jnp.dtype, dict[tuple, Any], ExpertQuantization | None]  # what `build` takes
+
+
+def read_hf(directory: Path, place: Any, dtype: Any, asked: QuantizationRequest) -> Loaded:
+    """A Hugging Face directory's parameters, each streamed to `place(path)` (quantized when asked)."""
+    ckpt = HFCheckpoint(directory)
+    cfg = ckpt.config
+    quantization = expert_quantization_of(asked, ckpt.expert_storage, str(directory))
+    if quantization is not None:
+        quantization.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
+    dtype = _dtype_arg(dtype, ckpt.stored_dtype())
+    flat = load_hf_params(ckpt, dtype, lambda path, value: jax.device_put(value, place(path)), quantization)
+    return cfg, dtype, flat, quantization
+
+
+def restore_converted(
+    directory: Path, place: Any, dtype: Any, verify: bool, asked: QuantizationRequest
+) -> Loaded:
+    """A directory written by `fmoe-convert`: the request settled against its manifest, then its parameters
+    restored where `place(path)` says (`orbax_io.restore_params` checks the files)."""
+    from fmoe_jax.checkpoint import orbax_io
+
+    manifest, cfg, _ = orbax_io.open_converted(directory)
+    quantization = expert_quantization_of(asked, manifest.quantization, str(directory))
+    if quantization is not None:
+        quantization.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
+    dtype = _dtype_arg(dtype, jnp.dtype(manifest.dtype))
+    cfg, dtype, flat = orbax_io.restore_params(
+        directory, sharding=place, dtype=dtype, verify=verify, quantization=quantization
+    )
+    return cfg, dtype, flat, quantization
 
 
 def param_sharding(path: tuple, offload: Any) -> jax.sharding.Sharding:

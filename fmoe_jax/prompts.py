@@ -61,6 +61,8 @@ def check_token_ids(ids: Any, vocab_size: int, what: str) -> np.ndarray:
         raise ValueError(
             f"{what} must be a rectangular array of token ids; its rows differ in length"
         ) from None
+    if array.size == 0:  # NumPy makes `[[]]` float64: no value is wrong, the shape is (the caller says)
+        return array.astype(np.int32)
     if array.dtype.kind in "iu" and not hasattr(ids, "dtype"):  # NumPy turns a list's True into 1
         bad = next(
             (v for v in np.asarray(ids, dtype=object).ravel() if isinstance(v, (bool, np.bool_))), None
@@ -101,6 +103,7 @@ def encode_prompt(model: Any, prompt: Any, index: int) -> list[int]:
             f"{model.source} has no tokenizer; pass token-id lists instead"
         )
     if is_text:
+        check_text(prompt, f"prompt {index}")
         ids = model.tokenizer(prompt)["input_ids"]
     elif is_chat:
         ids = chat_ids(model, prompt)
@@ -134,13 +137,29 @@ def chat_ids(model: Any, conversation: Sequence[Mapping[str, Any]]) -> list[int]
 
 
 def check_conversation(conversation: Sequence[Mapping[str, Any]], index: int) -> None:
-    """ValueError unless every message of prompt `index` has a 'role' string and a 'content'."""
+    """ValueError unless every message of prompt `index` has a 'role' string and a 'content', and every
+    string in it is text a tokenizer can encode."""
     for i, message in enumerate(conversation):
         if not isinstance(message.get("role"), str) or "content" not in message:
             raise ValueError(
                 f"prompt {index}, message {i} must be a dict with a 'role' string and a 'content', "
                 f"got {message!r:.80}"
             )
+        for key, value in message.items():
+            if isinstance(value, str):
+                check_text(value, f"prompt {index}, message {i}, {key!r}")
+
+
+def check_text(text: str, what: str) -> None:
+    """ValueError when `text` cannot be encoded as UTF-8 (a lone surrogate such as '\\ud800', which a
+    JSON body's escapes can carry): tokenizers raise a TypeError on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{what} is not valid Unicode text: it holds {text[err.start : err.end]!a} at character "
+            f"{err.start}, a lone surrogate; send text encoded as UTF-8"
+        ) from None
 
 
 def encode_prompts(model: Any, prompts: Any) -> list[list[int]]:

@@ -9,6 +9,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
+from .errors import ArgumentError
 from .prompts import encode_prompts
 from .sampling import Sampling, from_hf_arguments
 
@@ -29,7 +30,7 @@ class Request:
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise ArgumentError(name, f"{name} must be a positive int, got {value!r}")
     return int(value)
 
 
@@ -37,33 +38,46 @@ def _eos_ids(model: Any, eos_token_id: Any, stop_at_eos: bool) -> frozenset[int]
     if eos_token_id is None:
         return frozenset(model.eos_token_ids) if stop_at_eos else frozenset()
     if not stop_at_eos:
-        raise ValueError(
-            f"eos_token_id={eos_token_id!r} has no effect with stop_at_eos=False; drop one of them"
+        raise ArgumentError(
+            "eos_token_id",
+            f"eos_token_id={eos_token_id!r} has no effect with stop_at_eos=False; drop one of them",
         )
     ids = [eos_token_id] if isinstance(eos_token_id, numbers.Number) else eos_token_id
     vocab = model.config.vocab_size
     if not isinstance(ids, Sequence) or not ids:
-        raise ValueError(f"eos_token_id must be a token id or a non-empty list of them, got {eos_token_id!r}")
+        raise ArgumentError(
+            "eos_token_id",
+            f"eos_token_id must be a token id or a non-empty list of them, got {eos_token_id!r}",
+        )
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab:
-            raise ValueError(
-                f"eos_token_id must hold ints in [0, {vocab}) (the vocabulary), got {eos_token_id!r}"
+            raise ArgumentError(
+                "eos_token_id",
+                f"eos_token_id must hold ints in [0, {vocab}) (the vocabulary), got {eos_token_id!r}",
             )
     return frozenset(int(t) for t in ids)
 
 
-def _stop_strings(model: Any, stop: Any) -> tuple[str, ...]:
+def stop_strings(stop: Any) -> tuple[str, ...]:
+    """`stop` (None, a string or a list of strings) as a tuple; an empty string is refused: it would match
+    before the first character and end every row with no text."""
     if stop is None:
         return ()
     strings = (stop,) if isinstance(stop, str) else stop
     if not isinstance(strings, Sequence) or not all(isinstance(s, str) and s for s in strings):
-        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-    if strings and model.tokenizer is None:
-        raise ValueError(
-            f"stop={stop!r} needs a tokenizer to read the text, and the model at {model.source} has none; "
-            "use eos_token_id with token ids instead"
-        )
+        raise ArgumentError("stop", f"stop must be a non-empty string or a list of them, got {stop!r}")
     return tuple(strings)
+
+
+def _stop_strings(model: Any, stop: Any) -> tuple[str, ...]:
+    strings = stop_strings(stop)
+    if strings and model.tokenizer is None:
+        raise ArgumentError(
+            "stop",
+            f"stop={stop!r} needs a tokenizer to read the text, and the model at {model.source} has none; "
+            "use eos_token_id with token ids instead",
+        )
+    return strings
 
 
 def make_request(
@@ -86,19 +100,25 @@ def make_request(
     `generate`'s); `hf_sampling` are the Hugging Face sampling names, for `from_hf_arguments`."""
     max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+        raise ArgumentError("seed", f"seed must be an int, got {seed!r}")
+    if not -(2**63) <= seed < 2**63:
+        raise ArgumentError("seed", f"seed must be an int in [-2**63, 2**63), got {seed!r}")
     sampling = from_hf_arguments(sampling, **hf_sampling)
     if not isinstance(return_logprobs, bool):
-        raise ValueError(f"return_logprobs must be True or False, got {return_logprobs!r}")
+        raise ArgumentError(
+            "return_logprobs", f"return_logprobs must be True or False, got {return_logprobs!r}"
+        )
     vocab = model.config.vocab_size
     if (
         isinstance(top_logprobs, bool)
         or not isinstance(top_logprobs, numbers.Integral)
         or not 0 <= top_logprobs <= vocab
     ):
-        raise ValueError(f"top_logprobs must be an int in [0, {vocab}], got {top_logprobs!r}")
+        raise ArgumentError(
+            "top_logprobs", f"top_logprobs must be an int in [0, {vocab}], got {top_logprobs!r}"
+        )
     if top_logprobs and not return_logprobs:
-        raise ValueError(f"top_logprobs={top_logprobs} needs return_logprobs=True")
+        raise ArgumentError("top_logprobs", f"top_logprobs={top_logprobs} needs return_logprobs=True")
     ids = encode_prompts(model, prompts)
     longest = max(len(p) for p in ids)
     limit = model.config.max_position_embeddings

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .errors import ArgumentError
+
 _WORD = 32  # the seen-token mask travels as bits of uint32 words
 
 
@@ -26,7 +28,7 @@ def _check_real(name: str, value: Any, ok, expected: str) -> None:
         or not math.isfinite(value)
         or not ok(value)
     ):
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
+        raise ArgumentError(name, f"{name} must be {expected}, got {value!r}")
 
 
 def _check_penalty(value: Any) -> None:
@@ -69,7 +71,9 @@ class Sample:
             "temperature", self.temperature, lambda v: v > 0, "a finite number > 0 (use Greedy() for argmax)"
         )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0: no top-k restriction), got {self.top_k!r}")
+            raise ArgumentError(
+                "top_k", f"top_k must be an int >= 0 (0: no top-k restriction), got {self.top_k!r}"
+            )
         _check_real("top_p", self.top_p, lambda v: 0.0 < v <= 1.0, "in (0, 1] (1.0: no nucleus restriction)")
         _check_penalty(self.repetition_penalty)
 
@@ -133,6 +137,13 @@ def _penalised(logits: jax.Array, key: jax.Array, penalty: float) -> tuple[jax.A
     return jnp.where(seen, penalised, logits), key
 
 
+def _no_restriction(name: str, value: Any) -> bool:
+    """Whether `value` of `top_k` / `top_p` is the one that restricts nothing (0 / 1.0)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        return False
+    return value == (0 if name == "top_k" else 1.0)
+
+
 def from_hf_arguments(
     sampling: Sampling | None,
     *,
@@ -157,26 +168,30 @@ def from_hf_arguments(
     }
     if sampling is not None:
         if not isinstance(sampling, (Greedy, Sample)):
-            raise ValueError(
-                f"sampling must be fmoe_jax.Greedy(...) or fmoe_jax.Sample(...), got {sampling!r}"
+            raise ArgumentError(
+                "sampling", f"sampling must be fmoe_jax.Greedy(...) or fmoe_jax.Sample(...), got {sampling!r}"
             )
         if given:
             listed = ", ".join(f"{k}={v!r}" for k, v in given.items())
-            raise ValueError(
-                f"pass either sampling={sampling!r} or the Hugging Face arguments ({listed}), not both"
+            raise ArgumentError(
+                next(iter(given)),
+                f"pass either sampling={sampling!r} or the Hugging Face arguments ({listed}), not both",
             )
         return sampling
     if do_sample is not None and not isinstance(do_sample, (bool, np.bool_)):
-        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
+        raise ArgumentError("do_sample", f"do_sample must be True or False, got {do_sample!r}")
     penalty = 1.0 if repetition_penalty is None else repetition_penalty
-    restrictions = {k: v for k, v in dict(top_k=top_k, top_p=top_p).items() if v is not None}
+    given_restrictions = {k: v for k, v in dict(top_k=top_k, top_p=top_p).items() if v is not None}
+    # what greedy decoding would ignore: top_k=0 and top_p=1 restrict nothing
+    restrictions = {k: v for k, v in given_restrictions.items() if not _no_restriction(k, v)}
     if do_sample is None:
-        do_sample = temperature != 0 if temperature is not None else bool(restrictions)
+        do_sample = temperature != 0 if temperature is not None else bool(given_restrictions)
         if temperature == 0 and restrictions:
             listed = ", ".join(f"{k}={v!r}" for k, v in restrictions.items())
-            raise ValueError(
+            raise ArgumentError(
+                next(iter(restrictions)),
                 f"temperature=0 means greedy decoding, which would ignore {listed}; drop them or give a "
-                "temperature > 0"
+                "temperature > 0",
             )
     if not do_sample:
         ignored = dict(restrictions)
@@ -184,9 +199,10 @@ def from_hf_arguments(
             ignored = {"temperature": temperature, **ignored}
         if ignored:
             listed = ", ".join(f"{k}={v!r}" for k, v in ignored.items())
-            raise ValueError(
+            raise ArgumentError(
+                next(iter(ignored)),
                 f"do_sample=False decodes greedily and would ignore {listed}; drop them or pass "
-                "do_sample=True"
+                "do_sample=True",
             )
         return Greedy(repetition_penalty=penalty)
     temperature = 1.0 if temperature is None else temperature

@@ -14,8 +14,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from fmoe_jax.convert.hf import SafetensorsFile, write_safetensors
-from fmoe_jax.convert.keys import hf_tensors
+from fmoe_jax.checkpoint.hf import SafetensorsFile, write_safetensors
+from fmoe_jax.checkpoint.keys import hf_tensors
 from fmoe_jax.models import config_from_hf
 
 _MIXTRAL_BASE = dict(
@@ -72,7 +72,8 @@ def write_random_checkpoint(
 ) -> Path:
     """Writes config.json and safetensors shards (with an index when more than one) of random weights.
 
-    Norm weights are ones and biases zeros, as a fresh HF model has them; matrices are N(0, std).
+    Norm weights are ones (zero-centred ones zeros) and biases zeros, as a fresh HF model has them; other
+    tensors are N(0, std).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,7 +95,9 @@ def write_random_checkpoint(
     for tensor in hf_tensors(cfg, "hub"):
         key = tensor.key
         if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
-            value = np.ones(tensor.shape, np.float32)
+            # zero-centred norms (Qwen3-Next's, scaling by 1 + w) start at zero; their gated norm is plain
+            centred = cfg.norm == "rms_zero_centered" and ".linear_attn." not in key
+            value = np.full(tensor.shape, 0.0 if centred else 1.0, np.float32)
         elif key.endswith(".bias"):
             value = np.zeros(tensor.shape, np.float32)
         else:

@@ -13,10 +13,21 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from . import deepseek_v2, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe
+from . import (
+    deepseek_v2,
+    deepseek_v3,
+    glm4_moe,
+    gpt_oss,
+    mixtral,
+    olmoe,
+    phimoe,
+    qwen2_moe,
+    qwen3_moe,
+    qwen3_next,
+)
 from .base import DecoderLayer, MoECausalLM, RouteFn
 from .config import MoEConfig, RopeConfig, UnsupportedConfigError, model_identity
-from .layers import LayerKV, Layout, init_kv_cache
+from .layers import LayerCache, LayerKV, Layout, LinearState, init_kv_cache
 from .moe import Expert, ExpertWeights, Routing, expert_mixture, expert_parts, reference_mixture, sum_parts
 from .quant import ExpertQuantization, QuantizedMatrix, expert_quantization
 
@@ -35,12 +46,20 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("qwen3_moe", qwen3_moe.config_from_hf, qwen3_moe.route),
     "olmoe": Family("olmoe", olmoe.config_from_hf, olmoe.route),
     "deepseek_v2": Family("deepseek_v2", deepseek_v2.config_from_hf, deepseek_v2.route),
+    "deepseek_v3": Family("deepseek_v3", deepseek_v3.config_from_hf, deepseek_v3.route),
+    "kimi_k2": Family("deepseek_v3", deepseek_v3.config_from_hf, deepseek_v3.route),  # Kimi-K2: V3's shape
+    "glm4_moe": Family("glm4_moe", glm4_moe.config_from_hf, glm4_moe.route),
+    "gpt_oss": Family("gpt_oss", gpt_oss.config_from_hf, gpt_oss.route),
+    "qwen3_next": Family("qwen3_next", qwen3_next.config_from_hf, qwen3_next.route),
+    "qwen3_5_moe": Family("qwen3_5_moe", qwen3_next.config_from_hf, qwen3_next.route),
 }
+# model_type of a checkpoint that holds a family's model under another name: Qwen3.5-MoE's text model alone.
+ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 
 
 def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
     """Builds a `MoEConfig` from a Hugging Face `config.json` dict, refusing unknown families by name."""
-    model_type = hf.get("model_type")
+    model_type = ALIASES.get(hf.get("model_type"), hf.get("model_type"))
     if model_type not in FAMILIES:
         raise UnsupportedConfigError(
             f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
@@ -79,8 +98,10 @@ __all__ = [
     "ExpertQuantization",
     "ExpertWeights",
     "Family",
+    "LayerCache",
     "LayerKV",
     "Layout",
+    "LinearState",
     "MoECausalLM",
     "MoEConfig",
     "QuantizedMatrix",

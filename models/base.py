@@ -1,8 +1,9 @@
 """The decoder-only MoE model every family instantiates, split into the steps the engine calls.
 
 A family supplies its config parser and routing function (`models/mixtral.py` etc.); this module wires
-norms, attention (grouped-query, or multi-head latent from `models/mla.py`), router, routed experts, an
-optional shared expert and dense MLP layers. Routed experts
+norms, attention (grouped-query, multi-head latent from `models/mla.py`, or in hybrid models' linear layers
+Gated DeltaNet from `models/gated_deltanet.py`), router, routed experts, an optional shared expert and dense
+MLP layers. Routed experts
 live in `MoECausalLM.experts`, outside the layers, so the offload engine can run a layer's dense part on
 the device while the experts come from its cache.
 """
@@ -16,12 +17,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import MoEConfig
-from .layers import Attention, LayerKV, Layout, Linear, linear, make_norm, rope_tables
+from .gated_deltanet import GatedDeltaNet
+from .layers import Attention, LayerCache, Layout, Linear, linear, make_norm, rope_tables
 from .mla import LatentAttention
-from .moe import Expert, ExpertWeights, Kernel, Routing, expert_parts, sum_parts
+from .moe import AnyExpertWeights, ClampedSwiGLU, Expert, Kernel, Routing, expert_parts, sum_parts
 from .quant import ExpertQuantization
 
-RouteFn = Callable[[jax.Array, MoEConfig], Routing]  # router logits [N, J] (any dtype) -> Routing
+# Router logits [N, J] (any dtype) -> Routing; families with a score-correction bias (DeepSeek-V3) take it
+# as a third argument, [J] float32.
+RouteFn = Callable[..., Routing]
 
 
 class DecoderLayer(nnx.Module):
@@ -33,11 +37,13 @@ class DecoderLayer(nnx.Module):
         self.window = cfg.sliding_windows[layer]
         self.route_fn = route_fn
         self.input_norm = make_norm(cfg, dtype=dtype)
-        self.attn = (LatentAttention if cfg.is_mla else Attention)(cfg, dtype=dtype, rngs=rngs)
+        self.attn = _token_mixer(cfg, layer)(cfg, dtype=dtype, rngs=rngs)
         self.post_norm = make_norm(cfg, dtype=dtype)
         kw = dict(dtype=dtype, rngs=rngs)
         if self.is_moe:
-            self.router = Linear(cfg.hidden_size, cfg.num_experts, use_bias=False, **kw)
+            self.router = Linear(cfg.hidden_size, cfg.num_experts, use_bias=cfg.router_bias, **kw)
+            if cfg.score_correction_bias:  # float32 whatever the model's dtype, as DeepSeek-V3 keeps it
+                self.score_correction = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32))
             if cfg.shared_expert_intermediate_size:
                 self.shared_expert = Expert(cfg.hidden_size, cfg.shared_expert_intermediate_size, **kw)
             if cfg.shared_expert_gate:
@@ -46,9 +52,10 @@ class DecoderLayer(nnx.Module):
             self.mlp = Expert(cfg.hidden_size, cfg.dense_intermediate_size, **kw)
 
     def attention_block(
-        self, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv: LayerKV, layout: Layout
-    ) -> tuple[jax.Array, jax.Array, LayerKV]:
-        """x `[B, T, D]` -> residual stream after attention `h`, the MLP input `z = norm(h)`, new cache."""
+        self, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv: LayerCache, layout: Layout
+    ) -> tuple[jax.Array, jax.Array, LayerCache]:
+        """x `[B, T, D]` -> residual stream after attention `h`, the MLP input `z = norm(h)`, new cache (the
+        layer's own kind: `LayerKV`, or `LinearState` for a linear-attention layer)."""
         attn_out, kv = self.attn(self.input_norm(x), rope, kv, layout, self.window)
         h = x + attn_out
         return h, self.post_norm(h), kv
@@ -59,6 +66,8 @@ class DecoderLayer(nnx.Module):
             logits = linear(z.astype(jnp.float32), self.router.weight[...].astype(jnp.float32))
         else:
             logits = self.router(z)
+        if self.config.score_correction_bias:
+            return self.route_fn(logits, self.config, self.score_correction[...])
         return self.route_fn(logits, self.config)
 
     def mix(self, z: jax.Array, parts: jax.Array) -> jax.Array:
@@ -77,6 +86,14 @@ class DecoderLayer(nnx.Module):
 
     def dense_output(self, z: jax.Array) -> jax.Array:
         return self.mlp(z)
+
+
+def _token_mixer(cfg: MoEConfig, layer: int) -> type:
+    """The layer's attention: Gated DeltaNet in a hybrid model's linear layers, else latent (MLA) or
+    grouped-query softmax attention."""
+    if cfg.is_linear(layer):
+        return GatedDeltaNet
+    return LatentAttention if cfg.is_mla else Attention
 
 
 def output_logits(final_norm: nnx.Module, projection: Linear | nnx.Embed, x: jax.Array) -> jax.Array:
@@ -124,6 +141,7 @@ class MoECausalLM(nnx.Module):
                             dtype=dtype,
                             key=key,
                             quantization=expert_quantization,
+                            activation=None if cfg.swiglu_clamp is None else ClampedSwiGLU(*cfg.swiglu_clamp),
                         )
                         for key in _expert_keys(rngs, cfg.num_experts)
                     ]
@@ -159,24 +177,24 @@ class MoECausalLM(nnx.Module):
         """Final norm and LM head: `[B, T, D]` -> logits `[B, T, V]` float32."""
         return output_logits(self.final_norm, self.output_projection, x)
 
-    def layer_experts(self, layer: int) -> list[ExpertWeights]:
+    def layer_experts(self, layer: int) -> list[AnyExpertWeights]:
         return [e.weights() for e in self.experts[layer]]
 
     def __call__(
         self,
         tokens: jax.Array,
-        cache: list[LayerKV],
+        cache: list[LayerCache],
         layout: Layout,
         *,
         kernel: Kernel = "auto",
         last_only: bool = False,
         moe_inputs: list | None = None,
-    ) -> tuple[jax.Array, list[LayerKV], list[Routing]]:
+    ) -> tuple[jax.Array, list[LayerCache], list[Routing]]:
         """Resident forward over all layers.
 
         Args:
           tokens: `[B, T]` new tokens (left padded).
-          cache: per-layer KV caches (`LayerKV`, `[B, S, ...]`).
+          cache: the per-layer caches (`init_kv_cache`: `LayerKV` `[B, S, ...]`, `LinearState` `[B, ...]`).
           layout: where the tokens go in the cache.
           last_only: return only the last position's logits `[B, V]` (prefill never needs `[B, T, V]`).
           moe_inputs: if a list, each MoE layer's router input `[B*T, D]` is appended to it (traces for

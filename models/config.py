@@ -1,8 +1,8 @@
 """The one model configuration every family is described by, and its checks.
 
-Family modules (`mixtral.py`, `qwen2_moe.py`, `phimoe.py`, `qwen3_moe.py`, `olmoe.py`, `deepseek_v2.py`) build
-a `MoEConfig` from a Hugging Face `config.json`; shared layers, the engine and the offload runtime read only
-this dataclass.
+Family modules (`mixtral.py`, `qwen2_moe.py`, `phimoe.py`, `qwen3_moe.py`, `olmoe.py`, `deepseek_v2.py`,
+`deepseek_v3.py`, `glm4_moe.py`, `gpt_oss.py`, `qwen3_next.py`) build a `MoEConfig` from a Hugging Face
+`config.json`; shared layers, the engine and the offload runtime read only this dataclass.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ import json
 import math
 from typing import Any, Literal
 
-NormKind = Literal["rms", "layer"]
-RouterKind = Literal["softmax_topk", "sparsemixer", "deepseek"]
+# "rms_zero_centered": RMSNorm whose stored weight w scales by 1 + w (Qwen3-Next, Qwen3.5), in float32.
+NormKind = Literal["rms", "layer", "rms_zero_centered"]
+# "topk_softmax": softmax over the top-k logits (gpt-oss); "sigmoid_grouped": DeepSeek-V3's sigmoid scores,
+# chosen with a correction bias within the best groups (DeepSeek-V3, Kimi-K2, GLM-4.5).
+RouterKind = Literal["softmax_topk", "sparsemixer", "deepseek", "topk_softmax", "sigmoid_grouped"]
 QKNorm = Literal["none", "head", "full"]
 TopkMethod = Literal["greedy", "group_limited_greedy"]
 
@@ -48,6 +51,43 @@ class RopeConfig:
     attention_factor: float = 1.0  # yarn: cos/sin scale
     mscale_all_dim: float = 0.0  # yarn: DeepSeek's attention softmax scale uses it (`yarn_mscale`)
     truncate: bool = True  # yarn: round the ramp's ends outwards to whole dimensions
+    partial_rotary_factor: float = 1.0  # share of each head's dimensions rotated (GLM-4.5: the first half)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3-Next, Qwen3.5-MoE; `models/gated_deltanet.py`).
+
+    `layers[i]` is True where layer i mixes tokens by the gated delta rule (a recurrent state per head of
+    `key_head_dim x value_head_dim` and a causal convolution of `conv_kernel` taps) instead of softmax
+    attention. Queries and keys have `num_key_heads` heads, values `num_value_heads` (a multiple: each key
+    head serves that many value heads in turn). `fused_projections`: Qwen3-Next projects q, k, v and the
+    output gate z in one matrix interleaved per key head (`in_proj_qkvz`) and b, a in another (`in_proj_ba`);
+    Qwen3.5 in four plain ones.
+    """
+
+    layers: tuple[bool, ...]
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    fused_projections: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"linear attention: {name} must be positive, got {getattr(self, name)}")
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of linear_num_key_heads "
+                f"({self.num_key_heads})"
+            )
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: queries, keys and values side by side."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,9 +147,23 @@ class MoEConfig:
     # DeepSeek-V2 computes the router's matmul in float32 (input and weight cast up); the others in the
     # model's dtype. Only bfloat16 / float16 models see the difference.
     router_matmul_float32: bool = False
+    # Hybrid models: the Gated DeltaNet layers (None: every layer is softmax attention).
+    linear_attention: LinearAttentionConfig | None = None
+    # Qwen3-Next: q_proj also yields a gate per query dimension; attention's output is scaled by its sigmoid.
+    attention_output_gate: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # gpt-oss: a learned logit per head that joins every softmax over keys (`attention_sinks`), a bias on the
+    # router's logits, and experts with biases and the clamped SwiGLU `swiglu_alpha` / `swiglu_limit`
+    # (`models/moe.py`'s `ClampedSwiGLU`; None: plain SwiGLU, no biases).
+    attention_sinks: bool = False
+    router_bias: bool = False
+    swiglu_clamp: tuple[float, float] | None = None  # (swiglu_alpha, swiglu_limit)
+    # DeepSeek-V3 / GLM-4.5: a float32 bias added to the sigmoid scores to choose experts, not to weight them.
+    score_correction_bias: bool = False
+    # MLA only: DeepSeek rotates adjacent pairs of the rotary dimensions (True) or halves (False).
+    rope_interleave: bool = True
 
     def __post_init__(self) -> None:
         positive = (
@@ -169,6 +223,20 @@ class MoEConfig:
                 )
             if self.qk_rope_head_dim % 2:
                 raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.linear_attention is not None and len(self.linear_attention.layers) != self.num_layers:
+            raise ValueError(
+                f"linear attention names {len(self.linear_attention.layers)} layers of {self.num_layers}"
+            )
+        if not self.is_mla and (self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim):
+            raise ValueError(
+                f"partial_rotary_factor {self.rope.partial_rotary_factor} of head_dim {self.head_dim} "
+                f"rotates {self.rope_dim} dimensions; it must be a positive even number up to head_dim"
+            )
+        if self.router == "sigmoid_grouped" and self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError(
+                f"sigmoid_grouped routing ranks groups by their two best experts; {self.num_experts} experts "
+                f"in n_group={self.n_group} groups leaves fewer than two per group"
+            )
         if self.n_group < 1 or self.num_experts % self.n_group:
             raise ValueError(f"n_group ({self.n_group}) must divide num_experts ({self.num_experts})")
         if not 1 <= self.topk_group <= self.n_group:
@@ -186,8 +254,13 @@ class MoEConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Dimensions per head that RoPE rotates: all of `head_dim`, or MLA's `qk_rope_head_dim`."""
-        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+        """Dimensions per head that RoPE rotates: `head_dim` times `partial_rotary_factor` (all of it but in
+        GLM-4.5), or MLA's `qk_rope_head_dim`."""
+        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.rope.partial_rotary_factor)
+
+    def is_linear(self, layer: int) -> bool:
+        """Layer `layer` is a Gated DeltaNet (linear attention) layer."""
+        return self.linear_attention is not None and self.linear_attention.layers[layer]
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
@@ -203,15 +276,30 @@ class MoEConfig:
 
 
 def rope_from_hf(
-    hf: dict[str, Any], head_dim: int, *, allow_longrope: bool = False, allow_yarn: bool = False
+    hf: dict[str, Any],
+    head_dim: int,
+    *,
+    allow_longrope: bool = False,
+    allow_yarn: bool = False,
+    partial_rotary_factor: float | None = None,
 ) -> RopeConfig:
-    """RoPE settings from transformers-5 `rope_parameters` or the older `rope_theta` / `rope_scaling`."""
+    """RoPE settings from transformers-5 `rope_parameters` or the older `rope_theta` / `rope_scaling`.
+
+    `partial_rotary_factor`: for a family that rotates part of each head, its default when config.json does
+    not say (GLM-4.5: 0.5); None for the others, which refuse any factor but 1."""
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
     if scaling:
         params = {**scaling, **params}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if partial_rotary_factor is not None:
+        partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", partial_rotary_factor))
+        if kind != "default":
+            raise UnsupportedConfigError(
+                f"rope type {kind!r} with a partial rotary factor is not implemented"
+            )
+        return RopeConfig(theta=float(theta), partial_rotary_factor=float(partial))
     if kind in ("su", "longrope"):
         if not allow_longrope:
             raise UnsupportedConfigError(f"rope type {kind!r} is only implemented for phimoe")
@@ -234,12 +322,14 @@ def rope_from_hf(
         )
     if kind == "yarn":
         if not allow_yarn:
-            raise UnsupportedConfigError("rope type 'yarn' is only implemented for deepseek_v2")
+            raise UnsupportedConfigError(
+                "rope type 'yarn' is only implemented for deepseek_v2, deepseek_v3 and gpt_oss"
+            )
         return _yarn_from_hf(hf, params, float(theta))
     if kind != "default":
         raise UnsupportedConfigError(
             f"rope type {kind!r} is not implemented (supported: default, longrope for phimoe, yarn for "
-            "deepseek_v2)"
+            "deepseek_v2, deepseek_v3 and gpt_oss)"
         )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedConfigError("partial_rotary_factor != 1.0 is not implemented")
@@ -327,11 +417,19 @@ def common_fields(
     default_max_positions: int,
     allow_longrope: bool = False,
     allow_yarn: bool = False,
+    partial_rotary_factor: float | None = None,
 ) -> dict[str, Any]:
     """The `MoEConfig` fields every family reads from config.json the same way: sizes, attention shape,
-    RoPE, position limit, tied embeddings and special token ids."""
+    RoPE (`rope_from_hf`'s options), position limit, tied embeddings and special token ids."""
     layers = hf["num_hidden_layers"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    rope = rope_from_hf(
+        hf,
+        head_dim,
+        allow_longrope=allow_longrope,
+        allow_yarn=allow_yarn,
+        partial_rotary_factor=partial_rotary_factor,
+    )
     return dict(
         family=family,
         vocab_size=hf["vocab_size"],
@@ -340,7 +438,7 @@ def common_fields(
         num_heads=hf["num_attention_heads"],
         num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=head_dim,
-        rope=rope_from_hf(hf, head_dim, allow_longrope=allow_longrope, allow_yarn=allow_yarn),
+        rope=rope,
         max_position_embeddings=hf.get("max_position_embeddings", default_max_positions),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         bos_token_id=hf.get("bos_token_id"),

@@ -16,6 +16,29 @@ from .moe import Routing
 
 
 def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
+    refuse_unsupported(
+        hf,
+        {
+            "scoring_func": "softmax",  # "sigmoid" is DeepSeek-V3's
+            "topk_method": ("greedy", "group_limited_greedy"),  # "noaux_tc" is DeepSeek-V3's
+        },
+        "deepseek_v2",
+    )
+    group_limited = hf.get("topk_method", "greedy") == "group_limited_greedy"
+    return MoEConfig(
+        **mla_moe_fields(hf, "deepseek_v2"),
+        router="deepseek",
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        topk_method="group_limited_greedy" if group_limited else "greedy",
+        n_group=(hf.get("n_group") or 1) if group_limited else 1,
+        topk_group=(hf.get("topk_group") or 1) if group_limited else 1,
+    )
+
+
+def mla_moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """The `MoEConfig` fields DeepSeek-V2 and DeepSeek-V3 read from config.json alike: latent attention with
+    YaRN, `first_k_dense_replace` dense layers, routed and shared experts, `routed_scaling_factor`, a float32
+    router matmul; refuses what neither implements."""
     heads = hf["num_attention_heads"]
     refuse_unsupported(
         hf,
@@ -23,29 +46,23 @@ def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,
-            "scoring_func": "softmax",  # "sigmoid" is DeepSeek-V3's
-            "topk_method": ("greedy", "group_limited_greedy"),  # "noaux_tc" is DeepSeek-V3's
             "moe_layer_freq": 1,
             # MLA has no KV heads: transformers expands the latent to every head and needs them equal.
             "num_key_value_heads": (None, heads),
         },
-        "deepseek_v2",
+        family,
     )
     layers = hf["num_hidden_layers"]
-    n_routed = hf.get("n_routed_experts", hf.get("num_experts"))
-    group_limited = hf.get("topk_method", "greedy") == "group_limited_greedy"
     nope, rope = hf.get("qk_nope_head_dim", 128), hf.get("qk_rope_head_dim", 64)
-    fields = common_fields(hf, "deepseek_v2", default_max_positions=2048, allow_yarn=True)
+    fields = common_fields(hf, family, default_max_positions=2048, allow_yarn=True)
     fields.update(num_kv_heads=heads, head_dim=nope + rope)  # config.json's head_dim is the rope part
-    return MoEConfig(
+    return dict(
         **fields,
-        num_experts=n_routed,
+        num_experts=hf.get("n_routed_experts", hf.get("num_experts")),
         top_k=hf["num_experts_per_tok"],
         expert_intermediate_size=hf["moe_intermediate_size"],
         norm="rms",
         norm_eps=hf.get("rms_norm_eps", 1e-6),
-        router="deepseek",
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         sliding_windows=(None,) * layers,
         moe_layers=tuple(i >= hf.get("first_k_dense_replace", 0) for i in range(layers)),
         dense_intermediate_size=hf["intermediate_size"],
@@ -55,9 +72,6 @@ def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
         v_head_dim=hf.get("v_head_dim", 128),
-        topk_method="group_limited_greedy" if group_limited else "greedy",
-        n_group=(hf.get("n_group") or 1) if group_limited else 1,
-        topk_group=(hf.get("topk_group") or 1) if group_limited else 1,
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         router_matmul_float32=True,
     )

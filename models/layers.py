@@ -1,4 +1,5 @@
-"""Shared transformer layers: norms, rotary embeddings, grouped-query attention with a KV cache.
+"""Shared transformer layers: norms, rotary embeddings, grouped-query attention with a KV cache, and the
+per-layer cache every layer kind keeps (`LayerKV`, `LinearState`).
 
 Used by every family through `models/base.py`; nothing here knows a model family, only `MoEConfig` features.
 
@@ -18,6 +19,12 @@ from flax import nnx
 from .config import MoEConfig, RopeConfig
 
 
+def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
+    """x in float32, divided by its root mean square over the last axis (every RMSNorm's first step)."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm computed in float32 and cast back, as the Mixtral/Qwen reference implementations do."""
 
@@ -26,9 +33,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x32.astype(x.dtype)
+        return self.weight[...] * rms_normalized(x, self.eps).astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -48,8 +53,24 @@ class LayerNorm(nnx.Module):
         return y.astype(x.dtype)
 
 
-def make_norm(cfg: MoEConfig, *, dtype: jnp.dtype) -> RMSNorm | LayerNorm:
-    return {"rms": RMSNorm, "layer": LayerNorm}[cfg.norm](cfg.hidden_size, cfg.norm_eps, dtype=dtype)
+class ZeroCenteredRMSNorm(nnx.Module):
+    """RMSNorm whose stored weight is centred on zero: `x / rms(x) * (1 + w)`, all in float32 before the cast
+    back (Qwen3-Next and Qwen3.5 store and train `w`, initialised to zeros)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return (rms_normalized(x, self.eps) * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+NORMS = {"rms": RMSNorm, "layer": LayerNorm, "rms_zero_centered": ZeroCenteredRMSNorm}
+
+
+def make_norm(cfg: MoEConfig, *, dtype: jnp.dtype, dim: int | None = None) -> nnx.Module:
+    """The config's norm over `dim` features (default: the hidden size)."""
+    return NORMS[cfg.norm](dim or cfg.hidden_size, cfg.norm_eps, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -137,6 +158,13 @@ class Layout:
     def token_valid(self) -> jax.Array:  # [B, T] False on left padding and in finished rows
         return (self.query_index >= self.key_start[:, None]) & self.row_active[:, None]
 
+    @property
+    def continues(self) -> jax.Array:  # [B] bool
+        """Row b already holds tokens of its sequence before this call (its first new token is not its
+        first): a recurrent state carries on. Otherwise the call starts the row afresh, whatever an earlier
+        request left in its state (a reused continuous-batching slot, a reused prefill cache)."""
+        return jnp.asarray(self.write_index) > self.key_start
+
 
 def write_new(cache: jax.Array, new: jax.Array, layout: Layout) -> jax.Array:
     """`new` `[B, T, ...]` written into `cache` `[B, S, ...]` at the layout's write index (one for every
@@ -204,6 +232,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
+def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """`apply_rope` on the first E' dimensions of each head (E': the tables' width); the rest pass as is."""
+    rotated = cos.shape[-1]
+    if rotated == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return jnp.concatenate([apply_rope(x[..., :rotated], cos, sin), x[..., rotated:]], axis=-1)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # KV cache
 
@@ -219,13 +255,46 @@ class LayerKV:
     v: jax.Array
 
 
-def init_kv_cache(cfg: MoEConfig, batch: int, length: int, dtype: jnp.dtype) -> list[LayerKV]:
-    """One `LayerKV` per layer, zero filled; a list so the engine can donate one layer's cache at a time."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LinearState:
+    """A linear-attention (Gated DeltaNet, `models/gated_deltanet.py`) layer's cache: a fixed size per row,
+    however long the sequence. Axis 0 is the row, as in `LayerKV`, so batches move rows alike."""
+
+    conv: jax.Array  # [B, K-1, C] the convolution's last K-1 inputs (queries, keys, values), model dtype
+    recurrent: jax.Array  # [B, HV, Dk, Dv] float32, the delta rule's state per value head
+
+
+LayerCache = LayerKV | LinearState
+
+
+def init_kv_cache(cfg: MoEConfig, batch: int, length: int, dtype: jnp.dtype) -> list[LayerCache]:
+    """The per-request cache: one entry per layer, zero filled, a `LayerKV` of `length` positions for an
+    attention layer and a `LinearState` for a linear-attention one; a list so the engine can donate one
+    layer's cache at a time."""
     if cfg.is_mla:
         k_shape, v_shape = (batch, length, 1, cfg.kv_lora_rank), (batch, length, 1, cfg.qk_rope_head_dim)
     else:
         k_shape = v_shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-    return [LayerKV(jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype)) for _ in range(cfg.num_layers)]
+    cache: list[LayerCache] = []
+    for i in range(cfg.num_layers):
+        if cfg.is_linear(i):
+            la = cfg.linear_attention
+            cache.append(
+                LinearState(
+                    jnp.zeros((batch, la.conv_kernel - 1, la.conv_dim), dtype),
+                    jnp.zeros((batch, la.num_value_heads, la.key_head_dim, la.value_head_dim), jnp.float32),
+                )
+            )
+        else:
+            cache.append(LayerKV(jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype)))
+    return cache
+
+
+def cache_shape(cache: list[LayerCache]) -> tuple[int, int]:
+    """(rows, positions) of a per-request cache; positions 0 when no layer keeps keys."""
+    rows = jax.tree.leaves(cache[0])[0].shape[0]
+    return rows, next((c.k.shape[1] for c in cache if isinstance(c, LayerKV)), 0)
 
 
 def attention_mask(layout: Layout, length: int, window: int | None) -> jax.Array:
@@ -242,22 +311,30 @@ class Attention(nnx.Module):
     """Grouped-query attention that appends the new keys/values to the cache and attends over it.
 
     Optional per config: RMSNorm of queries and keys before RoPE, per head (`qk_norm="head"`, Qwen3) or
-    over the whole projection (`"full"`, OLMoE), and OLMoE's clamp of q, k and v (`clip_qkv`).
+    over the whole projection (`"full"`, OLMoE), OLMoE's clamp of q, k and v (`clip_qkv`), RoPE on the first
+    `rope_dim` dimensions of each head only (`partial_rotary_factor`: GLM-4.5, Qwen3-Next), gpt-oss's sinks
+    (a learned logit per head that joins the softmax over the keys and takes its share of the probability
+    without adding a value), and an output gate (`attention_output_gate`, Qwen3-Next: q_proj yields per head
+    the query and a gate, and the output is scaled by the gate's sigmoid).
     """
 
     def __init__(self, cfg: MoEConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         d, h, k, e = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kw = dict(dtype=dtype, rngs=rngs)
-        self.q_proj = Linear(d, h * e, use_bias=cfg.qkv_bias, **kw)
+        self.output_gate = cfg.attention_output_gate
+        self.q_proj = Linear(d, h * e * (2 if self.output_gate else 1), use_bias=cfg.qkv_bias, **kw)
         self.k_proj = Linear(d, k * e, use_bias=cfg.qkv_bias, **kw)
         self.v_proj = Linear(d, k * e, use_bias=cfg.qkv_bias, **kw)
         self.o_proj = Linear(h * e, d, use_bias=cfg.o_bias, **kw)
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, e
         self.qk_norm, self.clip = cfg.qk_norm, cfg.clip_qkv
+        self.rope_dim = cfg.rope_dim
+        self.sinks = nnx.Param(jnp.zeros((h,), dtype)) if cfg.attention_sinks else None
         if cfg.qk_norm != "none":
             q_dim, k_dim = (e, e) if cfg.qk_norm == "head" else (h * e, k * e)
-            self.q_norm = RMSNorm(q_dim, cfg.norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(k_dim, cfg.norm_eps, dtype=dtype)
+            norm = ZeroCenteredRMSNorm if cfg.norm == "rms_zero_centered" else RMSNorm
+            self.q_norm = norm(q_dim, cfg.norm_eps, dtype=dtype)
+            self.k_norm = norm(k_dim, cfg.norm_eps, dtype=dtype)
 
     def __call__(
         self, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv: LayerKV, layout: Layout, window: int | None
@@ -265,6 +342,9 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         h, k, e = self.num_heads, self.num_kv_heads, self.head_dim
         q, k_new, v_new = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H*E], [B, T, K*E] x 2
+        if self.output_gate:  # per head: E query dimensions, then E gate dimensions
+            q, gate = jnp.split(q.reshape(b, t, h, 2 * e), 2, axis=-1)
+            q, gate = q.reshape(b, t, h * e), gate.reshape(b, t, h * e)
         if self.qk_norm == "full":
             q, k_new = self.q_norm(q), self.k_norm(k_new)
         if self.clip is not None:
@@ -272,8 +352,7 @@ class Attention(nnx.Module):
         q, k_new, v_new = q.reshape(b, t, h, e), k_new.reshape(b, t, k, e), v_new.reshape(b, t, k, e)
         if self.qk_norm == "head":
             q, k_new = self.q_norm(q), self.k_norm(k_new)
-        cos, sin = rope
-        q, k_new = apply_rope(q, cos, sin), apply_rope(k_new, cos, sin)
+        q, k_new = apply_partial_rope(q, *rope), apply_partial_rope(k_new, *rope)
 
         keys, values = write_new(kv.k, k_new, layout), write_new(kv.v, v_new, layout)
         allowed = attention_mask(layout, keys.shape[1], window)  # [B, T, S]
@@ -281,6 +360,16 @@ class Attention(nnx.Module):
         qg = q.reshape(b, t, k, h // k, e)
         scores = jnp.einsum("btkge,bske->bkgts", qg, keys.astype(q.dtype)) * (1.0 / math.sqrt(e))
         scores = jnp.where(allowed[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        probs = self._softmax(scores).astype(q.dtype)
         out = jnp.einsum("bkgts,bske->btkge", probs, values.astype(q.dtype)).reshape(b, t, h * e)
+        if self.output_gate:
+            out = out * jax.nn.sigmoid(gate)
         return self.o_proj(out), LayerKV(keys, values)
+
+    def _softmax(self, scores: jax.Array) -> jax.Array:
+        """Softmax over the keys of `[B, K, G, T, S]` float32 scores, each head's sink one more key."""
+        if self.sinks is None:
+            return jax.nn.softmax(scores, axis=-1)
+        b, k, g, t, _ = scores.shape
+        sink = jnp.broadcast_to(self.sinks[...].astype(jnp.float32).reshape(1, k, g, 1, 1), (b, k, g, t, 1))
+        return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]

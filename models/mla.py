@@ -63,6 +63,7 @@ class LatentAttention(nnx.Module):
         self.num_heads, self.dims = h, (n, p, v, r)
         self.low_rank_q = bool(cfg.q_lora_rank)
         self.scale = softmax_scale(cfg)
+        self.interleaved = cfg.rope_interleave
 
     def __call__(
         self, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv: LayerKV, layout: Layout, window: int | None
@@ -77,8 +78,9 @@ class LatentAttention(nnx.Module):
         latent = self.kv_a_norm(compressed[..., :r])[:, :, None, :]  # [B, T, 1, R]
         k_pe = compressed[..., None, r:]  # [B, T, 1, P]
         cos, sin = rope
-        q_pe = apply_rope(deinterleave(q_pe), cos, sin)
-        k_pe = apply_rope(deinterleave(k_pe), cos, sin)
+        if self.interleaved:  # DeepSeek's checkpoints; a config may say `rope_interleave: false`
+            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+        q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
 
         latents, rope_keys = write_new(kv.k, latent, layout), write_new(kv.v, k_pe, layout)
         allowed = attention_mask(layout, latents.shape[1], window)  # [B, T, S]

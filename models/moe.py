@@ -28,17 +28,62 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .layers import linear
-from .quant import ExpertQuantization, QuantizedMatrix, QuantizedWeight, dense, reference_dequantize, stack
+from .mxfp4 import Mxfp4Matrix, Mxfp4Weight
+from .quant import (
+    ExpertQuantization,
+    QuantizedMatrix,
+    QuantizedWeight,
+    dense,
+    quantized_weight,
+    reference_dequantize,
+    stack,
+)
+
+Matrix = jax.Array | QuantizedMatrix | Mxfp4Matrix
 
 
 class ExpertWeights(NamedTuple):
     """One SwiGLU expert: `down(silu(x @ gate.T) * (x @ up.T))`, weights `[out, in]` as HF stores them
     (the layout XLA:CPU multiplies fastest by, see `models/layers.py`). A routed expert's matrices may be
-    `QuantizedMatrix`es (`models/quant.py`): every kernel dequantizes them inside the expert's own branch."""
+    `QuantizedMatrix`es (`models/quant.py`) or `Mxfp4Matrix`es (`models/mxfp4.py`): every kernel dequantizes
+    them inside the expert's own branch."""
 
-    gate: jax.Array | QuantizedMatrix  # [F, D]
-    up: jax.Array | QuantizedMatrix  # [F, D]
-    down: jax.Array | QuantizedMatrix  # [D, F]
+    gate: Matrix  # [F, D]
+    up: Matrix  # [F, D]
+    down: Matrix  # [D, F]
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with
+    `g = min(gate, limit)` (`swiglu_alpha`, `swiglu_limit` of its config). Hashable: static in the pytree."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BiasedExpertWeights:
+    """An expert whose projections have biases, with the clamped SwiGLU they come with (gpt-oss):
+    `down(act(x @ gate.T + gate_bias, x @ up.T + up_bias)) + down_bias`. Field names are the `Expert`'s
+    parameter names (the offload engine finds cached arrays by them); `activation` is static."""
+
+    gate: Matrix  # [F, D]
+    up: Matrix  # [F, D]
+    down: Matrix  # [D, F]
+    gate_bias: jax.Array  # [F]
+    up_bias: jax.Array  # [F]
+    down_bias: jax.Array  # [D]
+    activation: ClampedSwiGLU = dataclasses.field(metadata=dict(static=True))
+
+
+AnyExpertWeights = ExpertWeights | BiasedExpertWeights
 
 
 class Expert(nnx.Module):
@@ -53,38 +98,52 @@ class Expert(nnx.Module):
         rngs: nnx.Rngs | None = None,
         key: jax.Array | None = None,
         quantization: ExpertQuantization | None = None,
+        activation: ClampedSwiGLU | None = None,
     ):
         """Initialised from `key` when given (one per routed expert), else from three draws of `rngs`. With
-        `quantization` (routed experts only) each matrix is a `QuantizedWeight`, zero until loaded."""
+        `quantization` (routed experts only) each matrix is a `QuantizedWeight` (or `Mxfp4Weight`), zero
+        until loaded. With `activation` (gpt-oss) the projections have biases (zeros) and that activation."""
         shapes = {
             "gate": (intermediate, hidden),
             "up": (intermediate, hidden),
             "down": (hidden, intermediate),
         }
+        self.activation = activation
+        if activation is not None:
+            self.gate_bias = nnx.Param(jnp.zeros((intermediate,), dtype))
+            self.up_bias = nnx.Param(jnp.zeros((intermediate,), dtype))
+            self.down_bias = nnx.Param(jnp.zeros((hidden,), dtype))
         if quantization is not None:
             for name, shape in shapes.items():
-                setattr(self, name, QuantizedWeight(*shape, quantization, dtype=dtype))
+                setattr(self, name, quantized_weight(*shape, quantization, dtype=dtype))
             return
         init = nnx.initializers.normal(0.02)
         keys = jax.random.split(key, 3) if key is not None else [rngs.params() for _ in range(3)]
         for k, (name, shape) in zip(keys, shapes.items(), strict=True):
             setattr(self, name, nnx.Param(init(k, shape, dtype)))
 
-    def weights(self) -> ExpertWeights:
-        return ExpertWeights(
-            *(
-                m.matrix() if isinstance(m, QuantizedWeight) else m[...]
-                for m in (self.gate, self.up, self.down)
-            )
-        )
+    def weights(self) -> AnyExpertWeights:
+        matrices = [
+            m.matrix() if isinstance(m, (QuantizedWeight, Mxfp4Weight)) else m[...]
+            for m in (self.gate, self.up, self.down)
+        ]
+        if self.activation is None:
+            return ExpertWeights(*matrices)
+        biases = (self.gate_bias[...], self.up_bias[...], self.down_bias[...])
+        return BiasedExpertWeights(*matrices, *biases, activation=self.activation)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return swiglu(x, self.weights())
 
 
-def swiglu(x: jax.Array, w: ExpertWeights) -> jax.Array:
+def swiglu(x: jax.Array, w: AnyExpertWeights) -> jax.Array:
     """x `[..., D]` -> `[..., D]` in the weights' dtype (quantized weights are dequantized here, inside the
     caller's branch for this expert, so that only experts some token uses are expanded)."""
+    if isinstance(w, BiasedExpertWeights):
+        gate, up, down = dense(w.gate), dense(w.up), dense(w.down)
+        x = x.astype(gate.dtype)
+        h = w.activation(linear(x, gate) + w.gate_bias, linear(x, up) + w.up_bias)
+        return linear(h, down) + w.down_bias
     w = ExpertWeights(*(dense(m) for m in w))
     x = x.astype(w.gate.dtype)
     lead, d = x.shape[:-1], x.shape[-1]
@@ -392,9 +451,33 @@ def _mixture_ragged(x, local, weights, experts, num_layer_experts):
     flat_e, se, st, sw, order = _sort_by_expert(local, weights, n_exp)
     sizes = jnp.bincount(flat_e, length=n_exp + 1)[:n_exp].astype(jnp.int32)
     rows = x[st].astype(dtype)
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
-    y = jax.lax.ragged_dot(h, down, sizes)  # rows past sum(sizes) come back as zeros
+    row_expert = jnp.minimum(se, n_exp - 1)  # [A]; skipped rows come back as zeros whatever their bias
+    g, u = jax.lax.ragged_dot(rows, gate, sizes), jax.lax.ragged_dot(rows, up, sizes)
+    y = jax.lax.ragged_dot(_activate(experts, g, u, row_expert), down, sizes)  # rows past sum(sizes): 0
+    y = _add_down_bias(experts, y, row_expert)
     return _unsort(y.astype(jnp.float32) * (sw * (se < n_exp))[:, None], order)
+
+
+def _activate(experts: tuple, gate: jax.Array, up: jax.Array, expert: jax.Array) -> jax.Array:
+    """The stacking kernels' activation: SwiGLU, or (biased experts) the clamped SwiGLU of the pre-activations
+    plus each row's expert's biases. gate, up `[..., F]`; `expert` indexes the leading dimensions."""
+    w = experts[0]
+    if not isinstance(w, BiasedExpertWeights):
+        return jax.nn.silu(gate) * up
+    gate_bias, up_bias = (jnp.stack([getattr(e, name) for e in experts]) for name in ("gate_bias", "up_bias"))
+    return w.activation(gate + _at(gate_bias, expert, gate), up + _at(up_bias, expert, up))
+
+
+def _add_down_bias(experts: tuple, y: jax.Array, expert: jax.Array) -> jax.Array:
+    if not isinstance(experts[0], BiasedExpertWeights):
+        return y
+    return y + _at(jnp.stack([e.down_bias for e in experts]), expert, y)
+
+
+def _at(bias: jax.Array, expert: jax.Array, like: jax.Array) -> jax.Array:
+    """Stacked biases `[n, X]` picked per `expert` (shape of `like`'s leading dims), broadcast to `like`."""
+    picked = bias[expert]  # [*expert.shape, X]
+    return picked.reshape(*picked.shape[:-1], *(1,) * (like.ndim - picked.ndim), picked.shape[-1])
 
 
 def _mixture_blocked(x, local, weights, experts, num_layer_experts):
@@ -414,24 +497,29 @@ def _mixture_blocked(x, local, weights, experts, num_layer_experts):
     expert = jnp.minimum(tiles.expert, len(experts) - 1)  # [P]; unused tiles hold zero rows, not read
     gate, up, down = (stack([getattr(w, name) for w in experts]) for name in ("gate", "up", "down"))
     rows = rows.reshape(p, g, d)
-    h = jax.nn.silu(jnp.einsum("pgd,pfd->pgf", rows, gate[expert]))
-    h = h * jnp.einsum("pgd,pfd->pgf", rows, up[expert])
-    ys = jnp.einsum("pgf,pdf->pgd", h, down[expert]).reshape(p * g, d)
-    return _untile(ys, tiles)
+    pre_gate = jnp.einsum("pgd,pfd->pgf", rows, gate[expert])
+    h = _activate(experts, pre_gate, jnp.einsum("pgd,pfd->pgf", rows, up[expert]), expert)
+    ys = _add_down_bias(experts, jnp.einsum("pgf,pdf->pgd", h, down[expert]), expert)
+    return _untile(ys.reshape(p * g, d), tiles)
 
 
-def reference_mixture(x: jax.Array, routing: Routing, experts: Sequence[ExpertWeights]) -> jax.Array:
+def reference_mixture(x: jax.Array, routing: Routing, experts: Sequence[AnyExpertWeights]) -> jax.Array:
     """The slow, obviously correct per-expert loop that every fast kernel is tested against. Quantized
     experts are dequantized first by `reference_dequantize` (NumPy, so not under a trace), then multiplied."""
-    experts = [
-        ExpertWeights(
-            *(jnp.asarray(reference_dequantize(m)) if isinstance(m, QuantizedMatrix) else m for m in w)
-        )
-        for w in experts
-    ]
+
+    def plain(m):
+        quantized = isinstance(m, (QuantizedMatrix, Mxfp4Matrix))
+        return jnp.asarray(reference_dequantize(m)) if quantized else m
+
     out = jnp.zeros(x.shape, jnp.float32)
     for e, w in enumerate(experts):
+        gate, up, down = plain(w.gate), plain(w.up), plain(w.down)
         weight = jnp.sum(jnp.where(routing.ids == e, routing.weights, 0.0), axis=-1)  # [N]
-        h = jax.nn.silu(x.astype(w.gate.dtype) @ w.gate.T) * (x.astype(w.gate.dtype) @ w.up.T)
-        out = out + (h @ w.down.T).astype(jnp.float32) * weight[:, None]  # plain jnp, not `swiglu`
-    return out.astype(experts[0].gate.dtype)
+        xe = x.astype(gate.dtype)
+        if isinstance(w, BiasedExpertWeights):  # plain jnp, not `swiglu`
+            h = w.activation(xe @ gate.T + w.gate_bias, xe @ up.T + w.up_bias)
+            y = h @ down.T + w.down_bias
+        else:
+            y = (jax.nn.silu(xe @ gate.T) * (xe @ up.T)) @ down.T
+        out = out + y.astype(jnp.float32) * weight[:, None]
+    return out.astype(plain(experts[0].gate).dtype)

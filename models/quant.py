@@ -34,26 +34,35 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-Kind = Literal["int8", "int4"]
-KINDS: tuple[str, ...] = ("int8", "int4")
+from . import mxfp4
+from .mxfp4 import Mxfp4Matrix
+
+Kind = Literal["int8", "int4", "mxfp4"]
+KINDS: tuple[str, ...] = ("int8", "int4")  # what fmoe_jax quantizes experts to
+# How a checkpoint may store its experts: also MXFP4, as gpt-oss publishes them (`models/mxfp4.py`); kept as
+# published, never produced here.
+STORED_KINDS: tuple[str, ...] = (*KINDS, "mxfp4")
 DEFAULT_GROUP_SIZE = 64
 QMAX = {"int8": 127, "int4": 7}
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertQuantization:
-    """How routed experts are stored: `kind` ("int8" or "int4") and the inputs sharing one scale.
+    """How routed experts are stored: `kind` ("int8", "int4", or "mxfp4" as published) and the inputs
+    sharing one scale.
 
     `group_size` must divide every expert matrix's input dimension (hidden size for gate and up, the
-    expert intermediate size for down); `check_model` says which one it does not.
+    expert intermediate size for down); `check_model` says which one it does not. MXFP4's is 32.
     """
 
     kind: Kind
     group_size: int = DEFAULT_GROUP_SIZE
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
+        if self.kind not in STORED_KINDS:
             raise ValueError(f"expert_quantization must be None, 'int8' or 'int4', got {self.kind!r}")
+        if self.kind == "mxfp4" and self.group_size != mxfp4.BLOCK:
+            raise ValueError(f"MXFP4 shares one scale among {mxfp4.BLOCK} inputs, not {self.group_size}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, (int, np.integer)):
             raise ValueError(f"quantization_group_size must be a positive int, got {self.group_size!r}")
         if self.group_size < 1:
@@ -67,6 +76,10 @@ class ExpertQuantization:
     def storage_dtype(self) -> np.dtype:
         return np.dtype(np.int8 if self.kind == "int8" else np.uint8)
 
+    def scales_dtype(self, dtype: np.dtype) -> np.dtype:
+        """The scales' dtype in a model of `dtype`: that dtype, or MXFP4's biased exponents (uint8)."""
+        return np.dtype(np.uint8) if self.kind == "mxfp4" else np.dtype(dtype)
+
     def values_shape(self, out: int, fan_in: int) -> tuple[int, int]:
         return (out, fan_in if self.kind == "int8" else fan_in // 2)
 
@@ -74,13 +87,17 @@ class ExpertQuantization:
         return (out, fan_in // self.group_size)
 
     def matrix_bytes(self, out: int, fan_in: int, scale_itemsize: int) -> int:
-        """Bytes of one stored `[out, in]` matrix, values and scales."""
+        """Bytes of one stored `[out, in]` matrix, values and scales (`scale_itemsize`: the model dtype's;
+        MXFP4's scales take one byte)."""
+        scale_itemsize = 1 if self.kind == "mxfp4" else scale_itemsize
         return (
             int(np.prod(self.values_shape(out, fan_in))) + out * (fan_in // self.group_size) * scale_itemsize
         )
 
     def check_input(self, fan_in: int, what: str) -> None:
         """Raises `ValueError` unless matrices with `fan_in` inputs can be stored this way."""
+        if self.kind == "mxfp4":
+            return mxfp4.check_input(fan_in, what)
         if fan_in % self.group_size:
             raise ValueError(
                 f"quantization_group_size={self.group_size} does not divide the input dimension {fan_in} of "
@@ -111,7 +128,8 @@ def expert_quantization(kind: str | None, group_size: int | None = None) -> Expe
                 "'int4'); set both, or neither"
             )
         return None
-    return ExpertQuantization(kind, DEFAULT_GROUP_SIZE if group_size is None else group_size)
+    default = mxfp4.BLOCK if kind == "mxfp4" else DEFAULT_GROUP_SIZE
+    return ExpertQuantization(kind, default if group_size is None else group_size)
 
 
 class QuantizedMatrix(NamedTuple):
@@ -141,8 +159,10 @@ class QuantizedMatrix(NamedTuple):
         return self.values.nbytes + self.scales.nbytes
 
 
-def dense(w: jax.Array | QuantizedMatrix) -> jax.Array:
+def dense(w: jax.Array | QuantizedMatrix | Mxfp4Matrix) -> jax.Array:
     """The matrix a kernel multiplies by: `w` itself, or `w` dequantized."""
+    if isinstance(w, Mxfp4Matrix):
+        return mxfp4.dequantize(w)
     return dequantize(w) if isinstance(w, QuantizedMatrix) else w
 
 
@@ -161,8 +181,11 @@ def dequantize(m: QuantizedMatrix) -> jax.Array:
     return grouped.reshape(*lead, out, fan_in)
 
 
-def stack(matrices: list[jax.Array | QuantizedMatrix]) -> jax.Array:
+def stack(matrices: list[jax.Array | QuantizedMatrix | Mxfp4Matrix]) -> jax.Array:
     """`[n, out, in]`: the matrices stacked, dequantized (after stacking) when quantized."""
+    if isinstance(matrices[0], Mxfp4Matrix):
+        stacked = (jnp.stack([m.values for m in matrices]), jnp.stack([m.scales for m in matrices]))
+        return mxfp4.dequantize(Mxfp4Matrix(*stacked, matrices[0].dtype))
     if isinstance(matrices[0], QuantizedMatrix):
         return dequantize(QuantizedMatrix(*(jnp.stack(parts) for parts in zip(*matrices, strict=True))))
     return jnp.stack(matrices)
@@ -176,8 +199,11 @@ def quantize(w: np.ndarray, spec: ExpertQuantization, scale_dtype: np.dtype | No
       spec: kind and group size (must divide `in`).
       scale_dtype: dtype of the scales and of the dequantized matrix; default `w.dtype`.
     Raises:
-      ValueError: the group size does not divide `in`, or `w` holds a NaN or an infinity.
+      ValueError: the group size does not divide `in`, `w` holds a NaN or an infinity, or `spec` is MXFP4
+        (kept as published, never produced).
     """
+    if spec.kind not in KINDS:
+        raise ValueError(f"experts are quantized to {' or '.join(KINDS)} only, not {spec.kind!r}")
     w = np.asarray(w)
     scale_dtype = np.dtype(w.dtype if scale_dtype is None else scale_dtype)
     if w.ndim != 2:
@@ -199,9 +225,11 @@ def quantize(w: np.ndarray, spec: ExpertQuantization, scale_dtype: np.dtype | No
     return QuantizedMatrix(n[:, :half] | (n[:, half:] << 4), scales)
 
 
-def reference_dequantize(m: QuantizedMatrix) -> np.ndarray:
+def reference_dequantize(m: QuantizedMatrix | Mxfp4Matrix) -> np.ndarray:
     """The slow, obviously correct dequantization the tests hold `dequantize` and the kernels to: unpack each
     byte, then multiply group by group, in float32 (exact for these products) rounded to the scales' dtype."""
+    if isinstance(m, Mxfp4Matrix):
+        return mxfp4.reference_dequantize(m)
     values, scales = np.asarray(m.values), np.asarray(m.scales)
     out = values.shape[0]
     if values.dtype == np.uint8:
@@ -232,6 +260,24 @@ class QuantizedWeight(nnx.Module):
 
     def matrix(self) -> QuantizedMatrix:
         return QuantizedMatrix(self.values[...], self.scales[...])
+
+
+def quantized_weight(
+    out: int, fan_in: int, spec: ExpertQuantization, *, dtype: jnp.dtype
+) -> QuantizedWeight | mxfp4.Mxfp4Weight:
+    """The parameters of one expert matrix stored as `spec` says."""
+    if spec.kind == "mxfp4":
+        return mxfp4.Mxfp4Weight(out, fan_in, dtype=dtype)
+    return QuantizedWeight(out, fan_in, spec, dtype=dtype)
+
+
+EXPERT_MATRICES = ("gate", "up", "down")
+
+
+def is_expert_matrix(path: tuple) -> bool:
+    """A routed expert's float matrix (what `quantized_params` quantizes): not its biases, not a part
+    (values, scales) of a matrix already stored quantized."""
+    return path[0] == "experts" and path[-1] in EXPERT_MATRICES
 
 
 def quantized_params(path: tuple, w: np.ndarray, spec: ExpertQuantization) -> dict[tuple, np.ndarray]:

@@ -31,12 +31,12 @@ def config_from_hf(hf: dict[str, Any]) -> MoEConfig:
     )
 
 
-def qwen_moe_fields(hf: dict[str, Any], family: str, num_experts: int) -> dict[str, Any]:
-    """The `MoEConfig` fields Qwen1.5-MoE and Qwen3-MoE read from config.json alike: `common_fields`, softmax
-    top-k routing over `num_experts` experts, RMS norms, and dense MLP layers where `sparse_layers`
-    says."""
+def qwen_moe_fields(hf: dict[str, Any], family: str, num_experts: int, **rope: Any) -> dict[str, Any]:
+    """The `MoEConfig` fields the Qwen MoE families read from config.json alike: `common_fields` (`rope`: its
+    RoPE options), softmax top-k routing over `num_experts` experts, RMS norms, and dense MLP layers where
+    `sparse_layers` says."""
     return dict(
-        **common_fields(hf, family, default_max_positions=32768),
+        **common_fields(hf, family, default_max_positions=32768, **rope),
         num_experts=num_experts,
         top_k=hf["num_experts_per_tok"],
         expert_intermediate_size=hf["moe_intermediate_size"],

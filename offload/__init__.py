@@ -1,7 +1,7 @@
 """fmoe_jax.offload: expert offloading — the cache and its transfers, placement over devices, the policies
 (fMoE and the baselines), fMoE's expert-map store, and the trace-replay simulator with its cost model."""
 
-from .cache import CacheBook, CacheStats
+from .cache import CacheBook, CacheStats, DeviceExpertCache
 from .config import OffloadConfig
 from .cost_model import (
     A100_SXM,
@@ -17,11 +17,11 @@ from .cost_model import (
     HardwarePreset,
     ModelPreset,
 )
-from .expert_map_store import ExpertMapStore
 from .placement import CacheGroup, round_robin
 from .policies import POLICIES, Policy, PolicyContext, make_policy, store_from_traces
+from .policies.fmoe.store import ExpertMapStore
 from .simulator import SimResult, SimulatedLink, simulate
-from .transfer import DeviceExpertCache, JaxMover
+from .transfer import JaxMover
 
 __all__ = [
     "A100_SXM",

@@ -12,6 +12,9 @@ from typing import Any
 
 from fmoe_jax.models.quant import expert_quantization
 
+# `OffloadConfig.transfer`: how copies go over the link (`offload/transfer.py`).
+TRANSFERS = ("direct", "thread", "chunked", "synchronous")
+
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
@@ -31,16 +34,14 @@ class OffloadConfig:
         own expert cache (the budget is split evenly) and transfer queue.
       placement: which device holds expert `(layer, expert)`: None (round robin), a mapping, or a callable.
       max_inflight: host-to-device copies in flight at once.
-      synchronous_transfers: wait for every copy as it is issued (the simulator's comparison mode).
-      chunked_copies: copies go over the link from a transfer thread, one of the expert's arrays at a time,
-        on-demand loads first (`ChunkedJaxMover`): a miss waits behind at most one matrix of a prefetch, and
-        a prefetch no longer wanted is stopped between matrices. Off: each copy is one `jax.device_put`
-        issued at once, and the runtime orders them.
-      transfer_thread: copies are issued from a transfer thread, whole (one `jax.device_put` each; with
-        `chunked_copies`, one array at a time), on-demand loads first: issuing a copy leaves the thread
-        that runs the layers. On an H200 (bench-s, 25 %, `benchmarks/results/offload_overhead_h200.json`)
-        it did not pay: fmoe 29.6 against 29.8 ms a token, on-demand LRU 24.0 against 23.2 (the driver's
-        share of issuing prefetches fell from 2.5 to 1.6 ms a token, its waits for misses rose more).
+      transfer: how copies go over the link (`offload/transfer.py`): "direct" (each copy one
+        `jax.device_put` issued at once; the runtime orders them), "thread" (whole copies issued from a
+        transfer thread, on-demand loads first; decision "transfer thread"), "chunked" (that thread sends
+        an expert one array at a time, on-demand loads first: a miss waits behind at most one matrix of a
+        prefetch, and a prefetch no longer wanted is stopped between matrices), or "synchronous" (direct
+        copies, each waited for as it is issued: the simulator's comparison mode).
+      synchronous_transfers, chunked_copies, transfer_thread: deprecated (one release) aliases of
+        `transfer="synchronous"`, `"chunked"` and `"thread"`; True maps onto `transfer`, synchronous first.
       preload: warm start: fill the cache before serving, layer by layer in expert order, up to its
         budget. These loads count in no request's statistics (a warm cache, as after earlier requests).
       policy_options: keyword arguments of the policy: every setting a policy has (fmoe's store, ablation
@@ -67,9 +68,10 @@ class OffloadConfig:
     devices: Any = None
     placement: Any = None
     max_inflight: int = 4
-    synchronous_transfers: bool = False
-    chunked_copies: bool = False
-    transfer_thread: bool = False
+    transfer: str = "direct"
+    synchronous_transfers: bool | None = None
+    chunked_copies: bool | None = None
+    transfer_thread: bool | None = None
     preload: bool = False
     policy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     execution: str = "copy"
@@ -78,6 +80,7 @@ class OffloadConfig:
     quantization_group_size: int | None = None
 
     def __post_init__(self) -> None:
+        self._resolve_transfer()
         if self.execution not in ("copy", "hybrid"):
             raise ValueError(f"execution must be 'copy' or 'hybrid', got {self.execution!r}")
         if self.host_threads is not None and (
@@ -106,6 +109,33 @@ class OffloadConfig:
                 "policy_options={'store_capacity': ..., 'store_path': ...}",
                 DeprecationWarning,
                 stacklevel=3,
+            )
+
+    def _resolve_transfer(self) -> None:
+        """Maps the deprecated transfer booleans onto `transfer`, warning, and checks the result."""
+        aliases = {
+            "synchronous_transfers": "synchronous",
+            "chunked_copies": "chunked",
+            "transfer_thread": "thread",
+        }
+        given = [name for name in aliases if getattr(self, name) is not None]
+        if given:
+            instead = ", ".join(f"{name}=True: transfer={aliases[name]!r}" for name in given)
+            warnings.warn(
+                f"OffloadConfig's {', '.join(given)} are deprecated; pass `transfer` instead ({instead})",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+        chosen = next((aliases[name] for name in aliases if getattr(self, name)), None)
+        if chosen is not None:
+            if self.transfer not in ("direct", chosen):
+                raise ValueError(
+                    f"transfer={self.transfer!r} contradicts the deprecated alias for {chosen!r}: give one"
+                )
+            object.__setattr__(self, "transfer", chosen)
+        if self.transfer not in TRANSFERS:
+            raise ValueError(
+                f"transfer must be one of {', '.join(map(repr, TRANSFERS))}, got {self.transfer!r}"
             )
 
     def make_policy(self) -> Any:

@@ -1,4 +1,5 @@
-"""The simulator's hardware cost model: hardware and model-size presets and a roofline time per stage.
+"""The simulator's cost model: model-size presets (`ModelPreset`, `MODELS`) and a roofline time per stage
+(`CostModel`) on a hardware preset (`offload/hardware.py`, whose names are re-exported here).
 
 Read by `offload/simulator.py` (which advances its simulated clock by these times) and by benchmarks that
 project a routing trace onto real hardware and real model sizes.
@@ -12,268 +13,29 @@ from typing import Any
 import numpy as np
 from fmoe_jax.models.quant import ExpertQuantization, expert_quantization
 
-GiB = 2**30
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class HardwarePreset:
-    """One accelerator and its host link, as datasheet (nominal) numbers and achieved fractions.
-
-    Attributes:
-      name: what the preset describes.
-      hbm_bytes_per_s: device-memory bandwidth (HBM or GDDR), nominal.
-      flops_per_s: dense bf16 tensor-core peak (no 2:4 sparsity), nominal.
-      link_bytes_per_s: host-to-device bandwidth of the link, one direction, nominal.
-      memory_bytes: device memory.
-      link_efficiency: fraction of `link_bytes_per_s` a pinned-host copy achieves.
-      hbm_efficiency: fraction of `hbm_bytes_per_s` memory-bound kernels (GEMV, decode) achieve.
-      flops_efficiency: fraction of `flops_per_s` compute-bound kernels (prefill GEMMs) achieve.
-      copy_latency_s: fixed cost of one host-to-device copy beside its bytes (the runtime's dispatch, the
-        DMA's setup and completion), paid by each chunk of a chunked copy.
-      expert_kernel_s: fixed time of one expert's kernels at decode beside its bytes (its three GEMVs and
-        the activation: launches and tails that batch-1 work cannot hide).
-      attention_kernel_s: likewise for one layer's attention block and router.
-    """
-
-    name: str
-    hbm_bytes_per_s: float
-    flops_per_s: float
-    link_bytes_per_s: float
-    memory_bytes: int
-    link_efficiency: float = 0.8
-    hbm_efficiency: float = 0.8
-    flops_efficiency: float = 0.7
-    copy_latency_s: float = 0.0
-    expert_kernel_s: float = 0.0
-    attention_kernel_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("copy_latency_s", "expert_kernel_s", "attention_kernel_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"hardware {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("hbm_bytes_per_s", "flops_per_s", "link_bytes_per_s", "memory_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(
-                    f"hardware {self.name!r}: {name} must be positive, got {getattr(self, name)}"
-                )
-        for name in ("link_efficiency", "hbm_efficiency", "flops_efficiency"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(
-                    f"hardware {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}"
-                )
-
-    @property
-    def link_effective(self) -> float:
-        """Host-to-device bytes per second the simulator's link moves."""
-        return self.link_bytes_per_s * self.link_efficiency
-
-    def copy_s(self, nbytes: float, chunks: int = 1) -> float:
-        """Seconds of one host-to-device copy of `nbytes` sent in `chunks` pieces, one after the other."""
-        return chunks * self.copy_latency_s + nbytes / self.link_effective
-
-    def copy_chunks(self, nbytes: float, pieces: int = 3) -> int:
-        """The pieces a copy of `nbytes` goes over the link in when the simulator is left to choose
-        (`simulate(chunks=None)`): `pieces` (one per matrix) where each piece's bytes take at least
-        `PIECE_MIN_LATENCIES` times the per-copy fixed cost, else 1 (the whole expert at once).
-
-        Pieces let an on-demand load overtake a prefetch between them, but each pays the fixed cost: on the
-        Hopper presets (0.29 ms a copy) a third of Qwen1.5-MoE's expert takes 0.11 ms of bytes, so its copy in
-        three pieces holds the link 1.9x as long as whole (1.21 against 0.63 ms). On the validation split
-        (`benchmarks.validation_grid`, the three shipped models x 12.5 / 25 / 50 %), whole copies on the H100
-        preset were faster for fmoe and on-demand LRU at all 9 points (fmoe 0.48-0.96x, at Mixtral-8x7B's
-        sizes too, whose pieces take 7.9 fixed costs) and for MoE-Infinity at 7 (1.6 and 2.9 % slower at
-        Mixtral's 50 and 25 %); on the RTX 3090 preset, with no fixed cost, pieces were level or faster (fmoe
-        whole 1.00-1.03x)."""
-        piece_s = nbytes / pieces / self.link_effective
-        return pieces if piece_s >= PIECE_MIN_LATENCIES * self.copy_latency_s else 1
-
-    def roofline_s(self, bytes_read: float, flops: float) -> float:
-        """Seconds of a kernel that reads `bytes_read` from device memory and does `flops`."""
-        return max(
-            bytes_read / (self.hbm_bytes_per_s * self.hbm_efficiency),
-            flops / (self.flops_per_s * self.flops_efficiency),
-        )
-
-
-# PCIe x16 per direction: PCIe 4.0 runs 16 GT/s per lane, PCIe 5.0 32 GT/s, both with 128b/130b encoding, so
-# 16 lanes carry 31.5 GB/s (Gen4) and 63.0 GB/s (Gen5) each way (PCI-SIG specifications; NVIDIA datasheets
-# quote the two directions together: "PCIe Gen4 64 GB/s", "PCIe Gen5 128 GB/s").
-PCIE4_X16 = 16e9 * 16 * 128 / 130 / 8
-PCIE5_X16 = 32e9 * 16 * 128 / 130 / 8
-# Achieved pinned-host -> device copy rates: ~25 GB/s on Gen4 x16 (CUDA `bandwidthTest`, A100 and RTX 30xx
-# hosts: about 80 % of the nominal rate; not measured here). On Gen5 x16, measured with JAX (`jax.device_put`
-# of a `pinned_host` array; `python -m benchmarks.link_compute` on an H200 on PCIe 5.0 x16, 2026-11-27,
-# `benchmarks/results/link_compute.md`): a straight line through copies of 0.25-256 MB gives 50.8-51.5 GB/s
-# (81-82 % of nominal) plus 0.27-0.31 ms per copy, whatever its size. Those two numbers predict every expert
-# copy measured there within 25 % (Qwen1.5-MoE's 17 MB expert: 0.70 ms; Mixtral's 352 MB: 7.1 ms; sent one
-# matrix at a time, each pays the fixed cost: 1.30 and 8.4 ms). They depend on the host (CPU, NUMA placement,
-# IOMMU) and the runtime; measure your own.
-PCIE4_EFFICIENCY = 0.8
-PCIE5_EFFICIENCY = 0.81
-JAX_COPY_LATENCY_S = 0.29e-3
-# `HardwarePreset.copy_chunks`: a copy goes in pieces only where each piece's bytes take this many fixed costs
-# or more (chosen on the validation split; see there).
-PIECE_MIN_LATENCIES = 10.0
-# Decode kernels at batch 1 on Hopper, measured in the same run (bf16, one XLA program over 8 layers, so no
-# dispatch): an expert costs 30 us beside its bytes, which stream at 87-90 % of HBM3e's rate (a least-squares
-# fit over Mixtral, Qwen1.5-MoE, Phi-3.5-MoE, Qwen3-MoE and OLMoE, within 20 % of each); the attention block
-# with its router takes 0.06-0.10 ms at 512 cached tokens, almost none of it bytes. At batch 1 the small
-# models' layers are thus 5-10x their roofline: the fixed costs are most of a decode iteration.
-HOPPER_DECODE = dict(hbm_efficiency=0.88, expert_kernel_s=30e-6, attention_kernel_s=65e-6)
-
-# NVIDIA H100 Tensor Core GPU datasheet (SXM5 80 GB): HBM3 3.35 TB/s; BF16 tensor core 1,979 TFLOPS *with
-# sparsity*, so 989 TFLOPS dense; PCIe Gen5.
-H100_SXM = HardwarePreset(
-    "H100 SXM5 80GB, PCIe 5.0 x16",
-    hbm_bytes_per_s=3.35e12,
-    flops_per_s=989e12,
-    link_bytes_per_s=PCIE5_X16,
-    memory_bytes=80 * GiB,
-    link_efficiency=PCIE5_EFFICIENCY,
-    copy_latency_s=JAX_COPY_LATENCY_S,
-    **HOPPER_DECODE,
+from .hardware import (  # noqa: F401  (re-exported: the presets' old home)
+    A100_SXM,
+    DESKTOP_DDR4,
+    DESKTOP_DDR5,
+    H100_PCIE,
+    H100_SXM,
+    H200_SXM,
+    HARDWARE,
+    HOPPER_DECODE,
+    HOSTS,
+    JAX_COPY_LATENCY_S,
+    PCIE4_EFFICIENCY,
+    PCIE4_X16,
+    PCIE5_EFFICIENCY,
+    PCIE5_X16,
+    PIECE_MIN_LATENCIES,
+    RTX_3090,
+    SERVER_8CH,
+    SERVER_12CH,
+    GiB,
+    HardwarePreset,
+    HostPreset,
 )
-# NVIDIA H200 Tensor Core GPU datasheet (SXM 141 GB): HBM3e 4.8 TB/s; BF16 tensor core 1,979 TFLOPS with
-# sparsity, 989 dense; PCIe Gen5.
-H200_SXM = HardwarePreset(
-    "H200 SXM 141GB, PCIe 5.0 x16",
-    hbm_bytes_per_s=4.8e12,
-    flops_per_s=989e12,
-    link_bytes_per_s=PCIE5_X16,
-    memory_bytes=141 * 10**9,
-    link_efficiency=PCIE5_EFFICIENCY,
-    copy_latency_s=JAX_COPY_LATENCY_S,
-    **HOPPER_DECODE,
-)
-# Same datasheet, H100 PCIe 80 GB: HBM2e 2.0 TB/s; BF16 1,513 TFLOPS with sparsity, 756 dense; PCIe Gen5.
-H100_PCIE = HardwarePreset(
-    "H100 PCIe 80GB, PCIe 5.0 x16",
-    hbm_bytes_per_s=2.0e12,
-    flops_per_s=756e12,
-    link_bytes_per_s=PCIE5_X16,
-    memory_bytes=80 * GiB,
-    link_efficiency=PCIE5_EFFICIENCY,
-    copy_latency_s=JAX_COPY_LATENCY_S,
-    **HOPPER_DECODE,
-)
-# NVIDIA A100 Tensor Core GPU datasheet (80 GB SXM4): HBM2e 2,039 GB/s; BF16 tensor core 312 TFLOPS dense
-# (624 with sparsity); PCIe Gen4.
-A100_SXM = HardwarePreset(
-    "A100 SXM4 80GB, PCIe 4.0 x16",
-    hbm_bytes_per_s=2.039e12,
-    flops_per_s=312e12,
-    link_bytes_per_s=PCIE4_X16,
-    memory_bytes=80 * GiB,
-    link_efficiency=PCIE4_EFFICIENCY,
-)
-# NVIDIA Ampere GA102 GPU architecture whitepaper, appendix A (GeForce RTX 3090): 24 GB GDDR6X at 936 GB/s;
-# peak BF16 tensor TFLOPS with FP32 accumulate 71 dense (142 with sparsity); PCIe Gen4 x16.
-RTX_3090 = HardwarePreset(
-    "GeForce RTX 3090 24GB, PCIe 4.0 x16",
-    hbm_bytes_per_s=936e9,
-    flops_per_s=71e12,
-    link_bytes_per_s=PCIE4_X16,
-    memory_bytes=24 * GiB,
-    link_efficiency=PCIE4_EFFICIENCY,
-)
-# The Hopper presets' copy and decode numbers are the measurements above (an H200's, on the H100s too: the
-# same link generation and architecture). The others keep assumed efficiencies typical of tuned GEMV/GEMM
-# kernels (HBM 0.8, FLOPs 0.7) and no fixed costs: nothing was measured on them. Pass
-# `dataclasses.replace(preset, hbm_efficiency=1.0, expert_kernel_s=0.0, ...)` for the ideal roofline.
-
-HARDWARE: dict[str, HardwarePreset] = {
-    "h100_sxm": H100_SXM,
-    "h100_pcie": H100_PCIE,
-    "h200_sxm": H200_SXM,
-    "a100_sxm": A100_SXM,
-    "rtx_3090": RTX_3090,
-}
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class HostPreset:
-    """The host CPU beside an accelerator, for hybrid execution (experts computed where their weights are).
-
-    Attributes:
-      name: what the preset describes.
-      mem_bytes_per_s: host memory bandwidth, nominal (channels x transfer rate x 8 bytes).
-      flops_per_s: dense FLOPs on bf16 weights (FP32 accumulation), nominal.
-      mem_efficiency: fraction of `mem_bytes_per_s` a bf16 GEMV streaming one expert achieves.
-      flops_efficiency: fraction of `flops_per_s` an expert's GEMMs achieve (prefill).
-      call_latency_s: fixed cost of one host call (dispatch, waking the thread pool), per layer.
-      transfer_latency_s: fixed cost of one small activation transfer over the link, each way.
-    """
-
-    name: str
-    mem_bytes_per_s: float
-    flops_per_s: float
-    mem_efficiency: float = 0.7
-    flops_efficiency: float = 0.5
-    call_latency_s: float = 50e-6
-    transfer_latency_s: float = 10e-6
-
-    def __post_init__(self) -> None:
-        for name in ("mem_bytes_per_s", "flops_per_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"host {self.name!r}: {name} must be positive, got {getattr(self, name)}")
-        for name in ("mem_efficiency", "flops_efficiency"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"host {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")
-        for name in ("call_latency_s", "transfer_latency_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"host {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
-
-    def roofline_s(self, bytes_read: float, flops: float) -> float:
-        """Seconds of host work that reads `bytes_read` from host memory and does `flops`."""
-        return max(
-            bytes_read / (self.mem_bytes_per_s * self.mem_efficiency),
-            flops / (self.flops_per_s * self.flops_efficiency),
-        )
-
-
-# Host memory: a DDR4/DDR5 channel moves 8 bytes per transfer (JEDEC JESD79-4 / JESD79-5; a DDR5 DIMM's two
-# 32-bit subchannels together), so DDR4-3200 gives 25.6 GB/s per channel, DDR5-5600 44.8, DDR5-4800 38.4.
-# FLOPs: cores x base clock x FLOP per cycle from the vendors' core descriptions. Assumptions, not datasheet
-# values: a bf16 GEMV over one expert reaches 70 % of the nominal bandwidth (STREAM typically reaches 75-85 %
-# on these platforms), expert GEMMs 50 % of the vector peak (25 % of AMX's, whose tiles suit large GEMMs);
-# a host call costs 50 us and a small transfer 10 us each way (typical launch and PCIe round-trip costs).
-#
-# A desktop of the RTX 3090's generation: AMD Ryzen 9 5950X (16 Zen 3 cores, 3.4 GHz base, two 256-bit FMA
-# pipes: 32 FP32 FLOP/cycle; no bf16 instructions, weights widened in registers), dual-channel DDR4-3200.
-DESKTOP_DDR4 = HostPreset(
-    "Ryzen 9 5950X, 2x DDR4-3200",
-    mem_bytes_per_s=2 * 3200e6 * 8,
-    flops_per_s=16 * 3.4e9 * 32,
-)
-# A current desktop: AMD Ryzen 9 9950X (16 Zen 5 cores, 4.3 GHz base, full-width AVX-512: two 512-bit FMA
-# pipes, 64 FP32 FLOP/cycle), dual-channel DDR5-5600 (the platform's rated speed).
-DESKTOP_DDR5 = HostPreset(
-    "Ryzen 9 9950X, 2x DDR5-5600",
-    mem_bytes_per_s=2 * 5600e6 * 8,
-    flops_per_s=16 * 4.3e9 * 64,
-)
-# The host of a DGX H100: Intel Xeon Platinum 8480C (56 cores, 2.0 GHz base, AMX: 1,024 BF16 FLOP/cycle per
-# core), 8 channels of DDR5-4800 per socket; one socket (the GPU's NUMA node) computes.
-SERVER_8CH = HostPreset(
-    "Xeon Platinum 8480C (1 socket), 8x DDR5-4800",
-    mem_bytes_per_s=8 * 4800e6 * 8,
-    flops_per_s=56 * 2.0e9 * 1024,
-    flops_efficiency=0.25,
-)
-# AMD EPYC 9654 (96 Zen 4 cores, 2.4 GHz base, AVX512_BF16 dot products: 64 bf16 FLOP/cycle on two 256-bit
-# pipes), 12 channels of DDR5-4800; one socket.
-SERVER_12CH = HostPreset(
-    "EPYC 9654 (1 socket), 12x DDR5-4800",
-    mem_bytes_per_s=12 * 4800e6 * 8,
-    flops_per_s=96 * 2.4e9 * 64,
-)
-
-HOSTS: dict[str, HostPreset] = {
-    "desktop_ddr4": DESKTOP_DDR4,
-    "desktop_ddr5": DESKTOP_DDR5,
-    "server_8ch": SERVER_8CH,
-    "server_12ch": SERVER_12CH,
-}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -284,7 +46,10 @@ class ModelPreset:
     replay come from the routing trace, so a trace recorded on a small model replays "at real size" with
     these per-layer and per-expert sizes. `num_layers`, `num_experts` and `top_k` describe the real model
     (`num_layers` counts its MoE layers). Attention is grouped-query, or multi-head latent (DeepSeek-V2)
-    when `kv_lora_rank > 0`; then `head_dim` is the query/key head (nope + rope part). Dense layers
+    when `kv_lora_rank > 0`; then `head_dim` is the query/key head (nope + rope part). Hybrid models
+    (Qwen3-Next, Qwen3.5-MoE) have `linear_layers` Gated DeltaNet layers among their MoE layers, each with a
+    fixed-size recurrent state per sequence read and written at every step (`linear_state_bytes`), and gate
+    their softmax attention's output (`attention_output_gate`: q_proj twice as wide). Dense layers
     (DeepSeek's first) count in the parameters and the resident bytes; their time is not modelled (the
     simulator steps through the MoE layers of a trace): 1 of 27 layers in DeepSeek-V2-Lite.
 
@@ -313,9 +78,17 @@ class ModelPreset:
     v_head_dim: int = 0  # MLA: value head size
     dense_layers: int = 0  # layers with a dense MLP instead of experts
     dense_intermediate_size: int = 0
+    attention_output_gate: bool = False  # Qwen3-Next: q_proj also yields a gate per query dimension
+    linear_layers: int = 0  # MoE layers whose token mixer is Gated DeltaNet instead of softmax attention
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
     bytes_per_param: int = 2  # bf16
-    expert_quantization: str | None = None  # None: experts in bytes_per_param too
-    quantization_group_size: int | None = None  # default 64 when quantized
+    expert_quantization: str | None = None  # None: experts in bytes_per_param too; "mxfp4": gpt-oss's
+    quantization_group_size: int | None = None  # default 64 when quantized (MXFP4: 32)
+    expert_bias: bool = False  # gpt-oss: each expert's gate, up and down biases travel with it
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -326,6 +99,11 @@ class ModelPreset:
             raise ValueError(
                 f"model {self.name!r}: hidden_size ({self.hidden_size}) and expert_intermediate_size "
                 f"({self.expert_intermediate_size}) must be positive"
+            )
+        if self.linear_layers > self.num_layers or (self.linear_layers and not self.linear_key_head_dim):
+            raise ValueError(
+                f"model {self.name!r}: linear_layers ({self.linear_layers}) must be at most num_layers "
+                f"({self.num_layers}) and have their heads' sizes"
             )
         try:
             q = self.quantization
@@ -364,8 +142,11 @@ class ModelPreset:
             v_head_dim=cfg.v_head_dim,
             dense_layers=cfg.num_layers - cfg.num_moe_layers,
             dense_intermediate_size=cfg.dense_intermediate_size,
+            attention_output_gate=cfg.attention_output_gate,
+            **_linear_fields(cfg),
             expert_quantization=None if quantization is None else quantization.kind,
             quantization_group_size=None if quantization is None else quantization.group_size,
+            expert_bias=cfg.swiglu_clamp is not None,
         )
 
     # -- parameter counts (biases and norms are below 0.1 % and left out) -------------------------------
@@ -384,9 +165,35 @@ class ModelPreset:
                 else d * h * self.head_dim
             )
             return q + d * (r + p) + r * h * (self.head_dim - p + v) + h * v * d
-        q_and_o = 2 * d * h * self.head_dim
+        q_and_o = (3 if self.attention_output_gate else 2) * d * h * self.head_dim
         k_and_v = 2 * d * self.num_kv_heads * self.head_dim
         return q_and_o + k_and_v
+
+    @property
+    def linear_attention_params(self) -> int:
+        """One Gated DeltaNet layer: the q, k, v, z, b, a projections, the convolution and the output."""
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+        conv = (2 * key_dim + value_dim) * self.linear_conv_kernel
+        return self.hidden_size * (2 * key_dim + 2 * value_dim + 2 * self.linear_num_value_heads) + conv + (
+            value_dim * self.hidden_size
+        )
+
+    @property
+    def token_mixer_params(self) -> float:
+        """Attention parameters of an MoE layer, averaged over the layer kinds (softmax and linear)."""
+        share = self.linear_layers / self.num_layers
+        return (1 - share) * self.attention_params + share * self.linear_attention_params
+
+    @property
+    def linear_state_bytes(self) -> int:
+        """One linear layer's state per sequence: the float32 recurrent state (value heads x key dim x value
+        dim) and the convolution's last K-1 inputs."""
+        state = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        conv_dim = 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
+            self.linear_num_value_heads * self.linear_value_head_dim
+        )
+        return state + max(0, self.linear_conv_kernel - 1) * conv_dim * self.bytes_per_param
 
     @property
     def score_flops(self) -> int:
@@ -414,23 +221,25 @@ class ModelPreset:
     def total_params(self) -> int:
         """All parameters of the real model (a check of the preset against the published counts)."""
         per_layer = (
-            self.attention_params
+            self.token_mixer_params
             + self.router_params(self.num_experts)
             + self.shared_params
             + self.num_experts * self.expert_params
         )
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + self.dense_layers * self.dense_layer_params + embeddings
+        return round(self.num_layers * per_layer + self.dense_layers * self.dense_layer_params + embeddings)
 
     @property
     def expert_bytes(self) -> int:
         """Bytes of one routed expert as stored: what one host-to-device copy moves (quantized: values and
-        scales of gate `[F, D]`, up `[F, D]` and down `[D, F]`)."""
+        scales of gate `[F, D]`, up `[F, D]` and down `[D, F]`; MXFP4: 4.25 bits per weight), plus its
+        biases when it has them."""
         q = self.quantization
-        if q is None:
-            return self.expert_params * self.bytes_per_param
         d, f, size = self.hidden_size, self.expert_intermediate_size, self.bytes_per_param
-        return 2 * q.matrix_bytes(f, d, size) + q.matrix_bytes(d, f, size)
+        biases = (2 * f + d) * size if self.expert_bias else 0
+        if q is None:
+            return self.expert_params * self.bytes_per_param + biases
+        return 2 * q.matrix_bytes(f, d, size) + q.matrix_bytes(d, f, size) + biases
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -442,10 +251,10 @@ class ModelPreset:
     def resident_bytes(self, num_layers: int, num_experts: int) -> int:
         """Weights that stay on the device whatever the policy: attention, routers, shared experts, dense
         layers, embedding and LM head, for `num_layers` MoE layers of `num_experts` experts."""
-        per_layer = self.attention_params + self.router_params(num_experts) + self.shared_params
+        per_layer = self.token_mixer_params + self.router_params(num_experts) + self.shared_params
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         dense = self.dense_layers * self.dense_layer_params
-        return (num_layers * per_layer + dense + embeddings) * self.bytes_per_param
+        return round((num_layers * per_layer + dense + embeddings) * self.bytes_per_param)
 
 
 # Sizes from each model's published Hugging Face `config.json`.
@@ -552,6 +361,186 @@ DEEPSEEK_V2_LITE = ModelPreset(
     dense_intermediate_size=10944,
 )
 
+# The models people offload to one small GPU today (issue 55). Experts at the precision fmoe_jax stores them:
+# gpt-oss's MXFP4 as published (4.25 bits per weight, with their bf16 biases); DeepSeek-V3's and Kimi-K2's
+# FP8 is dequantized to bf16 by fmoe-convert (`dataclasses.replace(DEEPSEEK_V3, expert_quantization="int4")`
+# for `--expert-quantization int4`). `num_layers` counts MoE layers only; dense first layers are
+# `dense_layers`.
+# openai/gpt-oss-20b config.json: hidden_size 2880, intermediate_size 2880, num_hidden_layers 24 (all MoE),
+# num_local_experts 32, num_experts_per_tok 4, num_attention_heads 64, num_key_value_heads 8, head_dim 64,
+# vocab_size 201088, tie_word_embeddings false, quantization_config mxfp4. 20.9 B parameters (model card).
+GPT_OSS_20B = ModelPreset(
+    "gpt-oss-20b",
+    num_layers=24,
+    num_experts=32,
+    top_k=4,
+    hidden_size=2880,
+    expert_intermediate_size=2880,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=64,
+    vocab_size=201088,
+    expert_quantization="mxfp4",
+    expert_bias=True,
+)
+# openai/gpt-oss-120b config.json: as gpt-oss-20b but num_hidden_layers 36 and num_local_experts 128.
+# 116.8 B parameters (model card).
+GPT_OSS_120B = dataclasses.replace(GPT_OSS_20B, name="gpt-oss-120b", num_layers=36, num_experts=128)
+# deepseek-ai/DeepSeek-V3 config.json (inference/configs/config_671B.json alike): hidden_size 7168,
+# num_hidden_layers 61 with first_k_dense_replace 3 (dense intermediate_size 18432), moe_intermediate_size
+# 2048, n_routed_experts 256, n_shared_experts 1, num_experts_per_tok 8 (n_group 8, topk_group 4),
+# num_attention_heads 128, kv_lora_rank 512, q_lora_rank 1536, qk_nope_head_dim 128, qk_rope_head_dim 64,
+# v_head_dim 128, vocab_size 129280, tie_word_embeddings false. 671 B parameters without the multi-token-
+# prediction module (model card). DeepSeek-R1 and V3.1 share these sizes.
+DEEPSEEK_V3 = ModelPreset(
+    "DeepSeek-V3",
+    num_layers=58,
+    num_experts=256,
+    top_k=8,
+    hidden_size=7168,
+    expert_intermediate_size=2048,
+    num_heads=128,
+    num_kv_heads=128,
+    head_dim=192,
+    vocab_size=129280,
+    shared_expert_intermediate_size=2048,
+    shared_expert_gate=False,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    dense_layers=3,
+    dense_intermediate_size=18432,
+)
+# moonshotai/Kimi-K2-Instruct config.json (model_type kimi_k2, DeepSeek-V3's architecture): hidden_size 7168,
+# num_hidden_layers 61 with first_k_dense_replace 1, moe_intermediate_size 2048, n_routed_experts 384,
+# n_shared_experts 1, num_experts_per_tok 8, num_attention_heads 64, the same latent attention, vocab_size
+# 163840. 1.04 T parameters (model card: 1 T total, 32 B activated).
+KIMI_K2 = dataclasses.replace(
+    DEEPSEEK_V3,
+    name="Kimi-K2",
+    num_layers=60,
+    num_experts=384,
+    num_heads=64,
+    num_kv_heads=64,
+    vocab_size=163840,
+    dense_layers=1,
+)
+# zai-org/GLM-4.5-Air config.json: hidden_size 4096, num_hidden_layers 46 with first_k_dense_replace 1 (dense
+# intermediate_size 10944), moe_intermediate_size 1408, n_routed_experts 128, n_shared_experts 1,
+# num_experts_per_tok 8, num_attention_heads 96, num_key_value_heads 8, head_dim 128, vocab_size 151552,
+# tie_word_embeddings false (q/k/v biases and RoPE on half of each head are below 0.1 % of the bytes).
+# 106 B parameters (model card).
+GLM_45_AIR = ModelPreset(
+    "GLM-4.5-Air",
+    num_layers=45,
+    num_experts=128,
+    top_k=8,
+    hidden_size=4096,
+    expert_intermediate_size=1408,
+    num_heads=96,
+    num_kv_heads=8,
+    head_dim=128,
+    vocab_size=151552,
+    shared_expert_intermediate_size=1408,
+    shared_expert_gate=False,
+    dense_layers=1,
+    dense_intermediate_size=10944,
+)
+# zai-org/GLM-4.5 config.json: hidden_size 5120, num_hidden_layers 92 with first_k_dense_replace 3 (dense
+# intermediate_size 12288), moe_intermediate_size 1536, n_routed_experts 160, n_shared_experts 1,
+# num_experts_per_tok 8, num_attention_heads 96, num_key_value_heads 8, head_dim 128, vocab_size 151552.
+# 355 B parameters (model card; GLM-4.6 shares these sizes).
+GLM_45 = dataclasses.replace(
+    GLM_45_AIR,
+    name="GLM-4.5",
+    num_layers=89,
+    num_experts=160,
+    hidden_size=5120,
+    expert_intermediate_size=1536,
+    shared_expert_intermediate_size=1536,
+    dense_layers=3,
+    dense_intermediate_size=12288,
+)
+# Qwen/Qwen3-Next-80B-A3B: hidden_size 2048, num_hidden_layers 48 (every 4th full attention, the rest Gated
+# DeltaNet), num_attention_heads 16, num_key_value_heads 2, head_dim 256 (RoPE on a quarter, output gate),
+# linear_num_key_heads 16, linear_num_value_heads 32, linear key/value head dims 128, linear_conv_kernel_dim
+# 4, num_experts 512, num_experts_per_tok 10, moe_intermediate_size 512, shared_expert_intermediate_size 512
+# (gated), vocab_size 151936, tie_word_embeddings false: transformers 5.23's Qwen3NextConfig defaults, which
+# describe this checkpoint (its docstring), and THUDM/slime scripts/models/qwen3-next-80B-A3B.sh. 80 B
+# parameters (model card: 80 B total, 3 B activated); its multi-token prediction layer is left out.
+QWEN3_NEXT_80B_A3B = ModelPreset(
+    "Qwen3-Next-80B-A3B",
+    num_layers=48,
+    num_experts=512,
+    top_k=10,
+    hidden_size=2048,
+    expert_intermediate_size=512,
+    num_heads=16,
+    num_kv_heads=2,
+    head_dim=256,
+    vocab_size=151936,
+    shared_expert_intermediate_size=512,
+    attention_output_gate=True,
+    linear_layers=36,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel=4,
+)
+# Qwen/Qwen3.5-35B-A3B (text model): hidden_size 2048, num_hidden_layers 40 (full_attention_interval 4),
+# num_attention_heads 16, num_key_value_heads 2, head_dim 256, linear heads 16 key / 32 value of 128, conv 4,
+# num_experts 256, num_experts_per_tok 8, moe_intermediate_size 512, shared_expert_intermediate_size 512,
+# vocab_size 248320, tie_word_embeddings false (THUDM/slime scripts/models/qwen3.5-35B-A3B.sh; transformers
+# 5.23's Qwen3_5MoeTextConfig defaults). 34.7 B parameters here; the model card's 35 B counts the vision
+# tower.
+QWEN35_35B_A3B = ModelPreset(
+    "Qwen3.5-35B-A3B",
+    num_layers=40,
+    num_experts=256,
+    top_k=8,
+    hidden_size=2048,
+    expert_intermediate_size=512,
+    num_heads=16,
+    num_kv_heads=2,
+    head_dim=256,
+    vocab_size=248320,
+    shared_expert_intermediate_size=512,
+    attention_output_gate=True,
+    linear_layers=30,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel=4,
+)
+# Qwen/Qwen3.5-122B-A10B (text model): hidden_size 3072, num_hidden_layers 48 (12 full attention),
+# num_attention_heads 32, num_key_value_heads 2, head_dim 256, linear heads 16 key / 64 value of 128, conv 4,
+# num_experts 256, num_experts_per_tok 8, moe_intermediate_size 1024, shared_expert_intermediate_size 1024,
+# vocab_size 248320 (its config.json as transcribed in public test configs, and apxml.com/models/
+# qwen35-122b-a10b for the attention and expert sizes). 122 B parameters (model card).
+QWEN35_122B_A10B = ModelPreset(
+    "Qwen3.5-122B-A10B",
+    num_layers=48,
+    num_experts=256,
+    top_k=8,
+    hidden_size=3072,
+    expert_intermediate_size=1024,
+    num_heads=32,
+    num_kv_heads=2,
+    head_dim=256,
+    vocab_size=248320,
+    shared_expert_intermediate_size=1024,
+    attention_output_gate=True,
+    linear_layers=36,
+    linear_num_key_heads=16,
+    linear_num_value_heads=64,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel=4,
+)
+
 MODELS: dict[str, ModelPreset] = {
     "mixtral": MIXTRAL_8X7B,
     "qwen2_moe": QWEN15_MOE_A27B,
@@ -559,7 +548,52 @@ MODELS: dict[str, ModelPreset] = {
     "qwen3_moe": QWEN3_30B_A3B,
     "olmoe": OLMOE_1B_7B,
     "deepseek_v2": DEEPSEEK_V2_LITE,
+    "gpt_oss": GPT_OSS_20B,
+    "deepseek_v3": DEEPSEEK_V3,
+    "glm4_moe": GLM_45_AIR,
+    "qwen3_next": QWEN3_NEXT_80B_A3B,
+    "qwen3_5_moe": QWEN35_35B_A3B,
 }  # by model family, as `RoutingTrace.meta["family"]` names it
+# Every preset by its model's name (the families above have several sizes).
+PRESETS: dict[str, ModelPreset] = {
+    p.name: p
+    for p in (
+        MIXTRAL_8X7B,
+        QWEN15_MOE_A27B,
+        PHI35_MOE,
+        QWEN3_30B_A3B,
+        OLMOE_1B_7B,
+        DEEPSEEK_V2_LITE,
+        GPT_OSS_20B,
+        GPT_OSS_120B,
+        DEEPSEEK_V3,
+        KIMI_K2,
+        GLM_45_AIR,
+        GLM_45,
+        QWEN3_NEXT_80B_A3B,
+        QWEN35_35B_A3B,
+        QWEN35_122B_A10B,
+    )
+}
+
+
+def _linear_fields(cfg: Any) -> dict[str, Any]:
+    """`ModelPreset`'s linear-attention fields from a `MoEConfig` (none for a model without linear layers)."""
+    la = cfg.linear_attention
+    if la is None:
+        return {}
+    return dict(
+        linear_layers=sum(la.layers[i] for i in cfg.moe_layer_ids),
+        linear_num_key_heads=la.num_key_heads,
+        linear_num_value_heads=la.num_value_heads,
+        linear_key_head_dim=la.key_head_dim,
+        linear_value_head_dim=la.value_head_dim,
+        linear_conv_kernel=la.conv_kernel,
+    )
+
+
+# Tokens per chunk of a linear layer's prefill (`models/gated_deltanet.py`), for its within-chunk FLOPs.
+LINEAR_CHUNK = 64
 
 
 class CostModel:
@@ -583,7 +617,31 @@ class CostModel:
 
     def attention_s(self, new_tokens: np.ndarray, past_tokens: np.ndarray) -> float:
         """One layer's attention and router: `new_tokens` `[R]` tokens per active row, `past_tokens` `[R]`
-        tokens each row already has in its KV cache."""
+        tokens each row already has in its KV cache. A hybrid model's layer kinds are averaged by their shares
+        of the MoE layers (the simulator charges every layer of a trace this time): softmax attention reads
+        its KV cache, a linear layer its fixed-size state (`linear_attention_s`)."""
+        softmax = self.softmax_attention_s(new_tokens, past_tokens)
+        share = self.model.linear_layers / self.model.num_layers
+        if not share:
+            return softmax
+        return (1 - share) * softmax + share * self.linear_attention_s(new_tokens)
+
+    def linear_attention_s(self, new_tokens: np.ndarray) -> float:
+        """One Gated DeltaNet layer and router: its weights read once and each active row's state read and
+        written once; FLOPs of the projections, plus per token the state's decay, read, update and query
+        (8 H Dk Dv) and, for a prefill's tokens, the within-chunk scores of its chunked form
+        (4 H L (Dk + Dv))."""
+        m = self.model
+        new = np.asarray(new_tokens, np.float64)
+        params = m.linear_attention_params + m.router_params(self.num_experts)
+        bytes_read = params * m.bytes_per_param + 2.0 * np.count_nonzero(new) * m.linear_state_bytes
+        h, dk, dv = m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
+        flops = (2.0 * params + 8.0 * h * dk * dv) * float(new.sum())
+        flops += 4.0 * h * LINEAR_CHUNK * (dk + dv) * float(new[new > 1].sum())
+        return self.hardware.attention_kernel_s + self.hardware.roofline_s(bytes_read, flops)
+
+    def softmax_attention_s(self, new_tokens: np.ndarray, past_tokens: np.ndarray) -> float:
+        """One softmax-attention layer and router (`attention_s`'s arguments)."""
         m = self.model
         new = np.asarray(new_tokens, np.float64)
         past = np.asarray(past_tokens, np.float64)

@@ -40,9 +40,10 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from .cache import CacheStats, Key
+from .cache import CacheStats, Key, ServingCache
 from .events import IterationStart, LayerRouted, RequestStart, needed_experts
 from .hybrid import FILL_PRIORITY, HybridPlanner
+from .policies.base import Policy
 
 
 class Routed(NamedTuple):
@@ -99,7 +100,7 @@ class Driver:
     """Feeds one policy and one expert cache (a `DeviceExpertCache` or a `CacheGroup`) the event stream;
     with a `planner` (hybrid execution), also decides which experts the host computes."""
 
-    def __init__(self, policy: Any, cache: Any, planner: HybridPlanner | None = None):
+    def __init__(self, policy: Policy, cache: ServingCache, planner: HybridPlanner | None = None):
         self.policy = policy
         self.cache = cache
         self.planner = planner
@@ -163,7 +164,9 @@ class Driver:
         """
         policy = self.policy
         token_valid = valid.reshape(-1)
-        start = IterationStart(valid, embeds if policy.needs_semantic else None, self.requests)
+        # Read once an iteration, as `Policy` documents: they hold until `on_iteration_end`.
+        semantic, probs = policy.needs_semantic, policy.needs_probs
+        start = IterationStart(valid, embeds if semantic else None, self.requests)
         self._tell(policy.on_iteration_start, start)
         for layer in range(policy.ctx.num_layers):
             routed = loop.route(layer)
@@ -175,7 +178,7 @@ class Driver:
                 routed.ids,
                 valid,
                 needed,
-                probs=routed.probs if policy.needs_probs else None,
+                probs=routed.probs if probs else None,
                 hidden=routed.hidden if policy.needs_hidden else None,
             )
             self._tell(policy.on_layer_routed, event)

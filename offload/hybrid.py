@@ -17,12 +17,8 @@ The decision (DESIGN.md, "One decode iteration", step c), per needed expert:
   experts too go to the host, fewest tokens first, while that ends the layer sooner: the layer ends when
   both have finished, and where the device's fixed cost per expert matches the host's (Hopper's 30 us kernel
   tails against a server's 12 memory channels reading a 9 MiB Qwen3-30B-A3B expert) a device that computes
-  every hit leaves the host idle. On the validation split at Qwen3-30B-A3B sizes, H100 beside a 12-channel
-  server, 25 / 50 % budgets, it lowered the TPOT of fiddler by 4 / 17 %, on-demand LRU + hybrid by 7 / 20 %
-  and fmoe + hybrid by 13 / 24 % (8-channel server: 1 / 8, 3 / 12, 6 / 15 %; Qwen1.5-MoE sizes 0-6 %);
-  where a device expert costs far less than a host one hardly anything moves (Mixtral-8x7B's 336 MiB experts
-  on the H100: nothing; on the RTX 3090 preset, which has no fixed kernel cost, a few prefill experts:
-  experiment 8's TPOTs there moved by at most 0.2 %).
+  every hit leaves the host idle; where a device expert costs far less than a host one hardly anything moves
+  (decision "hybrid balance", `benchmarks/DECISIONS.md`).
 So decode (one token per expert) mostly computes misses on the host and prefill (many tokens per expert)
 mostly copies; the cost model decides.
 Fiddler's rule (efeslab/fiddler, `src/fiddler/mixtral.py`) is the miss rule with fixed latencies (7 ms per
@@ -43,14 +39,20 @@ from .cache import Key
 FILL_PRIORITY = -math.inf
 
 
-class HostCost(Protocol):
-    """Seconds of host work, as the planner needs them."""
+class HostCost:
+    """Seconds of host work, as the planner needs them. Subclasses give `overhead_s` and `expert_s`; one
+    that learns from the host calls the engine measures overrides `record`."""
 
     def overhead_s(self, tokens: int) -> float:
         """Once per layer with host work: the call's fixed cost and the `tokens` activations to the host."""
+        raise NotImplementedError
 
     def expert_s(self, tokens: int) -> float:
         """One expert computed for `tokens` of the layer's tokens, its output's trip back included."""
+        raise NotImplementedError
+
+    def record(self, expert_tokens: Sequence[int], seconds: float) -> None:
+        """One host call that computed experts with `expert_tokens` tokens each took `seconds`."""
 
 
 class DeviceCost(Protocol):
@@ -151,7 +153,7 @@ def _entry_state(entry: Any) -> str:
 
 
 # -- host cost -----------------------------------------------------------------------------------------------
-class ModelledHostCost:
+class ModelledHostCost(HostCost):
     """The host's cost from a model preset and a host preset (the simulator's `HostCost`).
 
     Per layer with host work: the call latency, a transfer latency each way, and the activations
@@ -183,7 +185,7 @@ class ModelledHostCost:
         return self.overhead_s(tokens) + sum(self.expert_s(t) for t in expert_tokens)
 
 
-class MeasuredHostCost:
+class MeasuredHostCost(HostCost):
     """The host's cost as measured online (the live engine's `HostCost`): per expert, an exponential average
     of the seconds a host call took divided by its experts, kept per power-of-two bucket of tokens per expert.
     A bucket not measured yet borrows the nearest measured smaller one, scaled linearly in tokens above it
@@ -234,7 +236,7 @@ class MeasuredHostCost:
 
 
 @dataclasses.dataclass
-class FixedHostCost:
+class FixedHostCost(HostCost):
     """A host cost given outright: `per_expert_s` per expert per token (tests, and what-if studies)."""
 
     per_expert_s: float = 0.0

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from .cache import CacheStats, Entry, Key
-from .transfer import DeviceExpertCache
+from .cache import CacheStats, DeviceExpertCache, Entry, Key
 
 Placement = Callable[[Key], int]
 
@@ -127,6 +126,10 @@ class CacheGroup:
         for cache, wanted in zip(self.caches, by_device, strict=True):
             if cache is not None:
                 cache.request_prefetch(wanted, replace=replace, stale_before=stale_before, if_idle=if_idle)
+
+    def drop_prefetches(self, *, before: int) -> None:
+        for cache in self.local:
+            cache.drop_prefetches(before=before)
 
     def protect(self, keys: Iterable[Key], layer: int | None = None) -> None:
         for cache, own in zip(self.caches, self.split(keys), strict=True):

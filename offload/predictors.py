@@ -1,9 +1,10 @@
 """Learned expert predictors of the `promoe` and `duoserve` baselines as the policies use them: the weight
 files, `Predictor.probs` (a NumPy forward pass on the host while serving) and DuoServe's state features.
 
-Training lives with the research code (`fmoe_jax.research.predictor_training`: datasets from routing traces,
-offline training with optax, evaluation); the policies (`offload/policies/promoe.py`,
-`offload/policies/duoserve.py`) load the result with `Predictor.load`.
+Training is `offload/predictor_training.py`'s (datasets from routing traces, offline training with optax;
+evaluation is research code, `fmoe_jax.research.predictor_training`); the policies
+(`offload/policies/promoe.py`, `offload/policies/duoserve.py`, fmoe's reuse predictor) load the result with
+`Predictor.load`.
 
 Sources: ProMoE (Song et al. 2024, arXiv 2410.22134): per-layer predictors from intermediate hidden states,
 looking `stride` layers ahead. DuoServe-MoE (`seeds/002_*` section 4): popularity and inter-layer affinity
@@ -23,7 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from fmoe_jax.files import write_atomically
+from .files import write_atomically
 
 FORMAT_VERSION = 1
 Kind = Literal["promoe", "duoserve", "reuse"]

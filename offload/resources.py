@@ -11,7 +11,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from .cache import Key
+from .cache import Key, Mover
 from .hybrid import ModelledHostCost
 
 
@@ -26,7 +26,7 @@ class Copy:
     done_s: float = math.inf  # when its last chunk lands (known once that chunk has started)
 
 
-class SimulatedLink:
+class SimulatedLink(Mover):
     """A `Mover` over one host-to-device link with a simulated clock, copying in chunks.
 
     An expert goes over in `chunks` equal pieces (one per weight matrix by default), one piece at a time,

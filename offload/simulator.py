@@ -24,16 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from fmoe_jax.trace import RoutingTrace
-
-from .cache import Key
+from .cache import DeviceExpertCache, Key
 from .config import OffloadConfig
 from .cost_model import CostModel, HardwarePreset, HostPreset, ModelPreset
 from .driver import Driver, Functions, Routed
 from .hybrid import HybridPlanner, ModelledHostCost
 from .policies import Policy, PolicyContext
 from .resources import Copy, SimulatedHost, SimulatedLink  # noqa: F401  (Copy: part of this module's API)
-from .transfer import DeviceExpertCache
+from .trace import RoutingTrace
 
 
 @dataclasses.dataclass
@@ -141,7 +139,7 @@ def simulate(
       traces: one trace or a list, replayed in order; all of the same layer, expert and top-k counts.
       offload: the policy and budget exactly as the live engine takes them (`policy`, `policy_options`,
         `cache_experts` / `cache_bytes` (bytes of `model`'s experts) / neither for 25 %, `prefetch_distance`,
-        `max_inflight`, `synchronous_transfers`, `store_capacity`, `store_path`). A policy that matches on
+        `max_inflight`, `transfer="synchronous"`, `store_capacity`, `store_path`). A policy that matches on
         a thread of its own must run inline here (fmoe: `policy_options={"asynchronous": False}`).
       model: byte and FLOP sizes: a `ModelPreset` (`MIXTRAL_8X7B`, ...) or a model config (`model.config`).
       hardware: a `HardwarePreset` (`H100_SXM`, `H100_PCIE`, `A100_SXM`, `RTX_3090`, or your own).
@@ -167,7 +165,7 @@ def simulate(
     everything = [*warmup, *traces]
     replay = Replay(
         offload,
-        meta=_common_meta(everything),
+        meta=common_meta(everything),
         model=model,
         hardware=hardware,
         host=host,
@@ -213,18 +211,7 @@ class Replay:
         matcher_s: float = 0.0,
     ):
         offload = offload or OffloadConfig()
-        if not matcher_s >= 0:
-            raise ValueError(f"matcher_s must be >= 0 seconds, got {matcher_s!r}")
-        if offload.execution == "hybrid" and host is None:
-            raise ValueError(
-                "execution='hybrid' computes misses on the host: pass host=, a HostPreset such as "
-                "fmoe_jax.offload.cost_model.HOSTS['desktop_ddr5']"
-            )
-        if offload.devices not in (None, 1) or offload.placement is not None:
-            raise ValueError(
-                f"the simulator models one device behind one host link; got devices={offload.devices!r}, "
-                f"placement={offload.placement!r}: replay with devices=None and placement=None"
-            )
+        _check_setting(offload, host, matcher_s)
         if not isinstance(model, ModelPreset):
             model = ModelPreset.from_config(model)
         if chunks is None:  # the cost model's choice; `SimulatedLink` refuses fewer than one
@@ -253,34 +240,10 @@ class Replay:
             model.expert_bytes,
             self.policy,
             max_inflight=offload.max_inflight,
-            synchronous=offload.synchronous_transfers,
+            synchronous=offload.transfer == "synchronous",
         )
         self.costs = CostModel(model, hardware, num_experts)
-        one = np.ones(1)
-        decode_layer_s = (
-            self.costs.attention_s(one, one)
-            + self.costs.experts_s([1] * int(meta["top_k"]))
-            + self.costs.shared_s(1)
-        )
-        ctx = PolicyContext(
-            num_layers=self.num_layers,
-            num_experts=num_experts,
-            top_k=meta["top_k"],
-            embed_dim=meta["embed_dim"],
-            prefetch_distance=offload.prefetch_distance,
-            capacity=self.capacity,
-            model_id=str(meta.get("model_id", "")),
-            router_weights=tuple(np.asarray(w, np.float32) for w in router_weights)
-            if self.policy.needs_hidden
-            else (),
-            copy_s=hardware.copy_s(model.expert_bytes, chunks),
-            layer_s=decode_layer_s,
-            matcher_s=matcher_s,
-            clock=(lambda: self.link.clock) if matcher_s > 0 else None,
-            copy_chunks=chunks,
-            execution=offload.execution,
-        )
-        self.policy.bind(ctx, self.cache)
+        self.policy.bind(self._context(offload, chunks, matcher_s), self.cache)
         self.host: SimulatedHost | None = None
         planner = None
         if offload.execution == "hybrid":
@@ -298,6 +261,34 @@ class Replay:
             self.close()
             raise
         self.reset_statistics()
+
+    def _context(self, offload: OffloadConfig, chunks: int, matcher_s: float) -> PolicyContext:
+        """What the policy learns of the model, the cache and the simulated costs."""
+        meta, model, hardware, router_weights = self.meta, self.model, self.hardware, self.router_weights
+        one = np.ones(1)
+        decode_layer_s = (
+            self.costs.attention_s(one, one)
+            + self.costs.experts_s([1] * int(meta["top_k"]))
+            + self.costs.shared_s(1)
+        )
+        return PolicyContext(
+            num_layers=self.num_layers,
+            num_experts=meta["num_experts"],
+            top_k=meta["top_k"],
+            embed_dim=meta["embed_dim"],
+            prefetch_distance=offload.prefetch_distance,
+            capacity=self.capacity,
+            model_id=str(meta.get("model_id", "")),
+            router_weights=tuple(np.asarray(w, np.float32) for w in router_weights)
+            if self.policy.needs_hidden
+            else (),
+            copy_s=hardware.copy_s(model.expert_bytes, chunks),
+            layer_s=decode_layer_s,
+            matcher_s=matcher_s,
+            clock=(lambda: self.link.clock) if matcher_s > 0 else None,
+            copy_chunks=chunks,
+            execution=offload.execution,
+        )
 
     @property
     def clock(self) -> float:
@@ -475,7 +466,8 @@ def _layout(trace: RoutingTrace, i: int, policy: Policy) -> _Step:
 
 
 # -- checks ---------------------------------------------------------------------------------------------
-def _common_meta(traces: list[RoutingTrace]) -> dict[str, Any]:
+def common_meta(traces: list[RoutingTrace]) -> dict[str, Any]:
+    """The first trace's `meta`, once every trace is checked to have its layer, expert and top-k counts."""
     meta = traces[0].meta
     for key in ("num_layers", "num_experts", "top_k"):
         if not meta.get(key):
@@ -490,14 +482,31 @@ def _common_meta(traces: list[RoutingTrace]) -> dict[str, Any]:
     return meta
 
 
+def _check_setting(offload: OffloadConfig, host: HostPreset | None, matcher_s: float) -> None:
+    """Refuses settings the simulator does not model, saying what to pass instead."""
+    if not matcher_s >= 0:
+        raise ValueError(f"matcher_s must be >= 0 seconds, got {matcher_s!r}")
+    if offload.execution == "hybrid" and host is None:
+        raise ValueError(
+            "execution='hybrid' computes misses on the host: pass host=, a HostPreset such as "
+            "fmoe_jax.offload.cost_model.HOSTS['desktop_ddr5']"
+        )
+    if offload.devices not in (None, 1) or offload.placement is not None:
+        raise ValueError(
+            f"the simulator models one device behind one host link; got devices={offload.devices!r}, "
+            f"placement={offload.placement!r}: replay with devices=None and placement=None"
+        )
+
+
 def _check_policy(
     policy: Policy, traces: list[RoutingTrace], router_weights: Sequence[np.ndarray] | None, num_layers: int
 ) -> None:
     """Refuses a policy the replay cannot drive faithfully, naming what is missing."""
-    if getattr(policy, "asynchronous", False):
+    if policy.threaded:
+        hint = policy.doing_without("thread")
         raise ValueError(
-            f"policy {policy.name!r} matches on a thread of its own (asynchronous=True), whose timing the "
-            "simulated clock cannot follow; pass policy_options={'asynchronous': False} to run it inline"
+            f"policy {policy.name!r} works on a thread of its own, whose timing the simulated clock cannot "
+            "follow" + (f"; {hint}" if hint else "")
         )
     if policy.needs_hidden and (router_weights is None or len(router_weights) != num_layers):
         got = "none" if router_weights is None else f"{len(router_weights)}"
@@ -517,13 +526,16 @@ def _check_policy(
             for r, request in enumerate(trace.requests):
                 for i, it in enumerate(request.iterations):
                     if getattr(it, name) is None:
-                        routing_alone = name == "embeds" and policy.name == "fmoe"
+                        hint = policy.doing_without(name)
                         raise ValueError(
                             f"policy {policy.name!r} needs {what}, but routing trace {t} request {r} "
-                            f"iteration {i} has no {name!r}"
-                            + (
-                                "; policy_options={'semantic': False} matches on the routing alone"
-                                if routing_alone
-                                else ""
-                            )
+                            f"iteration {i} has no {name!r}" + (f"; {hint}" if hint else "")
                         )
+
+
+if __name__ == "__main__":  # pragma: no cover  (`python -m fmoe_jax.offload.simulator`: the fmoe-sim CLI)
+    import sys
+
+    from .sim_cli import main
+
+    sys.exit(main())

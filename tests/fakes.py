@@ -20,6 +20,9 @@ class RecordingCache(BookView):
     def request_prefetch(self, items, **kwargs):
         self.requests.append((list(items), kwargs))
 
+    def drop_prefetches(self, *, before):
+        self.requests.append(([], {"drop_before": before}))
+
 
 def request_start(policy, batch: int) -> None:
     policy.on_request_start(RequestStart(batch))

@@ -9,13 +9,13 @@ import itertools
 import numpy as np
 import pytest
 from fakes import RecordingCache, iteration_start, layer_routed, request_start
+from fmoe_jax.offload.cache import DeviceExpertCache, Mover
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.driver import Driver, Functions, Routed
 from fmoe_jax.offload.policies import FMoE, OnDemandLFU, OnDemandLRU, Policy, PolicyContext
 from fmoe_jax.offload.policies.mixtral_offload import MixtralOffload, layer_quotas
 from fmoe_jax.offload.policies.moe_infinity import ActivationMatrixCollection, MoEInfinity, eamc_from_traces
 from fmoe_jax.offload.policies.oracle import Oracle
-from fmoe_jax.offload.transfer import DeviceExpertCache
 from serving import served
 
 import fmoe_jax as fj
@@ -48,7 +48,10 @@ def serve(base: fj.Model, policy: Policy, slots: int, *, synchronous: bool = Fal
     """`base`'s weights served by a fresh offload engine (no reload); d = 1 (the tiny models have 2 MoE
     layers)."""
     offload = OffloadConfig(
-        policy=policy, cache_experts=slots, synchronous_transfers=synchronous, prefetch_distance=1
+        policy=policy,
+        cache_experts=slots,
+        transfer="synchronous" if synchronous else "direct",
+        prefetch_distance=1,
     )
     return served(base, offload)
 
@@ -137,7 +140,7 @@ def test_oracle_refuses_a_different_generation(loaded):
 # -- hand-made event sequences ------------------------------------------------------------------------------
 
 
-class InstantMover:
+class InstantMover(Mover):
     """Copies that land as they start (synchronous transfers)."""
 
     def start(self, key, *, urgent=False):
@@ -148,9 +151,6 @@ class InstantMover:
 
     def wait(self, handles):
         pass
-
-    def cancel(self, handle):
-        return None  # landed already
 
 
 def context(num_layers: int, num_experts: int, capacity: int, top_k: int = 1, **kw) -> PolicyContext:

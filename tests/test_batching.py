@@ -78,6 +78,28 @@ def test_joining_and_leaving_rows_get_what_they_get_alone(name, offload):
         model.close()
 
 
+def test_gpt_oss_rows_join_and_leave_as_alone(mxfp4_dir):
+    """gpt-oss with MXFP4 experts, offloaded under fmoe: sinks and a sliding window over rows that each write
+    at their own cache index. Four requests of token ids share two slots; each gets its tokens and
+    log-probabilities alone, exactly."""
+    offload = fj.OffloadConfig(policy="fmoe", cache_experts=4, prefetch_distance=1)
+    model = fj.load_model(mxfp4_dir, dtype="bfloat16", offload=offload)
+    try:
+        batch = ContinuousBatch(model, slots=2, context=64, chunk=16)
+        rng = np.random.default_rng(7)
+        prompts = [rng.integers(3, 256, 5 + 7 * i).tolist() for i in range(4)]
+        requests = [
+            resolve_request(model, p, max_new_tokens=3 + 2 * i, return_logprobs=True)
+            for i, p in enumerate(prompts)
+        ]
+        alone = [serve(batch, [r]) for r in requests]
+        together = serve(batch, requests, join_every=2)
+        for i in range(len(requests)):
+            assert together[0][i] == alone[i][0][0] and together[1][i] == alone[i][1][0], i
+    finally:
+        model.close()
+
+
 @pytest.fixture(scope="module")
 def mixtral():
     model = fj.load_model("fmoe-tiny-mixtral")

@@ -68,7 +68,7 @@ def test_eight_threads_share_one_offloaded_fmoe_model(hf_dirs):
     # Healthy afterwards: nothing pinned, the matcher alive, calls work and agree with the resident model.
     cache = model.engine.cache
     assert not any(entry.pins for _, entry in cache.entries())
-    assert model.engine.policy._thread.is_alive()
+    assert model.engine.policy.matcher.alive
     resident = fj.load_model(hf_dirs["mixtral"])
     assert _run(model, "generate", ([PROMPTS[0]],), {"max_new_tokens": 6}) == _run(
         resident, "generate", ([PROMPTS[0]],), {"max_new_tokens": 6}

@@ -14,16 +14,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FAMILY_OF
-from fmoe_jax.convert import orbax_io
 from fmoe_jax.convert.cli import main
-from fmoe_jax.convert.hf import write_safetensors
-from fmoe_jax.convert.manifest import MANIFEST_NAME, Manifest
 
 import fmoe_jax as fj
+from fmoe_jax.checkpoint import orbax_io
+from fmoe_jax.checkpoint.hf import write_safetensors
+from fmoe_jax.checkpoint.manifest import MANIFEST_NAME, Manifest
+from fmoe_jax.loading import param_sharding
 
 # Tiny models of conftest.HF_CONFIGS: one per family, and DeepSeek-V2's two shapes (latent attention with and
-# without the q LoRA).
-FAMILIES = ("mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2_lite", "deepseek_v2")
+# without the q LoRA). DeepSeek-V3 converts from FP8 and gpt-oss from MXFP4 in test_published_quantization.py
+# (gpt-oss's float layout goes through the same key table whenever a test loads its HF directory).
+FAMILIES = (
+    *("mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2_lite", "deepseek_v2"),
+    "glm4_moe",
+)
 PROMPT = [3, 17, 42, 99, 5, 250, 7, 64, 128, 11, 1, 200]  # vocab of the tiny models is 256
 # The shape test_parity.py uses too, so a full run compiles this forward once.
 F32_IDS = np.random.default_rng(3).integers(0, 256, (2, 40)).astype(np.int32)
@@ -159,17 +164,22 @@ def test_bfloat16_generate_matches_hf_bfloat16_greedy(hf_dirs, converted_bf16):
 
 
 def test_offload_restores_experts_into_pinned_host(converted):
-    cfg, dtype, flat = orbax_io.restore_params(converted["qwen2_moe"], offload=object())
+    def placed(offload):
+        return lambda path: param_sharding(path, offload)
+
+    cfg, dtype, flat = orbax_io.restore_params(converted["qwen2_moe"], sharding=placed(object()))
     experts = {p: a for p, a in flat.items() if p[0] == "experts"}
     assert len(experts) == 3 * cfg.num_experts * cfg.num_moe_layers
     assert {a.sharding.memory_kind for a in experts.values()} == {"pinned_host"}
     assert {a.sharding.memory_kind for p, a in flat.items() if p[0] != "experts"} == {"device"}
-    _, _, resident = orbax_io.restore_params(converted["qwen2_moe"], offload=None)
+    _, _, resident = orbax_io.restore_params(converted["qwen2_moe"], sharding=placed(None))
     assert {a.sharding.memory_kind for a in resident.values()} == {"device"}
     path = ("experts", 2, 5, "down")
     np.testing.assert_array_equal(np.asarray(flat[path]), np.asarray(resident[path]))
     # A float32 checkpoint restored as bfloat16 is cast on the way in.
-    _, dtype, cast = orbax_io.restore_params(converted["qwen2_moe"], offload=object(), dtype="bfloat16")
+    _, dtype, cast = orbax_io.restore_params(
+        converted["qwen2_moe"], sharding=placed(object()), dtype="bfloat16"
+    )
     assert cast[path].dtype == dtype == np.dtype("bfloat16")
     assert cast[path].sharding.memory_kind == "pinned_host"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import types
@@ -15,12 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fmoe_jax.convert import cli, orbax_io
+from fmoe_jax.convert import cli
 from fmoe_jax.convert.cli import main
-from fmoe_jax.convert.hf import CheckpointError, SafetensorsFile, write_safetensors
 from test_convert_safety import converting
 
 import fmoe_jax as fj
+from fmoe_jax.checkpoint import orbax_io
+from fmoe_jax.checkpoint.hf import CheckpointError, SafetensorsFile, write_safetensors
 from fmoe_jax.testing import PRESETS, write_random_checkpoint
 
 TINY = dict(
@@ -251,3 +253,44 @@ def test_sigterm_removes_partial_output(tmp_path):
     assert proc.returncode == 130, err
     assert err.strip() == "fmoe-convert: interrupted; nothing was written"
     assert not out.exists() and not list(tmp_path.glob(".out.fmoe-*"))
+
+
+# -- checkpoints quantized as published (tests/test_published_quantization.py converts the valid ones) -------
+def copy_of(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rewrite_single(directory: Path, edit) -> None:
+    """Rewrites `model.safetensors` (FP8 included, through torch) with `edit(tensors)` applied."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_fp8_weights_without_their_scales(fp8_dir, tmp_path, capsys):
+    source = copy_of(fp8_dir, tmp_path / "hf")
+    weight = "model.layers.1.mlp.experts.3.up_proj.weight"
+    rewrite_single(source, lambda tensors: tensors.pop(f"{weight}_scale_inv"))
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", weight, f"{weight}_scale_inv", "missing", "FP8")
+
+
+def test_truncated_mxfp4_block_tensor(mxfp4_dir, tmp_path, capsys):
+    """Blocks of 8 bytes where MXFP4 packs 32 values in 16: named, with both shapes."""
+    source = copy_of(mxfp4_dir, tmp_path / "hf")
+    blocks = "model.layers.1.mlp.experts.gate_up_proj_blocks"
+    rewrite_single(source, lambda tensors: tensors.update({blocks: tensors[blocks][..., :8].clone()}))
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", blocks, "(8, 128, 2, 8)", "(8, 128, 2, 16)", "MXFP4")
+
+
+def test_unknown_quantization_method(hf_dirs, tmp_path, capsys):
+    source = copy_of(hf_dirs["deepseek_v3"], tmp_path / "hf")
+    edit_config(source, quantization_config={"quant_method": "awq", "bits": 4})
+    rc = convert(source, tmp_path / "out")
+    assert_failed_cleanly(capsys, rc, tmp_path / "out", "quant_method 'awq' is not supported", "config.json")
+    with pytest.raises(fj.models.UnsupportedConfigError, match="'awq'"):
+        fj.load_model(source)

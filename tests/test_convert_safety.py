@@ -19,12 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
-from fmoe_jax.convert import cli, orbax_io
+from fmoe_jax.convert import cli
 from fmoe_jax.convert.cli import main
-from fmoe_jax.convert.hf import CheckpointError
-from fmoe_jax.convert.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 
 import fmoe_jax as fj
+from fmoe_jax.checkpoint import orbax_io
+from fmoe_jax.checkpoint.hf import CheckpointError
+from fmoe_jax.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from fmoe_jax.testing import PRESETS, write_random_checkpoint
 
 TINY = dict(

@@ -97,6 +97,19 @@ def test_exp2_runs_live_and_simulated(hf_dirs, tmp_path):
     assert (live["hits"], live["misses"]) == (sync["hits"], sync["misses"])
     assert "fmoe against each" in (out / "exp2_overall.md").read_text()
 
+    # A model's traces replayed at another preset's sizes (simulated only), merged into the saved results.
+    replay = [arg if arg != str(hf_dirs["mixtral"]) else f"{arg}@qwen3_next" for arg in command]
+    replay += ["--merge", "--policies", "on_demand_lru"]
+    subprocess.run(replay, cwd=ROOT, check=True, timeout=300)
+    merged = json.loads((out / "exp2_overall.json").read_text())
+    assert merged["command"] == payload["command"] and len(merged["merged"]) == 1
+    assert merged["models"]["mixtral"] == payload["models"]["mixtral"]
+    added = merged["models"]["mixtral@qwen3_next"]
+    assert added["live"] == {} and list(added["sim"]["h100_sxm"]) == ["on_demand_lru"]
+    assert "mixtral@qwen3_next, simulated at Qwen3-Next-80B-A3B sizes on h100_sxm" in merged["tables"]
+    assert any("traces of 2 MoE layers" in n and "which has 48" in n for n in merged["notes"])
+    assert sum(n.startswith("mixtral:") for n in merged["notes"]) == 1
+
 
 def test_figures_redraw_from_saved_results(tmp_path):
     """`make_readme --replot` draws every experiment's figure from its JSON alone, and scrubs what must not be

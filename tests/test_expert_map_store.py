@@ -4,9 +4,8 @@ import os
 
 import numpy as np
 import pytest
-from fmoe_jax.offload import expert_map_store as store_module
-from fmoe_jax.offload.expert_map_store import ExpertMapStore, PrefixDots
-from fmoe_jax.offload.fmoe_select import (
+from fmoe_jax.offload.policies.fmoe import store as store_module
+from fmoe_jax.offload.policies.fmoe.select import (
     MASS_TOLERANCE,
     SortedMaps,
     descending_order,
@@ -15,6 +14,7 @@ from fmoe_jax.offload.fmoe_select import (
     select_experts,
     select_mask,
 )
+from fmoe_jax.offload.policies.fmoe.store import ExpertMapStore, PrefixDots
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -9,10 +9,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from fmoe_jax.convert.hf import SafetensorsFile
 from fmoe_jax.models import build_model, config_from_hf
 
 import fmoe_jax as fj
+from fmoe_jax.checkpoint.hf import SafetensorsFile
 from fmoe_jax.export import export_hf, flat_params
 
 _BASE = dict(

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
 from fakes import RecordingCache, iteration_start, layer_routed
 from fmoe_jax.offload.cache import Entry
 from fmoe_jax.offload.config import OffloadConfig
-from fmoe_jax.offload.expert_map_store import ExpertMapStore
 from fmoe_jax.offload.policies import FMoE, PolicyContext, store_from_traces
-from fmoe_jax.offload.policies import fmoe as fmoe_module
-from fmoe_jax.offload.policies.fmoe import _Context
+from fmoe_jax.offload.policies.fmoe import auto_reuse_horizon
+from fmoe_jax.offload.policies.fmoe.budget import COST_WARMUP
+from fmoe_jax.offload.policies.fmoe.matcher import Context
+from fmoe_jax.offload.policies.fmoe.store import ExpertMapStore
 
 import fmoe_jax as fj
 
@@ -170,8 +172,8 @@ def test_a_search_that_finds_the_same_map_again_keeps_the_prefetches_it_asked_fo
         layer_routed(policy, layer, probs[None], np.argsort(-probs)[:2][None], valid)
     (first, f_kw), (again, a_kw), rested, (changed, c_kw), _ = cache.requests  # after layers 0..4
     assert f_kw["replace"] is True and {layer for (layer, _), _ in first} == {1, 2, 3, 4, 5}
-    assert (again, a_kw) == ([], {"replace": False, "stale_before": 2})  # map 0 again
-    assert rested == ([], {"replace": False, "stale_before": 3})  # after a repeat, layer 2 rests
+    assert (again, a_kw) == ([], {"drop_before": 2})  # map 0 again
+    assert rested == ([], {"drop_before": 3})  # after a repeat, layer 2 rests
     assert c_kw["replace"] is True and {layer for (layer, _), _ in changed} == {4, 5}  # map 1 now
     stats = policy.stats()
     assert (stats["trajectory_matches"], stats["repeated_matches"], stats["rested_layers"]) == (4, 2, 1)
@@ -214,11 +216,11 @@ def test_the_matcher_works_only_while_the_link_time_it_could_save_pays_for_it():
     policy, _ = bound_policy(one_map_store(), copy_s=1e-3, layer_s=1e-3)
     valid = np.ones((1, 1), bool)
     timed = []
-    for _ in range(1 + fmoe_module._COST_WARMUP):
+    for _ in range(1 + COST_WARMUP):
         iteration_start(policy, np.ones((1, 3), np.float32), valid)
         layer_routed(policy, 0, np.full((1, 4), 0.25, np.float32), np.array([[0]]), valid)
         timed.append("semantic_host_ms" in policy.stats())
-    assert timed == [False] * fmoe_module._COST_WARMUP + [True]
+    assert timed == [False] * COST_WARMUP + [True]
     stats = policy.stats()
     assert stats["semantic_host_ms"] > 0 and stats["trajectory_host_ms"] > 0
 
@@ -231,7 +233,7 @@ def test_live_fmoe_wants_maps_copied_out_only_when_a_paid_context_can_use_them(c
     policy, _ = bound_policy(one_map_store(), copy_s=copy_s, layer_s=1e-3)
     valid = np.ones((1, 1), bool)
     wanted, matches = [], []
-    for _ in range(4 + fmoe_module._COST_WARMUP):
+    for _ in range(4 + COST_WARMUP):
         wanted.append((policy.needs_semantic, policy.needs_probs))
         iteration_start(policy, np.ones((1, 3), np.float32) if policy.needs_semantic else None, valid)
         for layer in range(4):
@@ -262,11 +264,11 @@ def test_slow_first_contexts_do_not_price_the_matcher_out(monkeypatch):
         start = clock[-1] if clock else 0.0
         clock += [start, start + ms / 1e3]
     readings = iter(clock)
-    monkeypatch.setattr(fmoe_module.time, "thread_time", lambda: next(readings))
+    monkeypatch.setattr(time, "thread_time", lambda: next(readings))
     policy, _ = bound_policy(one_map_store(), copy_s=1e-3, layer_s=1e-3)
     for _ in spent_ms:
         iteration_start(policy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
-    assert fmoe_module._COST_WARMUP == len(spent_ms) - 1
+    assert COST_WARMUP == len(spent_ms) - 1
     assert policy.stats()["semantic_host_ms"] == pytest.approx(0.6)
 
 
@@ -401,8 +403,12 @@ def test_cost_admission_measures_copy_and_layer_time_live(hf_dirs):
 
 def test_paper_eviction_keeps_highest_p_times_freq():
     policy, cache = bound_policy(one_map_store(), eviction="fmoe")
-    policy._latest_p[1, :3] = [0.9, 0.1, 0.5]  # the guides of layer 1 in this iteration (p 0 for expert 3)
-    policy._latest[1] = True
+    policy.guides.latest_p[1, :3] = [
+        0.9,
+        0.1,
+        0.5,
+    ]  # the guides of layer 1 in this iteration (p 0 for expert 3)
+    policy.guides.latest[1] = True
     cache.book.freq.update({(1, 0): 1, (1, 1): 10, (1, 2): 0})
     scores = {key: policy.keep_score(key, Entry()) for key in [(1, 0), (1, 1), (1, 2), (1, 3)]}
     assert scores[(1, 3)] == 0.0  # not in any map: evicted first
@@ -416,8 +422,10 @@ def test_reuse_eviction_keeps_what_this_iteration_or_the_next_ones_need():
     policy, _ = bound_policy(one_map_store())  # eviction="reuse", the default
     iteration_start(policy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
     layer_routed(policy, 0, np.full((1, 4), 0.25, np.float32), np.array([[3]]), np.ones((1, 1), bool))
-    policy._need[2, 1] = 0.6  # a guide says layer 2, still to route, needs expert 1 with probability 0.6
-    policy._need[2, 2] = 0.0
+    policy.guides.need[2, 1] = (
+        0.6  # a guide says layer 2, still to route, needs expert 1 with probability 0.6
+    )
+    policy.guides.need[2, 2] = 0.0
     reuse = policy.forecast.scores
     assert policy.keep_score((2, 1), Entry()) == pytest.approx(1 - 0.4 * (1 - reuse[2, 1]))
     assert policy.keep_score((2, 1), Entry()) > policy.keep_score((2, 2), Entry())  # no guide for (2, 2)
@@ -437,7 +445,7 @@ def test_reuse_eviction_keeps_popular_experts_from_the_profile():
     for p in (policy, plain):
         iteration_start(p, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
     reuse = policy.forecast.scores
-    assert not policy._need[3].any()  # layer 3 has no guide: only the forecast and the profile speak
+    assert not policy.guides.need[3].any()  # layer 3 has no guide: only the forecast and the profile speak
     excess = (0.75 - 0.25) / (1 - 0.25)  # expert 0 has 3 of layer 3's 4 tokens
     assert policy.keep_score((3, 0), Entry()) == pytest.approx(1 - (1 - reuse[3, 0]) * (1 - excess))
     assert policy.keep_score((3, 0), Entry()) > policy.keep_score((3, 1), Entry())
@@ -447,7 +455,7 @@ def test_reuse_eviction_keeps_popular_experts_from_the_profile():
     assert policy.keep_score((3, 1), Entry()) == pytest.approx(plain.keep_score((3, 1), Entry()))
     assert plain.keep_score((3, 0), Entry()) == pytest.approx(plain.keep_score((3, 1), Entry()))
     assert policy.keep_score((2, 0), Entry()) == pytest.approx(plain.keep_score((2, 0), Entry()))  # no uses
-    policy._need[3, 1] = 0.3  # a guide for a layer still to route: the third factor
+    policy.guides.need[3, 1] = 0.3  # a guide for a layer still to route: the third factor
     keys = [(layer, expert) for layer in range(4) for expert in range(4)]
     for p in (policy, plain):  # the cache's victim choice scores every resident expert at once
         assert p.keep_scores(keys).tolist() == [p.keep_score(key, Entry()) for key in keys]
@@ -460,7 +468,7 @@ def test_a_prefetch_and_its_victim_are_scored_alike():
     popularity = np.array([[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [3, 1, 0, 0]], np.float64)
     policy, _ = bound_policy(one_map_store(), popularity=popularity)
     iteration_start(policy, np.array([[2.0, 0.0, 0.0]], np.float32), np.ones((1, 1), bool))  # guides layer 0
-    need, forecast = policy._need[0, 0], policy.forecast.scores
+    need, forecast = policy.guides.need[0, 0], policy.forecast.scores
     incoming = 1 - (1 - need) * (1 - forecast[0, 0]) * (1 - 0.5)
     victim = policy.keep_score((3, 0), Entry())
     assert need < victim < incoming  # its need alone would lose to the victim's forecast and popularity
@@ -478,13 +486,13 @@ def test_a_prefetch_evicts_only_a_victim_worth_less_than_it_net_of_its_price():
         policy, cache = bound_policy(one_map_store(), copy_s=2e-3, layer_s=1e-3, popularity=False, **options)
         iteration_start(policy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
         policy.forecast.scores[:] = 0.0  # no reuse forecast: the scores are the need probabilities alone
-        policy._need[3, 0] = 0.1  # the victim, an expert of a layer still to route
+        policy.guides.need[3, 0] = 0.1  # the victim, an expert of a layer still to route
         assert policy.keep_score((3, 0), Entry()) == pytest.approx(0.1)
         return policy, cache
 
     policy, _ = policy_and_cache()
     for need, admitted in ((0.7, False), (0.8, True)):  # 0.7 - 2/3 < 0.1 < 0.8 - 2/3
-        policy._need[0, 0] = need
+        policy.guides.need[0, 0] = need
         assert policy.threshold(0, -1) == pytest.approx(2 / 3)
         assert policy.admit_prefetch((0, 0), need, victim=(3, 0)) is admitted
     policy, cache = policy_and_cache(link="stalls")
@@ -492,7 +500,7 @@ def test_a_prefetch_evicts_only_a_victim_worth_less_than_it_net_of_its_price():
         # No misses: nothing delays the copy, which then cannot land before layer 0 (inf); asked again when
         # it leaves the queue, a prefetch already admitted is not priced for that (0).
         cache.book.stats.misses = misses
-        policy._need[0, 0] = need
+        policy.guides.need[0, 0] = need
         assert policy.threshold(0, -1) == (0.5 if misses else np.inf)
         assert policy.admit_prefetch((0, 0), need, victim=(3, 0)) is admitted
 
@@ -547,7 +555,7 @@ def test_a_failing_context_is_dropped_and_reported_not_fatal():
     with pytest.warns(RuntimeWarning, match="fmoe matcher dropped a semantic context: ZeroDivisionError"):
         iteration_start(policy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
         policy.wait_idle()
-    assert policy._thread.is_alive()  # the matcher goes on
+    assert policy.matcher.alive  # the matcher goes on
     layer_routed(policy, 0, np.full((1, 4), 0.25, np.float32), np.array([[0]]), np.ones((1, 1), bool))
     policy.on_iteration_end()
     iteration_start(policy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))  # matched this time
@@ -561,7 +569,7 @@ def test_a_failing_context_is_dropped_and_reported_not_fatal():
     healthy.bind(ctx, RecordingCache())
     iteration_start(healthy, np.ones((1, 3), np.float32), np.ones((1, 1), bool))
     healthy.close()
-    assert healthy._thread is None
+    assert not healthy.matcher.alive
 
 
 def test_the_simulators_matcher_takes_its_host_time_in_order_and_skips_as_the_thread():
@@ -582,20 +590,20 @@ def test_the_simulators_matcher_takes_its_host_time_in_order_and_skips_as_the_th
     policy = FMoE(asynchronous=False, pay_for_matching=False)
     policy.bind(ctx, RecordingCache())
     done = []
-    policy._process_or_drop = lambda context: done.append((context.layer, now[0]))
+    policy.matcher.work = lambda context: done.append((context.layer, now[0]))
     for t, layer in ((0.0, 0), (0.1, 1), (0.2, 2)):
         now[0] = t
-        policy._publish(_Context("trajectory", layer=layer))
+        policy.matcher.publish(Context("trajectory", layer=layer))
     now[0] = 0.45
-    policy._catch_up()
+    policy.matcher.catch_up()
     assert done == []  # the first finishes at 0.5
     now[0] = 0.6
-    policy._catch_up()
+    policy.matcher.catch_up()
     # layer 0's search ran 0 -> 0.5; by then layers 1 and 2 had come, so layer 1's is skipped.
     assert done == [(0, 0.6)] and policy.counts["skipped_contexts"] == 1
-    policy._publish(_Context("update", layer=-7))  # at 0.6: behind layer 2's search (0.5 -> 1.0)
+    policy.matcher.publish(Context("update", layer=-7))  # at 0.6: behind layer 2's search (0.5 -> 1.0)
     now[0] = 1.2
-    policy._publish(_Context("trajectory", layer=3))  # behind the update (1.0 -> 1.5)
+    policy.matcher.publish(Context("trajectory", layer=3))  # behind the update (1.0 -> 1.5)
     assert done == [(0, 0.6), (2, 1.2)]
     policy.close()
     assert done[-1] == (-7, 1.2) and policy.counts["skipped_contexts"] == 1
@@ -746,9 +754,9 @@ def test_follower_links_join_the_tokens_of_one_request(requests):
 def test_auto_reuse_horizon_looks_further_ahead_in_a_bigger_cache():
     """Horizon "auto": ceil(slots per layer / top_k) + 1 iterations, at most 4; resolved when the policy is
     bound to a cache, and used by the forecast and the follower links alike."""
-    assert fmoe_module.auto_reuse_horizon(8, 8, 2) == 2  # tiny Mixtral at 12.5 %: half a token per layer
-    assert fmoe_module.auto_reuse_horizon(64, 8, 4) == 3  # tiny Qwen-MoE at 25 %: 2 tokens' experts
-    assert fmoe_module.auto_reuse_horizon(128, 8, 4) == 4  # 4 tokens' experts: 5, capped
+    assert auto_reuse_horizon(8, 8, 2) == 2  # tiny Mixtral at 12.5 %: half a token per layer
+    assert auto_reuse_horizon(64, 8, 4) == 3  # tiny Qwen-MoE at 25 %: 2 tokens' experts
+    assert auto_reuse_horizon(128, 8, 4) == 4  # 4 tokens' experts: 5, capped
     for capacity, horizon in ((1, 2), (4, 2), (8, 3), (16, 4)):
         ctx = PolicyContext(
             num_layers=4, num_experts=4, top_k=1, embed_dim=3, prefetch_distance=1, capacity=capacity
@@ -800,7 +808,7 @@ def test_the_next_tokens_first_layers_are_guessed_late_in_the_iteration_and_lear
         [],
         [[((0, 0), pytest.approx(0.9 / 1)), ((1, 2), pytest.approx(0.7 / 2))]],
     )
-    assert policy._need[0, 0] == pytest.approx(0.9)  # eviction keeps the guess for the next token
+    assert policy.guides.need[0, 0] == pytest.approx(0.9)  # eviction keeps the guess for the next token
     assert policy.keep_score((0, 0), Entry()) > policy.keep_score((0, 1), Entry())
     # The next token guesses after layer 2 too (2 and 3 layers of compute ahead), as it loads nothing.
     after_layer_2, _ = token(policy, cache)
@@ -815,13 +823,38 @@ def test_the_next_tokens_first_layers_are_guessed_late_in_the_iteration_and_lear
     for _ in range(12):
         _, at_end = token(policy, cache)
     assert [key for key, _ in at_end[0]] == [(0, 3), (1, 3)]
-    assert policy._need[0, 0] < 0.2 and policy._need[0, 3] > 0.8
-    assert policy._guides_next()
+    assert policy.guides.need[0, 0] < 0.2 and policy.guides.need[0, 3] > 0.8
+    assert policy._guesses_next()
     policy._hinted = policy._iteration - 2  # a hint two iterations old (live: updates left unpaid)
-    assert not policy._guides_next()
+    assert not policy._guesses_next()
     policy._hinted = policy._iteration
-    policy._guess_s, policy._credit = 1.0, 0.5  # live: a guess costs more host time than the credit holds
-    assert not policy._guides_next() and policy.stats()["unpaid_next_token"] == 1
+    policy.budget.prices["next_token"], policy.budget.credit = (
+        1.0,
+        0.5,
+    )  # live: a guess costs more host time than the credit holds
+    assert not policy._guesses_next() and policy.stats()["unpaid_next_token"] == 1
     # Off: nothing is guessed.
     policy, cache = bound(calibrate=False, copy_s=1e-3, layer_s=1e-3, next_token=False)
     assert token(policy, cache) == ([], [])
+
+
+def test_a_paused_policy_learns_no_maps_and_learns_again_after():
+    """`Policy.paused_learning` (the batcher's warm-up): the iterations inside add nothing to the store."""
+    ctx = PolicyContext(num_layers=4, num_experts=4, top_k=1, embed_dim=3, prefetch_distance=1, capacity=4)
+    policy = FMoE(store=one_map_store(), asynchronous=False)
+    policy.bind(ctx, RecordingCache())
+    valid = np.ones((1, 1), bool)
+
+    def iteration():
+        iteration_start(policy, np.ones((1, 3), np.float32), valid)
+        for layer in range(4):
+            layer_routed(policy, layer, np.full((1, 4), 0.25, np.float32), np.array([[layer]]), valid)
+        policy.on_iteration_end()
+
+    with policy.paused_learning():
+        iteration()
+        assert not policy.learn
+    assert policy.learn and len(policy.store) == 1
+    iteration()
+    assert len(policy.store) == 2
+    policy.close()

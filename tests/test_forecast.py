@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fmoe_jax.offload.forecast import GAP_EDGES, Calibration, ReuseForecast
+from fmoe_jax.offload.policies.fmoe.forecast import GAP_EDGES, Calibration, ReuseForecast
 
 
 def test_calibration_starts_as_the_raw_probability_and_learns_outcomes():
@@ -28,7 +28,7 @@ def test_calibration_starts_as_the_raw_probability_and_learns_outcomes():
 
 def test_calibration_bins_index_the_tables_by_probability_similarity_distance_and_recency():
     """The flat bins `observe_binned` and `predict_binned` take (the fmoe policy keeps its guides' bins)."""
-    from fmoe_jax.offload.forecast import MAX_DISTANCE, P_EDGES, S_EDGES
+    from fmoe_jax.offload.policies.fmoe.forecast import MAX_DISTANCE, P_EDGES, S_EDGES
 
     cal = Calibration()
     p, s, d = np.array([0.0, 0.07, 0.99, 0.5]), np.array([0.2, 0.9, 1.0, 0.7]), np.array([1, 3, 9, 2])

@@ -6,7 +6,6 @@ on Mixtral, and the other families) with test_lossless.py's helpers."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import pytest
@@ -31,7 +30,7 @@ from fmoe_jax.offload.policies import POLICIES, Fiddler, PolicyContext, StaticSp
 from fmoe_jax.offload.policies.fiddler import expert_usage
 from fmoe_jax.offload.simulator import SimulatedLink, simulate
 from serving import served
-from test_lossless import Subject, check_lossless, subject_loader
+from test_lossless import OneTokenOnHost, Subject, check_lossless, subject_loader
 from toy_costs import TOY_HARDWARE, TOY_MODEL, toy_trace
 
 import fmoe_jax as fj
@@ -234,10 +233,10 @@ def test_static_split_places_whole_layers_and_restores_them():
 
 
 def test_a_failing_host_call_leaves_the_cache_usable():
+    from fmoe_jax.offload.cache import DeviceExpertCache
     from fmoe_jax.offload.driver import Driver, Functions, Routed
     from fmoe_jax.offload.policies import OnDemandLRU
     from fmoe_jax.offload.simulator import SimulatedLink
-    from fmoe_jax.offload.transfer import DeviceExpertCache
 
     policy = OnDemandLRU()
     cache = DeviceExpertCache(SimulatedLink(100, 1e3), 2, 100, policy)
@@ -395,7 +394,7 @@ def test_replay_counts_equal_live_hybrid_engine(policy, options, mixtral):
     offload = OffloadConfig(
         policy=policy,
         cache_experts=4,
-        synchronous_transfers=True,
+        transfer="synchronous",
         prefetch_distance=1,
         execution="hybrid",
         policy_options=options,
@@ -454,20 +453,6 @@ def test_live_statistics_and_measured_decisions(mixtral):
 
 
 # -- lossless ------------------------------------------------------------------------------------------------
-class OneTokenOnHost:
-    """A host cost under which the host takes every missed expert that one token uses and the device the
-    others: layers computed on both at once (a padded prefill, a batch's decode step)."""
-
-    def overhead_s(self, tokens: int) -> float:
-        return 0.0
-
-    def expert_s(self, tokens: int) -> float:
-        return 0.0 if tokens <= 1 else math.inf
-
-    def __repr__(self) -> str:
-        return "OneTokenOnHost()"
-
-
 # Hybrid execution compiles the per-layer programs of each shape it serves, and those dominate these tests'
 # time: the policies share one batch shape of one family, the other families one other shape each.
 BATCH_OF_3 = [[3, 14, 15], list(range(20, 44)), [7, 7, 7, 7, 7, 7]]
@@ -517,11 +502,12 @@ def test_hybrid_balancing_is_bit_identical(policy, subjects):
         assert host_computed > 0, f"{policy}, {host_cost}: the host computed nothing"
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "phimoe", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "phimoe", "deepseek_v2", "qwen3_next"])
 def test_hybrid_execution_is_bit_identical_for_every_family(family, subjects):
     """The other families' expert kernels and layer layouts on the host: Qwen1.5-MoE (a dense layer, the
-    gated shared expert), Phi-3.5-MoE, and DeepSeek-V2 (dense first layer, ungated shared experts, routing
-    weights scaled by 2.5); Qwen3-MoE and OLMoE run Mixtral's kernel. Batch 1 at one slot: the prefill mixes
+    gated shared expert), Phi-3.5-MoE, DeepSeek-V2 (dense first layer, ungated shared experts, routing
+    weights scaled by 2.5) and Qwen3-Next (linear-attention layers between the MoE blocks); Qwen3-MoE and
+    OLMoE run Mixtral's kernel. Batch 1 at one slot: the prefill mixes
     host and device in each layer, decode sends every miss to the host."""
     subject = subjects((family, "bfloat16"))
     host_computed = check_lossless(

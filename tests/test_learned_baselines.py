@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from fakes import RecordingCache, iteration_start, layer_routed
 from fmoe_jax.models import model_identity
+from fmoe_jax.offload.cache import DeviceExpertCache, Mover
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.cost_model import HARDWARE, ModelPreset
 from fmoe_jax.offload.driver import Driver, Functions, Routed
@@ -15,7 +16,6 @@ from fmoe_jax.offload.policies.duoserve import DuoServe
 from fmoe_jax.offload.policies.promoe import ProMoE
 from fmoe_jax.offload.predictors import Predictor
 from fmoe_jax.offload.simulator import simulate
-from fmoe_jax.offload.transfer import DeviceExpertCache
 from fmoe_jax.research import predictor_training
 from serving import served
 
@@ -250,7 +250,7 @@ def test_eviction_keeps_needed_then_predicted_and_admission_leaves_room_for_miss
     assert not policy.admit_prefetch((1, 0), 1.0, (0, 1))  # layer 1 has run: its prefetches are stale
 
 
-class SyncMover:
+class SyncMover(Mover):
     def start(self, key, *, urgent=False):
         return key
 
@@ -259,9 +259,6 @@ class SyncMover:
 
     def wait(self, handles):
         pass
-
-    def cancel(self, handle):
-        return None  # landed already
 
 
 def test_duoserve_prefill_ring_through_the_real_cache_wastes_nothing():
@@ -327,9 +324,7 @@ def live_and_replayed(base, policy_cls, predictor, slots: int) -> list[tuple[int
 
     def config():
         policy = policy_cls(predictor=predictor)
-        return OffloadConfig(
-            policy=policy, cache_experts=slots, prefetch_distance=1, synchronous_transfers=True
-        )
+        return OffloadConfig(policy=policy, cache_experts=slots, prefetch_distance=1, transfer="synchronous")
 
     with served(base, config()) as model:
         out = fj.generate(

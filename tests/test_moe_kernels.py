@@ -9,6 +9,8 @@ import pytest
 from fmoe_jax.models.moe import (
     GROUPED_MAX_BODIES,
     GROUPED_MAX_ROWS,
+    BiasedExpertWeights,
+    ClampedSwiGLU,
     ExpertWeights,
     Routing,
     expert_mixture,
@@ -16,6 +18,7 @@ from fmoe_jax.models.moe import (
     reference_mixture,
     tile_rows,
 )
+from fmoe_jax.models.mxfp4 import Mxfp4Matrix
 
 D, F, J = 16, 24, 6
 
@@ -123,3 +126,46 @@ def test_unrolled_reads_only_used_experts():
         x, routing, poisoned, jnp.arange(J, dtype=jnp.int32), jnp.ones(1, bool), kernel="unrolled"
     )
     assert np.isfinite(np.asarray(out)).all()
+
+
+def make_biased_mxfp4_experts(n: int, seed: int = 0) -> list[BiasedExpertWeights]:
+    """gpt-oss-like experts: MXFP4 matrices (`[out, in/2]` codes, `[out, in/32]` scales), biases, and a
+    clamp that the pre-activations cross."""
+    rng = np.random.default_rng(seed)
+    d, f = 64, 32
+
+    def matrix(out: int, fan_in: int) -> Mxfp4Matrix:
+        values = rng.integers(0, 256, (out, fan_in // 2), dtype=np.uint8)
+        scales = rng.integers(121, 125, (out, fan_in // 32), dtype=np.uint8)
+        return Mxfp4Matrix(jnp.asarray(values), jnp.asarray(scales), jnp.float32)
+
+    return [
+        BiasedExpertWeights(
+            matrix(f, d),
+            matrix(f, d),
+            matrix(d, f),
+            *(jnp.asarray(rng.normal(0, 0.1, s), jnp.float32) for s in ((f,), (f,), (d,))),
+            activation=ClampedSwiGLU(1.702, 0.5),
+        )
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("kernel", ["unrolled", "grouped", "tiled", "ragged", "blocked"])
+def test_kernels_match_reference_for_biased_mxfp4_experts(kernel):
+    """Every kernel expands MXFP4 and applies the biases and the clamped SwiGLU as the reference loop does,
+    in chunks too."""
+    experts = make_biased_mxfp4_experts(J)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(5, 64)), jnp.float32)
+    ids = np.stack([rng.choice(J, 2, replace=False) for _ in range(5)]).astype(np.int32)
+    routing = Routing(jnp.full((5, J), 1.0 / J), jnp.asarray(ids), jnp.asarray(rng.uniform(0.1, 1, (5, 2))))
+    ref = reference_mixture(x, routing, experts)
+    total = jnp.zeros_like(ref)
+    for chunk in ([0, 3], [1, 4, 5], [2]):
+        slots = np.full(J, -1, np.int32)
+        slots[chunk] = np.arange(len(chunk))
+        valid = jnp.ones(5, bool)
+        chunk_experts = [experts[e] for e in chunk]
+        total = total + expert_mixture(x, routing, chunk_experts, jnp.asarray(slots), valid, kernel=kernel)
+    np.testing.assert_allclose(np.asarray(total), np.asarray(ref), rtol=1e-5, atol=1e-5)

@@ -121,8 +121,8 @@ else:
             fj.load_model(hf_dirs["mixtral"], offload=fj.OffloadConfig(devices=9))
 
     def test_two_devices_match_one(hf_dirs):
-        one = fj.OffloadConfig(policy="on_demand_lfu", cache_experts=4, synchronous_transfers=True)
-        two = fj.OffloadConfig(policy="on_demand_lfu", cache_experts=4, devices=2, synchronous_transfers=True)
+        one = fj.OffloadConfig(policy="on_demand_lfu", cache_experts=4, transfer="synchronous")
+        two = fj.OffloadConfig(policy="on_demand_lfu", cache_experts=4, devices=2, transfer="synchronous")
         with (
             fj.load_model(hf_dirs["qwen2_moe"], offload=one) as a,
             fj.load_model(hf_dirs["qwen2_moe"], offload=two) as b,

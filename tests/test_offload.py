@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fmoe_jax.models import Layout
-from fmoe_jax.offload.cache import CacheBook
+from fmoe_jax.offload.cache import CacheBook, DeviceExpertCache, Mover
 from fmoe_jax.offload.config import OffloadConfig
-from fmoe_jax.offload.policies import POLICIES, required_options
-from fmoe_jax.offload.transfer import ChunkedJaxMover, DeviceExpertCache
+from fmoe_jax.offload.policies import POLICIES, Policy, required_options
+from fmoe_jax.offload.transfer import ChunkedJaxMover, ThreadedJaxMover
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving import loaded_once
@@ -202,7 +202,7 @@ def test_budget_errors(hf_dirs):
     assert model.engine.cache.book.capacity == model.config.num_moe_layers * model.config.num_experts
 
 
-class FakeMover:
+class FakeMover(Mover):
     """Copies that finish when the test says so."""
 
     def __init__(self):
@@ -217,16 +217,9 @@ class FakeMover:
     def wait(self, handles):
         self.done.update(handles)
 
-    def cancel(self, handle):
-        return None  # like a device_put, a started copy runs to its end
 
-
-class LRU:
-    def keep_score(self, key, entry):
-        return entry.last_use
-
-    def admit_prefetch(self, key, priority, victim):
-        return True
+class LRU(Policy):
+    """Least recently used first (the base policy), with every prefetch admitted."""
 
 
 def test_cache_bookkeeping_hits_late_and_wasted():
@@ -472,7 +465,7 @@ def test_chunked_copies_are_lossless(family, hf_dirs, resident_runs):
     cfg = fj.load_model(hf_dirs[family]).config
     for policy in ("on_demand_lru", "fmoe"):
         for name, slots in budgets(cfg).items():
-            offload = OffloadConfig(policy=policy, cache_experts=slots, chunked_copies=True)
+            offload = OffloadConfig(policy=policy, cache_experts=slots, transfer="chunked")
             with fj.load_model(hf_dirs[family], offload=offload) as model:
                 assert isinstance(model.engine.cache.mover.inner, ChunkedJaxMover)
                 for batch, prompts in PROMPTS.items():
@@ -486,8 +479,8 @@ def test_chunked_copies_are_lossless(family, hf_dirs, resident_runs):
                     np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=atol, err_msg=where)
 
 
-@pytest.mark.parametrize("copies", [dict(chunked_copies=True), dict(transfer_thread=True)])
-def test_chunked_copies_are_bit_identical_in_bfloat16(copies, name="fmoe-tiny-mixtral"):
+@pytest.mark.parametrize(("transfer", "kind"), [("chunked", ChunkedJaxMover), ("thread", ThreadedJaxMover)])
+def test_chunked_copies_are_bit_identical_in_bfloat16(transfer, kind, name="fmoe-tiny-mixtral"):
     """A shipped model, in the dtype it ships in, at 1 and 4 slots (layers in chunks), with copies per
     matrix or whole from the transfer thread."""
     ids = [[5, 100, 200, 300, 400, 17, 9]]
@@ -495,11 +488,11 @@ def test_chunked_copies_are_bit_identical_in_bfloat16(copies, name="fmoe-tiny-mi
     reference = np.asarray(fj.forward(resident, ids))
     tokens = fj.generate(resident, ["def fibonacci(n):"], 12, stop_at_eos=False).tokens
     for slots in (1, 4):
-        offload = OffloadConfig(policy="fmoe", cache_experts=slots, **copies)
+        offload = OffloadConfig(policy="fmoe", cache_experts=slots, transfer=transfer)
         with fj.load_model(name, offload=offload) as model:
             assert model.module.dtype == jnp.bfloat16
             mover = model.engine.cache.mover.inner
-            assert isinstance(mover, ChunkedJaxMover) and mover.whole == ("transfer_thread" in copies)
+            assert type(mover) is kind
             np.testing.assert_array_equal(np.asarray(fj.forward(model, ids)), reference)
             assert fj.generate(model, ["def fibonacci(n):"], 12, stop_at_eos=False).tokens == tokens
 
@@ -509,7 +502,7 @@ def test_chunked_copies_under_a_prefetch_storm_stay_lossless(hf_dirs):
     resident = fj.load_model(hf_dirs["mixtral"])
     prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26]]
     ref = fj.generate(resident, prompts, max_new_tokens=10, stop_at_eos=False)
-    offload = OffloadConfig(cache_experts=3, max_inflight=2, chunked_copies=True)
+    offload = OffloadConfig(cache_experts=3, max_inflight=2, transfer="chunked")
     with fj.load_model(hf_dirs["mixtral"], offload=offload) as model:
         cache = model.engine.cache
         stop = threading.Event()
@@ -549,13 +542,13 @@ class GatedLink:
         return self.send(leaf)
 
 
-def chunked_mover(hold: int, **options) -> tuple[ChunkedJaxMover, GatedLink]:
+def chunked_mover(hold: int, kind: type = ChunkedJaxMover, **options) -> tuple[ChunkedJaxMover, GatedLink]:
     """Experts of three chunks (4, 4 and 8 values), each chunk's first values naming it."""
 
     def host(key):
         return tuple(np.array([key[1], c] + [0] * (2 + 4 * (c == 2)), np.float32) for c in range(3))
 
-    mover = ChunkedJaxMover(host, jax.sharding.SingleDeviceSharding(jax.devices()[0]), **options)
+    mover = kind(host, jax.sharding.SingleDeviceSharding(jax.devices()[0]), **options)
     gate = GatedLink(mover._link.send, hold)
     mover._link.send = gate
     return mover, gate
@@ -580,8 +573,9 @@ def test_chunked_mover_sends_on_demand_loads_between_a_prefetchs_chunks():
 
 
 def test_transfer_thread_sends_whole_experts_on_demand_loads_first():
-    """`whole=True`: one `device_put` per expert, from the thread; a miss goes ahead of queued prefetches."""
-    mover, _ = chunked_mover(hold=0, whole=True)
+    """`ThreadedJaxMover`: one `device_put` per expert, from the thread; a miss goes ahead of queued
+    prefetches."""
+    mover, _ = chunked_mover(hold=0, kind=ThreadedJaxMover)
     sent, holding, release = [], threading.Event(), threading.Event()
 
     def send(expert):

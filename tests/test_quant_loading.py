@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from flax import nnx
 from fmoe_jax.convert.cli import main
-from fmoe_jax.convert.hf import HFCheckpoint
-from fmoe_jax.convert.manifest import MANIFEST_NAME, Manifest
 from fmoe_jax.models.quant import ExpertQuantization, quantize
 from fmoe_jax.offload.config import OffloadConfig
 from safetensors.numpy import load_file, save_file
 
 import fmoe_jax as fj
+from fmoe_jax.checkpoint.hf import HFCheckpoint
+from fmoe_jax.checkpoint.manifest import MANIFEST_NAME, Manifest
 
 SHIPPED = "fmoe-tiny-qwen-moe"  # 32 experts of [64, 128]: the down projection has 64 inputs
 INT4 = ExpertQuantization("int4", 64)  # the default group size

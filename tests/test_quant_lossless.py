@@ -19,6 +19,7 @@ import dataclasses
 import numpy as np
 import pytest
 from fmoe_jax.models.quant import KINDS
+from fmoe_jax.offload.hybrid import HostCost
 from fmoe_jax.offload.policies import POLICIES
 from fmoe_jax.research import predictor_training
 from hypothesis import HealthCheck, Phase, given, settings
@@ -28,7 +29,10 @@ from test_lossless import Subject, _load, serve
 import fmoe_jax as fj
 
 ALWAYS = "mixtral"
-DRAWN = ["qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2"]
+DRAWN = [
+    *("qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2"),
+    *("gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe"),
+]
 PROMPTS = [[5, 100, 200, 30, 41, 17, 9], [3, 14, 15, 92, 65]]
 NEW_TOKENS = 3
 # Every MoE layer's router input is recorded: bit-equal router inputs at every layer and step, plus equal
@@ -107,7 +111,7 @@ def test_offloaded_drawn_family_equals_resident(family, kind, subjects):
     check_every_policy(*subjects(family, kind, new_tokens=1))
 
 
-class _AllOnHost:
+class _AllOnHost(HostCost):
     """Hybrid execution's host cost when the host is free: every missed expert is computed there."""
 
     def overhead_s(self, tokens: int) -> float:

@@ -110,7 +110,8 @@ def test_fmoe_refreshes_its_reuse_hint_after_each_layer(trained):
             np.testing.assert_allclose(policy._hint, hint.reshape(LAYERS, EXPERTS), rtol=1e-5)
             # The iteration's forecast snapshot is rebinned with the newest hint (what the table learns from).
             np.testing.assert_array_equal(policy.forecast.pending[-1][0], policy.forecast.bins(policy._hint))
-            assert np.all(policy.forecast.scores[policy._used] == policy.forecast._if_used[policy._used])
+            used = policy.guides.used
+            assert np.all(policy.forecast.scores[used] == policy.forecast._if_used[used])
         policy.on_iteration_end()
 
 

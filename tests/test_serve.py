@@ -389,10 +389,8 @@ def test_sigterm_finishes_in_flight_requests_and_saves_the_store(tmp_path):
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     try:
-        wait_until(
-            lambda: any("Uvicorn running on" in line for line in lines) or proc.poll() is not None, 120, "up"
-        )
-        url = re.search(r"http://127\.0\.0\.1:\d+", next(x for x in lines if "Uvicorn running on" in x))[0]
+        wait_until(lambda: any(" on http://" in line for line in lines) or proc.poll() is not None, 120, "up")
+        url = re.search(r"http://127\.0\.0\.1:\d+", next(x for x in lines if " on http://" in x))[0]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         n = 6
         with concurrent.futures.ThreadPoolExecutor(n) as pool:

@@ -21,8 +21,12 @@ from fmoe_jax.offload.cost_model import (
     MODELS,
     OLMOE_1B_7B,
     PHI35_MOE,
+    PRESETS,
     QWEN3_30B_A3B,
+    QWEN3_NEXT_80B_A3B,
     QWEN15_MOE_A27B,
+    QWEN35_35B_A3B,
+    QWEN35_122B_A10B,
     CostModel,
     ModelPreset,
 )
@@ -104,7 +108,7 @@ def live_and_replayed(hf_dir, policy: str, cache_experts: int | None, base: fj.M
     offload = OffloadConfig(
         policy=policy,
         cache_experts=cache_experts,
-        synchronous_transfers=True,
+        transfer="synchronous",
         prefetch_distance=1,
         policy_options=policy_options(policy, hf_dir),
     )
@@ -489,20 +493,62 @@ def test_cache_bytes_budget_uses_the_preset_expert_size():
         (QWEN3_30B_A3B, 30.5e9),
         (OLMOE_1B_7B, 6.9e9),
         (DEEPSEEK_V2_LITE, 15.7e9),
+        (PRESETS["gpt-oss-20b"], 20.9e9),
+        (PRESETS["gpt-oss-120b"], 116.8e9),
+        (PRESETS["DeepSeek-V3"], 671e9),
+        (PRESETS["Kimi-K2"], 1.026e12),
+        (QWEN3_NEXT_80B_A3B, 80e9),
+        (QWEN35_122B_A10B, 122e9),
     ],  # model cards
 )
 def test_model_presets_match_published_parameter_counts(preset, published):
     np.testing.assert_allclose(preset.total_params, published, rtol=0.005)
 
 
+@pytest.mark.parametrize("name, published", [("GLM-4.5-Air", 106e9), ("GLM-4.5", 355e9)])
+def test_glm_presets_match_their_rounded_parameter_counts(name, published):
+    """GLM-4.5's cards give whole billions (and may count the multi-token-prediction layer): within 1 %."""
+    np.testing.assert_allclose(PRESETS[name].total_params, published, rtol=0.01)
+
+
+def test_gpt_oss_experts_are_charged_at_mxfp4():
+    """4.25 bits per weight (e2m1 values, one e8m0 scale per 32) plus the bf16 biases that travel along."""
+    d = f = 2880
+    for name in ("gpt-oss-20b", "gpt-oss-120b"):
+        assert PRESETS[name].expert_bytes == 3 * d * f * 17 // 32 + (2 * f + d) * 2
+
+
 def test_presets_are_registered_and_sane():
     assert MIXTRAL_8X7B.expert_bytes == 3 * 4096 * 14336 * 2
-    assert set(MODELS) == {"mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2"}
+    assert set(MODELS) == {
+        *("mixtral", "qwen2_moe", "phimoe", "qwen3_moe", "olmoe", "deepseek_v2"),
+        *("gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe"),
+    }
+    assert set(MODELS.values()) <= set(PRESETS.values())
     # DeepSeek-V2-Lite's latent cache: 512 + 64 numbers per token and layer, not 16 heads x (192 + 128).
     assert DEEPSEEK_V2_LITE.kv_bytes_per_token == (512 + 64) * 2
     for hardware in HARDWARE.values():
         assert 20e9 < hardware.link_effective < hardware.link_bytes_per_s < 70e9
     assert HARDWARE["h100_sxm"].link_effective > 2 * HARDWARE["a100_sxm"].link_effective  # Gen5 vs Gen4
+
+
+def test_hybrid_presets_charge_the_linear_layers_state():
+    """Qwen3.5-35B-A3B's text model has 34.7 B parameters (the model card's 35 B counts its vision tower). Its
+    linear layers (30 of 40) read and write a 2 MiB float32 state per sequence at every step instead of a
+    KV cache that grows: a decode layer costs the kinds' times weighted by their shares, and a second row
+    adds its state's traffic to the linear layers only."""
+    np.testing.assert_allclose(QWEN35_35B_A3B.total_params, 34.66e9, rtol=0.001)
+    assert QWEN35_35B_A3B.linear_state_bytes == 32 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 32 * 128) * 2
+    hardware = dataclasses.replace(HARDWARE["h100_sxm"], attention_kernel_s=0.0)
+    costs = CostModel(QWEN35_35B_A3B, hardware, 256)
+    one, long, short = np.array([1]), np.array([4096]), np.array([64])
+    softmax, linear = costs.softmax_attention_s(one, long), costs.linear_attention_s(one)
+    assert costs.attention_s(one, long) == pytest.approx(0.25 * softmax + 0.75 * linear)
+    longer = costs.attention_s(one, long) - costs.attention_s(one, short)  # only the KV cache grows
+    assert longer == pytest.approx(0.25 * (softmax - costs.softmax_attention_s(one, short))) and longer > 0
+    second_row = costs.linear_attention_s(np.array([1, 1])) - linear
+    state_read_and_written = 2 * QWEN35_35B_A3B.linear_state_bytes / (3.35e12 * hardware.hbm_efficiency)
+    assert second_row == pytest.approx(state_read_and_written, rel=1e-6)
 
 
 def test_replay_gives_policies_the_cost_model_hints():

@@ -111,3 +111,83 @@ def test_concurrent_saves_of_one_trace_do_not_collide(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.npz"]  # no temporary file left
     loaded = RoutingTrace.load(tmp_path / "t")
     np.testing.assert_array_equal(loaded.requests[0].iterations[39].ids, trace.requests[0].iterations[39].ids)
+
+
+def _routing_set(directory, ids: dict, weights: dict | None = None, num_experts: int = 8):
+    """A routing-set directory as the shared gpt-oss-20b routing is stored (`offload/trace_formats.py`)."""
+    import json
+
+    arrays = {f"{name}__ids": a for name, a in ids.items()}
+    arrays.update({f"{name}__w": w for name, w in (weights or {}).items()})
+    np.savez(directory / "decode_routing.npz", **arrays)
+    records = [{"request": name, "dataset": f"set{i % 2}", "tokens": ["x"]} for i, name in enumerate(ids)]
+    (directory / "requests.json").write_text(json.dumps({"num_experts": num_experts, "requests": records}))
+
+
+def test_routing_set_directory_reads_one_iteration_per_decode_step(tmp_path):
+    rng = np.random.default_rng(0)
+    ids = {  # distinct experts per token and layer, [T, 3, 2]
+        name: np.argsort(rng.random((t, 3, 8)), -1)[..., :2].astype(np.int16)
+        for name, t in (("r0", 5), ("r1", 2))
+    }
+    weights = {"r0": np.full((5, 3, 2), 0.5, np.float16), "r1": np.full((2, 3, 2), 0.5, np.float16)}
+    _routing_set(tmp_path, ids, weights)
+    trace = RoutingTrace.from_external(tmp_path)
+    assert trace.meta["num_layers"] == 3 and trace.meta["top_k"] == 2 and trace.meta["num_experts"] == 8
+    assert [r["request"] for r in trace.meta["requests"]] == ["r0", "r1"]
+    assert "tokens" not in trace.meta["requests"][0]  # token strings stay in the file
+    assert [len(r.iterations) for r in trace.requests] == [5, 2]
+    for t, it in enumerate(trace.requests[0].iterations):
+        np.testing.assert_array_equal(it.ids, ids["r0"][t : t + 1])
+        np.testing.assert_allclose(it.probs.sum(-1), 1.0, rtol=0, atol=1e-6)
+    only = RoutingTrace.from_external(tmp_path, select=lambda r: r["dataset"] == "set1")
+    assert [r["request"] for r in only.meta["requests"]] == ["r1"]
+    assert len(RoutingTrace.from_external(tmp_path, select=["r0"]).requests) == 1
+
+
+def test_routing_set_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        RoutingTrace.from_external(tmp_path / "absent")
+    with pytest.raises(FileNotFoundError, match="missing decode_routing.npz"):
+        RoutingTrace.from_external(tmp_path)
+    _routing_set(tmp_path, {"r0": np.zeros((2, 3, 2), np.int16)}, {"r0": np.zeros((2, 3, 1), np.float16)})
+    with pytest.raises(ValueError, match="r0__w has shape"):
+        RoutingTrace.from_external(tmp_path)
+    _routing_set(tmp_path, {"r0": np.full((2, 3, 2), 9, np.int16)})
+    with pytest.raises(ValueError, match="expert ids outside"):
+        RoutingTrace.from_external(tmp_path)
+
+
+def test_routing_jsonl_records(tmp_path):
+    import json
+
+    lines = []
+    for request, steps in (("a", 3), ("b", 1)):
+        for step in range(steps):
+            for layer in range(2):
+                lines.append(
+                    {
+                        "request": request,
+                        "step": step,
+                        "layer": layer,
+                        "experts": [layer, step + 1],
+                        "weights": [0.75, 0.25],
+                    }
+                )
+    path = tmp_path / "routing.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in reversed(lines)) + "\n")  # any order
+    trace = RoutingTrace.from_external(path, num_experts=4)
+    assert sorted(len(r.iterations) for r in trace.requests) == [1, 3]
+    by_name = dict(zip([r["request"] for r in trace.meta["requests"]], trace.requests, strict=True))
+    np.testing.assert_array_equal(by_name["a"].iterations[2].ids, [[[0, 3], [1, 3]]])
+    np.testing.assert_allclose(
+        by_name["a"].iterations[2].weights, [[[0.75, 0.25], [0.75, 0.25]]], rtol=0, atol=0
+    )
+    with pytest.raises(ValueError, match="needs num_experts"):
+        RoutingTrace.from_external(path)
+    path.write_text(json.dumps({"request": "a", "step": 0, "layer": 1, "experts": [0]}) + "\n")
+    with pytest.raises(ValueError, match=r"has layers \[1\], expected 0..1"):
+        RoutingTrace.from_external(path, num_experts=4)
+    path.write_text('{"request": "a", "step": 0}\n')
+    with pytest.raises(ValueError, match="line 1: expected a JSON object"):
+        RoutingTrace.from_external(path, num_experts=4)

@@ -9,9 +9,9 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from fmoe_jax.convert.hf import SafetensorsFile
 
 import fmoe_jax as fj
+from fmoe_jax.checkpoint.hf import SafetensorsFile
 from fmoe_jax.loading import SHIPPED_DIR
 
 SHIPPED = {

@@ -8,6 +8,7 @@ by one through the iteration driver. Both implement `Engine`; their compiled pro
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 import jax
@@ -35,7 +36,8 @@ class Engine(Protocol):
     programs: Programs  # the engine's compiled programs, their compilations and compile time
 
     def init_cache(self, batch: int, length: int) -> list[LayerKV]:
-        """A fresh KV cache `[B, S, ...]` per layer."""
+        """A fresh per-request cache: per layer a KV cache `[B, S, ...]`, or a linear-attention layer's state
+        (`models.init_kv_cache`)."""
 
     def begin(self, batch: int) -> None:
         """A `generate` call over `batch` rows starts (statistics count from here)."""
@@ -62,6 +64,10 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Stops background work and saves state (once)."""
+
+    def paused_learning(self) -> contextlib.AbstractContextManager[None]:
+        """While it is entered, requests teach the engine's expert policy nothing it keeps (a warm-up's
+        random tokens); `Policy.paused_learning`."""
 
 
 __all__ = ["Engine", "Programs", "Recorded", "StepOutput"]

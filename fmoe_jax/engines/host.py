@@ -1,6 +1,7 @@
 """Hybrid execution in the live engine: the host's share of a layer computed by jitted programs on JAX's CPU
-backend from the experts' host copies, and the copy timings the hybrid planner reads. Used by
-`engines/offload.py` with `OffloadConfig(execution="hybrid")`; the decision itself is `offload/hybrid.py`'s.
+backend from the experts' host copies (the copy timings the hybrid planner reads are `TimedMover`'s, in
+`offload/transfer.py`). Used by `engines/offload.py` with `OffloadConfig(execution="hybrid")`; the decision
+itself is `offload/hybrid.py`'s.
 
 Mechanics, chosen by measurement (jax 0.10.2, this 2-core CPU; README "Hybrid execution"):
 - The host runs `expert_parts` itself, the function the device's kernels run, jitted on
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -34,80 +34,11 @@ import numpy as np
 from fmoe_jax.models import MoECausalLM
 from fmoe_jax.models.moe import ExpertWeights, Kernel, expert_parts
 from fmoe_jax.offload.cache import Key
+from fmoe_jax.offload.hybrid import HostCost
 
 from .programs import Programs, chunk_width
 
 SINGLE_THREADED = {"xla_cpu_multi_thread_eigen": False}
-
-
-class TimedMover:
-    """A `Mover` around another (`JaxMover`, `ChunkedJaxMover`) that times its copies, for the hybrid
-    planner (`landing_in`, `load_in`) and the link's busy share. A copy's time runs from its start to when
-    the cache first sees it done (polled or waited for): an upper bound, averaged exponentially into
-    `copy_s`."""
-
-    def __init__(self, inner: Any, decay: float = 0.8):
-        self.inner = inner
-        self.decay = decay
-        self.copy_s: float | None = None
-        self.started: dict[int, tuple[float, Any]] = {}  # id(handle) -> (start, handle: keeps the id unique)
-        self.busy_s = 0.0
-        self._busy_until = 0.0
-
-    def calibrate(self, key: Key) -> None:
-        """Times one copy of `key` (discarded), so that the planner has a copy time before the first miss."""
-        self.wait([self.start(key)])
-
-    def start(self, key: Key, *, urgent: bool = False) -> Any:
-        handle = self.inner.start(key, urgent=urgent)
-        self.started[id(handle)] = (time.perf_counter(), handle)
-        return handle
-
-    def result(self, handle: Any) -> Any:
-        return self.inner.result(handle) if hasattr(self.inner, "result") else handle
-
-    def close(self) -> None:
-        if hasattr(self.inner, "close"):
-            self.inner.close()
-
-    def cancel(self, handle: Any) -> float | None:
-        unsent = self.inner.cancel(handle)
-        if unsent is not None:
-            self.started.pop(id(handle), None)
-        return unsent
-
-    def is_ready(self, handle: Any) -> bool:
-        ready = self.inner.is_ready(handle)
-        if ready:
-            self._landed([handle])
-        return ready
-
-    def wait(self, handles: Sequence[Any]) -> None:
-        self.inner.wait(handles)
-        self._landed(handles)
-
-    def _landed(self, handles: Sequence[Any]) -> None:
-        now = time.perf_counter()
-        for handle in handles:
-            record = self.started.pop(id(handle), None)
-            if record is None:
-                continue
-            begin = record[0]
-            seconds = now - begin
-            old = self.copy_s
-            self.copy_s = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-            self.busy_s += max(0.0, now - max(begin, self._busy_until))
-            self._busy_until = max(self._busy_until, now)
-
-    def landing_in(self, handle: Any, ahead: int = 0) -> float:
-        """The rest of the average copy time (`ahead` is ignored: `jax.device_put` has no priorities)."""
-        record = self.started.get(id(handle))
-        if record is None or self.copy_s is None:
-            return 0.0
-        return max(0.0, record[0] + self.copy_s - time.perf_counter())
-
-    def load_in(self, ahead: int = 0) -> float:
-        return (ahead + 1) * (self.copy_s or 0.0)
 
 
 @dataclasses.dataclass
@@ -128,11 +59,11 @@ class HostCompute:
       programs: the model's programs (the host program is one of them, compiled for the CPU backend).
       kernel: the expert kernel, the device's.
       threads: `OffloadConfig.host_threads`.
-      cost: the planner's host cost, told each measured call (`MeasuredHostCost.record`), if it learns.
+      cost: the planner's host cost, told each measured call (`HostCost.record`: a cost that learns).
     """
 
     def __init__(
-        self, module: MoECausalLM, programs: Programs, kernel: Kernel, threads: int | None, cost: Any
+        self, module: MoECausalLM, programs: Programs, kernel: Kernel, threads: int | None, cost: HostCost
     ):
         self.module, self.programs, self.cost = module, programs, cost
         self.cpu = jax.devices("cpu")[0]
@@ -190,8 +121,7 @@ class HostCompute:
         self.calls += 1
         if self.programs.compile_s == pending.compile_s:  # a call that compiled is not host compute time
             self.busy_s += seconds
-            if hasattr(self.cost, "record"):
-                self.cost.record(pending.expert_tokens, seconds)
+            self.cost.record(pending.expert_tokens, seconds)
         total = pending.outputs[0]
         for more in pending.outputs[1:]:
             total = add(total, more)  # disjoint places: exact

@@ -15,6 +15,7 @@ host's outputs to the device's before resuming.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import weakref
@@ -26,18 +27,18 @@ import numpy as np
 
 from fmoe_jax.models import LayerKV, Layout, MoECausalLM, init_kv_cache, model_identity
 from fmoe_jax.models.moe import ExpertWeights, Kernel, Routing
-from fmoe_jax.offload.cache import Key
+from fmoe_jax.offload.cache import DeviceExpertCache, Key
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.driver import Driver
 from fmoe_jax.offload.hybrid import DeviceCost, HostCost, HybridPlanner, MeasuredHostCost
 from fmoe_jax.offload.placement import CacheGroup, placement_from
 from fmoe_jax.offload.policies import PolicyContext
-from fmoe_jax.offload.transfer import ChunkedJaxMover, DeviceExpertCache, JaxMover
+from fmoe_jax.offload.transfer import TimedMover, jax_mover
 
 from ..sampling import Sampling
 from . import StepOutput
 from .devices import DeviceSet, per_device_slots, resolve_devices
-from .host import HostCompute, TimedMover
+from .host import HostCompute
 from .programs import (
     Graph,
     Programs,
@@ -118,7 +119,7 @@ class OffloadEngine:
                 capacity=slots,
                 model_id=model_identity(cfg),
                 router_weights=router_weights(module) if self.policy.needs_hidden else (),
-                copy_chunks=len(leaves) if offload.chunked_copies else 1,  # `ChunkedJaxMover`: one per array
+                copy_chunks=len(leaves) if offload.transfer == "chunked" else 1,  # one per array
                 execution=offload.execution,
             ),
             self.cache,
@@ -153,13 +154,7 @@ class OffloadEngine:
 
         def one(index: int, capacity: int) -> DeviceExpertCache:
             host, target = functools.partial(_host_expert, self.module), self.devices.cache_target(index)
-            if self.offload.chunked_copies:
-                jax_mover = ChunkedJaxMover(host, target)
-            elif self.offload.transfer_thread:
-                jax_mover = ChunkedJaxMover(host, target, whole=True)
-            else:
-                jax_mover = JaxMover(host, target)
-            mover = TimedMover(jax_mover)
+            mover = TimedMover(jax_mover(self.offload.transfer, host, target))
             self._movers.append(mover)
             return DeviceExpertCache(
                 mover,
@@ -167,7 +162,7 @@ class OffloadEngine:
                 self.expert_bytes,
                 self.policy,
                 max_inflight=self.offload.max_inflight,
-                synchronous=self.offload.synchronous_transfers,
+                synchronous=self.offload.transfer == "synchronous",
             )
 
         if self.devices.single:
@@ -223,6 +218,10 @@ class OffloadEngine:
         if isinstance(self.cache, CacheGroup):
             stats.extra["devices"] = [str(d) for d in self.devices.devices]
             stats.extra["per_device"] = self.cache.device_stats()
+
+    def paused_learning(self) -> contextlib.AbstractContextManager[None]:
+        """The policy's learning pause (`Policy.paused_learning`)."""
+        return self.policy.paused_learning()
 
     def close(self) -> None:
         """Closes the policy (stops its threads, saves its state; its errors propagate) and the transfer

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from fmoe_jax.models import init_kv_cache
-from fmoe_jax.models.layers import Layout
+from fmoe_jax.models.layers import Layout, cache_shape
 from fmoe_jax.models.moe import Kernel, expert_parts
 
 from ..sampling import Sampling
@@ -158,7 +158,7 @@ def per_row(layout: Layout) -> str:
 
 
 def _whole_label(params, tokens, cache, layout, *_: Any) -> str:
-    return f"whole_step_T{tokens.shape[1]}_S{cache[0].k.shape[1]}_B{tokens.shape[0]}{per_row(layout)}"
+    return f"whole_step_T{tokens.shape[1]}_S{cache_shape(cache)[1]}_B{tokens.shape[0]}{per_row(layout)}"
 
 
 # -- the whole model ---------------------------------------------------------------------------------------
@@ -213,9 +213,9 @@ def forward_inputs(config: Any, tokens: Any, dtype: Any) -> tuple[list, Layout]:
 
 
 def insert_row(programs: Programs) -> Callable:
-    """`insert(cache, row, slot)`: a one-row KV cache `row` copied into row `slot` (a traced int) of a
-    batch's `cache` (donated), every layer. Continuous batching prefills a joining request on its own and
-    then moves it into its slot (`fmoe_jax/batching.py`)."""
+    """`insert(cache, row, slot)`: a one-row cache `row` copied into row `slot` (a traced int) of a batch's
+    `cache` (donated), every layer (its keys and values, or a linear layer's state). Continuous batching
+    prefills a joining request on its own and then moves it into its slot (`fmoe_jax/batching.py`)."""
 
     def insert(cache, row, slot):
         def put(whole, one):
@@ -227,7 +227,7 @@ def insert_row(programs: Programs) -> Callable:
         "insert_row",
         lambda: programs.jit(
             insert,
-            lambda cache, *_: f"insert_row_B{cache[0].k.shape[0]}_S{cache[0].k.shape[1]}",
+            lambda cache, *_: "insert_row_B{}_S{}".format(*cache_shape(cache)),
             donate_argnums=0,
         ),
     )

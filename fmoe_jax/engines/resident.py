@@ -6,6 +6,7 @@ offload engine (`engines/offload.py`); the programs are the model's own (`engine
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -48,6 +49,10 @@ class ResidentEngine:
 
     def close(self) -> None:
         """Nothing runs in the background."""
+
+    def paused_learning(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing learns from requests here."""
+        return contextlib.nullcontext()
 
     def step(
         self,

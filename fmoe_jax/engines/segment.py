@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fmoe_jax.models.layers import Layout
+from fmoe_jax.models.layers import Layout, cache_shape
 from fmoe_jax.models.moe import Kernel, Routing, expert_parts
 
 from ..sampling import Sampling
@@ -66,7 +66,7 @@ class Segment(NamedTuple):
 
 def _label(params, slots, tokens, cache, layout, *_: Any) -> str:
     b, t = tokens.shape
-    return f"offload_step_T{t}_B{b}_S{jax.tree.leaves(cache[0])[0].shape[1]}{per_row(layout)}"
+    return f"offload_step_T{t}_B{b}_S{cache_shape(cache)[1]}{per_row(layout)}"
 
 
 def offload_step(programs: Programs, graph: Graph, kernel: Kernel) -> Callable:

@@ -9,9 +9,11 @@ never ignored. vLLM's extensions `top_k`, `repetition_penalty` and `ignore_eos` 
 from __future__ import annotations
 
 import secrets
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from fmoe_jax.request import stop_strings
 
 
 class APIError(Exception):
@@ -35,6 +37,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# generate's arguments that OpenAI's fields set under another name
+GENERATE_ARGUMENTS = {
+    "max_new_tokens": "max_tokens",
+    "return_logprobs": "logprobs",
+    "top_logprobs": "logprobs",
+    "stop_at_eos": "ignore_eos",
+}
+
+
 # -- requests --------------------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -44,23 +55,42 @@ class GenerationRequest(BaseModel):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI's API does."""
 
     model_config = ConfigDict(extra="ignore")
+    prompt_param: ClassVar[str]  # the field holding the prompt, as errors name it
+    default_max_tokens: ClassVar[int | None] = None  # None: the context left after the prompt
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = None  # vLLM's extension; -1 or None: no restriction
-    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
-    frequency_penalty: float | None = 0.0
-    presence_penalty: float | None = 0.0
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = None  # vLLM's extension; -1, 0 or None: no restriction
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # vLLM's extension
+    frequency_penalty: float | None = Field(0.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(0.0, allow_inf_nan=False)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     n: int | None = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
     user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stop_strings(stop)  # generate's check and sentence: an empty string is refused, as generate does
+        return stop
+
+    def prompt_input(self) -> Any:
+        """The prompt as `generate` takes it."""
+        raise NotImplementedError
+
+    def param_of(self, argument: str) -> str:
+        """The field that set `generate`'s `argument` (what an `ArgumentError` names)."""
+        return GENERATE_ARGUMENTS.get(argument, argument)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     def refuse_unsupported(self) -> None:
         """APIError(400) for a field that would change the output in a way this server does not implement."""
@@ -87,9 +117,9 @@ class GenerationRequest(BaseModel):
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=None if self.top_p in (None, 1) else self.top_p,
-            top_k=None if self.top_k in (None, -1) else self.top_k,
+            top_k=None if self.top_k in (None, -1, 0) else self.top_k,
             repetition_penalty=self.repetition_penalty,
-            stop=self.stop or None,
+            stop=self.stop,
             stop_at_eos=not self.ignore_eos,
             # OpenAI's unseeded requests differ from call to call; greedy decoding ignores the seed
             seed=self.seed if self.seed is not None else (0 if temperature == 0 else secrets.randbits(31)),
@@ -98,6 +128,9 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
+    prompt_param: ClassVar[str] = "prompt"
+    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's default for /v1/completions
+
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
@@ -109,6 +142,9 @@ class CompletionRequest(GenerationRequest):
         if self.echo or self.suffix or self.best_of not in (None, 1):
             name = "echo" if self.echo else "suffix" if self.suffix else "best_of"
             raise APIError(400, f"{name}={getattr(self, name)!r} is not supported by fmoe-serve", param=name)
+
+    def prompt_input(self) -> str | list[int]:
+        return self.single_prompt()
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (a string or token ids); a batch of prompts is refused (one choice per request)."""
@@ -153,12 +189,23 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
+    prompt_param: ClassVar[str] = "messages"
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    def prompt_input(self) -> list[dict[str, str]]:
+        return [m.as_dict() for m in self.messages]
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def param_of(self, argument: str) -> str:
+        return argument if argument == "top_logprobs" else super().param_of(argument)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()

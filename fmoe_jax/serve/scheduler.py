@@ -162,11 +162,14 @@ class Scheduler:
         with self.model.serving():
             return self.batch.warmup()
 
-    def submit(self, prompt_ids: list[int], options: dict[str, Any]) -> Job:
+    def submit(self, prompt_ids: list[int], options: dict[str, Any], request: Request | None = None) -> Job:
         """Queues a job: `prompt_ids` generated from with `generate`'s keyword `options`. Call it from the
-        event loop that will read the job. Raises `ValueError` (generate's, for invalid options), `QueueFull`
-        or `ShuttingDown`."""
-        job = Job(prompt_ids, options, resolve_request(self.model, prompt_ids, **options))  # checks them
+        event loop that will read the job. `request` is the two resolved by `resolve_request` (the server
+        does it off the event loop), resolved here when None. Raises `ValueError` (generate's, for invalid
+        options), `QueueFull` or `ShuttingDown`."""
+        if request is None:
+            request = resolve_request(self.model, prompt_ids, **options)  # checks them
+        job = Job(prompt_ids, options, request)
         with self._cv:
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from .base import Policy, PolicyContext
 from .duoserve import DuoServe
 from .fiddler import Fiddler
-from .fmoe import FMoE, store_from_traces
+from .fmoe import FMoE, FMoEOptions, store_from_traces
 from .mixtral_offload import MixtralOffload
 from .moe_infinity import MoEInfinity
 from .on_demand import OnDemandLFU, OnDemandLRU, Resident
@@ -32,22 +31,13 @@ POLICIES: dict[str, type[Policy]] = {
 
 
 def required_options(name: str) -> list[str]:
-    """The options a policy cannot start without (e.g. a trained predictor): none for most."""
-    signature = inspect.signature(POLICIES[name].__init__)
-    return [
-        p.name
-        for p in signature.parameters.values()
-        if p.name != "self"
-        and p.default is inspect.Parameter.empty
-        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
+    """The options a named policy cannot start without (`Policy.required_options`)."""
+    return POLICIES[name].required_options()
 
 
 def accepted_options(name: str) -> set[str]:
-    """The keyword options a named policy's constructor takes."""
-    signature = inspect.signature(POLICIES[name].__init__)
-    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return {p.name for p in signature.parameters.values() if p.name != "self" and p.kind in kinds}
+    """The keyword options a named policy takes (`Policy.accepted_options`)."""
+    return POLICIES[name].accepted_options()
 
 
 def make_policy(policy: str | Policy, **options: Any) -> Policy:
@@ -72,6 +62,7 @@ def make_policy(policy: str | Policy, **options: Any) -> Policy:
 __all__ = [
     "POLICIES",
     "FMoE",
+    "FMoEOptions",
     "Fiddler",
     "OnDemandLFU",
     "OnDemandLRU",

@@ -8,8 +8,10 @@ eviction order (`keep_score`, `admit_prefetch`); it reads the cache only through
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,15 +64,19 @@ class Policy:
     """
 
     name = "base"
-    # The engine copies the embeddings to the host only for policies that use them, and likewise the full
-    # router probabilities (ids are always given). Read as each iteration starts: a policy may stop (and
-    # resume) wanting them between iterations (fmoe, live); the simulator reads them once, for what a
-    # trace must hold.
+    # What the engine copies out of the device for the policy (ids are always given), at defined points:
+    # - `needs_semantic` (the embeddings) and `needs_probs` (every layer's router probabilities) are read
+    #   as each iteration starts, and hold for the whole iteration: a policy may change them only in
+    #   `on_iteration_end` (fmoe, live, stops wanting them while it could not pay for their use);
+    # - `needs_hidden` (each MoE layer's router input) is read before each layer routes: a policy may change
+    #   it in `on_layer_routed`, for the next layer.
+    # The simulator reads them once, at the start, for what a trace must hold. Class attributes here; a
+    # policy that changes them makes them read-only properties.
     needs_semantic = False
     needs_probs = False
-    # Likewise for each MoE layer's router input (speculative / learned predictors); read at every layer, so
-    # a policy may stop (and resume) wanting it as it goes.
     needs_hidden = False
+    # The policy works on a thread of its own, whose timing a simulated clock cannot follow.
+    threaded = False
     preload_all = False  # the cache starts with every expert (the resident policy)
     # Hybrid execution: an expert the host computed is also copied to the cache in the background, behind
     # every prefetch (True), so that a cache without prediction still follows what is used (on_demand_lru);
@@ -81,6 +87,24 @@ class Policy:
     # so that no step of the engine stops for a miss. Off for a policy that places experts itself and
     # computes the rest on the host (Fiddler, the static split).
     fill_free_slots = True
+
+    @classmethod
+    def accepted_options(cls) -> set[str]:
+        """The keyword options the constructor takes (`OffloadConfig.policy_options`)."""
+        kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        return {p.name for p in parameters if p.name != "self" and p.kind in kinds}
+
+    @classmethod
+    def required_options(cls) -> list[str]:
+        """The options the policy cannot start without (e.g. a trained predictor): none for most."""
+        return [
+            p.name
+            for p in inspect.signature(cls.__init__).parameters.values()
+            if p.name != "self"
+            and p.default is inspect.Parameter.empty
+            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
 
     @classmethod
     def from_traces(
@@ -128,6 +152,20 @@ class Policy:
     def stats(self) -> dict[str, Any]:
         """Policy-specific statistics merged into `out.stats.extra`."""
         return {}
+
+    def doing_without(self, need: str) -> str:
+        """How to run the policy without `need`: a trace field ("embeds", "probs", "hidden") or its own
+        "thread", for the error that refuses a replay lacking it; "" when it cannot."""
+        return ""
+
+    def wait_idle(self) -> None:
+        """Blocks until the policy's background work on the events so far is done (tests, benchmarks)."""
+
+    @contextlib.contextmanager
+    def paused_learning(self) -> Iterator[None]:
+        """Events meanwhile teach the policy nothing it keeps (a warm-up's random tokens); what it learns
+        from served requests, it learns again after. The base learns nothing."""
+        yield
 
     def close(self) -> None:
         """Stops threads and saves state; the engine calls it once."""

@@ -90,7 +90,7 @@ class DuoServe(PredictedPrefetch):
         """DuoServe with its decode predictor trained on recorded traces; a `predictor` in `options` is
         used as it is."""
         if "predictor" not in options:
-            from fmoe_jax.research.predictor_training import train_duoserve
+            from ..predictor_training import train_duoserve
 
             options["predictor"] = train_duoserve(traces, progress=False)
         return cls(**options)

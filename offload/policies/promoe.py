@@ -218,7 +218,7 @@ class ProMoE(PredictedPrefetch):
         """ProMoE with predictors trained on recorded traces (with hidden states), stride d; a
         `predictor` in `options` is used as it is."""
         if "predictor" not in options:
-            from fmoe_jax.research.predictor_training import train_promoe
+            from ..predictor_training import train_promoe
 
             options["predictor"] = train_promoe(traces, stride=prefetch_distance, progress=False)
         return cls(**options)

@@ -1,5 +1,6 @@
 """What fMoE's predictions are worth, learned online from outcomes: calibrated need probabilities for
-prefetching, and forecasts of reuse a few tokens ahead for eviction. Used by `offload/policies/fmoe.py`.
+prefetching, and forecasts of reuse a few tokens ahead for eviction. Used by the fmoe policy's guides and
+eviction (`guides.py`, `eviction.py`).
 
 Why: a matched expert map's probability is not the probability that the expert will be needed (a map
 matched with similarity 0.7 is not a forecast), and what eviction must know is reuse two to four tokens
@@ -143,11 +144,7 @@ class ReuseForecast:
     features is updated each iteration with the outcomes `horizon` iterations later; two more tables count
     the same outcomes split by whether the snapshot's own iteration used the expert. Once an expert's layer
     has routed in the current iteration it scores from the table its outcome there picks (`mark_used`),
-    for the same window of iterations as every other expert. (Before: a used expert scored as an expert
-    just used at the *next* iteration, a window one iteration later, which misses reuse at the next token;
-    an expert its layer passed by kept its start-of-iteration score, though LRU already ranks it older. On
-    synthetic routing of sticky tokens over uniform experts, `research.synthetic_routing`'s "recency",
-    trajectory-only fmoe went from 1.19x to 1.02x on-demand LRU's TPOT, each request after 3 others.)
+    for the same window of iterations as every other expert (decision "forecast after a layer routes").
     """
 
     def __init__(self, num_layers: int, num_experts: int, *, horizon: int = 2, decay: float = 0.8):

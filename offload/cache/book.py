@@ -1,8 +1,8 @@
 """Bookkeeping of the device expert cache: which experts are held, loading or pinned, and the statistics.
 
-Plain Python (no JAX), so it is testable on its own; `offload/transfer.py` moves the weights, the iteration
-driver (`offload/driver.py`) asks it for hits, and policies read it through `CacheView`. Keys are
-`(layer, expert)` with `layer` the MoE-layer index.
+Plain Python (no JAX), so it is testable on its own; `DeviceExpertCache` (`device.py`) keeps one beside the
+weights its mover copies, the iteration driver (`offload/driver.py`) asks it for hits, and policies read it
+through `CacheView` (`view.py`). Keys are `(layer, expert)` with `layer` the MoE-layer index.
 
 Definitions (also in the README):
 - hit: a needed expert that was fully resident when its layer asked for it;
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
 
 import numpy as np
 
@@ -86,52 +85,6 @@ class CacheStats:
                 value = op(a, b)
             setattr(out, field.name, value)
         return out
-
-
-class CacheView(Protocol):
-    """What a policy may read of the expert cache it serves, and the one request it may make.
-
-    Implemented by `DeviceExpertCache` (one device, `offload/transfer.py`) and `CacheGroup` (one cache per
-    device, `offload/placement.py`); the simulator's cache is a `DeviceExpertCache` too. Entries are the
-    cache's own records: read them, never change them.
-    """
-
-    @property
-    def capacity(self) -> int:
-        """Expert slots, all devices together."""
-
-    @property
-    def stats(self) -> CacheStats:
-        """Counts since the cache was made (hits, misses, loads, bytes...)."""
-
-    @property
-    def on_demand_wait_s(self) -> float:
-        """Seconds the engine has waited for on-demand loads and late prefetches."""
-
-    def entry(self, key: Key) -> Entry | None:
-        """The record of a resident or arriving expert (`ready` tells which), or None."""
-
-    def entries(self, near: Key | None = None) -> Iterable[tuple[Key, Entry]]:
-        """Every held expert's record; with `near`, only those on the device that holds `near`."""
-
-    def free_slots(self, near: Key | None = None) -> int:
-        """Slots neither resident nor arriving; with `near`, on the device that holds `near`."""
-
-    def freq(self, key: Key) -> int:
-        """Uses of `key` over the cache's lifetime (LFU's and fMoE's frequency)."""
-
-    def device_of(self, key: Key) -> int:
-        """Index of the device whose cache holds (or would hold) `key`; 0 with one device."""
-
-    def request_prefetch(
-        self,
-        items: Iterable[tuple[Key, float]],
-        *,
-        replace: bool | Iterable[int] = True,
-        stale_before: int | None = None,
-        if_idle: bool = False,
-    ) -> None:
-        """Queues prefetches `(key, priority)`, higher first (see `DeviceExpertCache.request_prefetch`)."""
 
 
 class CacheBook:
@@ -285,38 +238,3 @@ class CacheBook:
         if len(lowest) == 1:
             return keys[lowest[0]]
         return min((keys[i] for i in lowest), key=lambda k: (entries[k].last_use, entries[k].arrived))
-
-
-class BookView:
-    """The `CacheView` of one device's cache, read from its `CacheBook` (`self.book`) and its timers
-    (`self.timers["on_demand_wait"]`); `DeviceExpertCache` and test stand-ins mix it in."""
-
-    book: CacheBook
-    timers: dict[str, float]
-
-    @property
-    def capacity(self) -> int:
-        return self.book.capacity
-
-    @property
-    def stats(self) -> CacheStats:
-        return self.book.stats
-
-    @property
-    def on_demand_wait_s(self) -> float:
-        return self.timers["on_demand_wait"]
-
-    def entry(self, key: Key) -> Entry | None:
-        return self.book.entries.get(key)
-
-    def entries(self, near: Key | None = None) -> list[tuple[Key, Entry]]:
-        return list(self.book.entries.items())
-
-    def free_slots(self, near: Key | None = None) -> int:
-        return self.book.free_slots
-
-    def freq(self, key: Key) -> int:
-        return self.book.freq.get(key, 0)
-
-    def device_of(self, key: Key) -> int:
-        return 0

@@ -1,6 +1,6 @@
 """fMoE's Expert Map Store: stored expert maps, their semantic and trajectory search, deduplication.
 
-Owned by the fmoe policy thread (`offload/policies/fmoe.py`) and the trace-replay simulator; pure NumPy.
+Owned by the fmoe policy's matcher (`offload/policies/fmoe/`); pure NumPy. Its files: `store_file.py`.
 
 Paper sections 4.1, 4.2 and 4.4. An expert map is the router probabilities of every layer for one
 token at one iteration, [L, J]; its semantic context is that token's input embedding, [H].
@@ -14,8 +14,8 @@ Layout, chosen so that one match is one matrix-vector product over contiguous fl
   every map prefix [L, C] (row l-1 is 1/||map[:l*J]||, from a cumulative sum over layers), written
   once per stored map, so a match never recomputes a norm.
 
-An exact semantic search reads all n*H floats per query: 512 MiB at C = 32K, H = 4096, 25-60 ms on
-the 2-core development machine (memory-bound). Above `rerank` stored maps the search therefore
+An exact semantic search reads all n*H floats per query, memory-bound
+(decision "sketched semantic search"). Above `rerank` stored maps the search therefore
 shortlists the R best candidates on a k-dimensional sketch of the unit embeddings, [C, k], and
 rescores those R exactly: the reported score is always the exact cosine of the returned map, and
 the returned map is the exact best unless R stored maps beat it on the sketch. The sketch is a count
@@ -28,41 +28,22 @@ Not thread-safe: one thread (the policy's) adds and matches.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import tempfile
-import zipfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fmoe_jax.files import write_atomically
+from . import store_file
 
-# Defaults, chosen for the host time of a decode iteration at real shapes. Measured on this 2-core machine
-# (fmoe's whole policy per batch-1 iteration at Qwen1.5-MoE's shapes, `matcher_overhead.policy_iteration`,
-# medians of 9 runs): capacity 1,024 and rerank 128, 3.08 ms; 512 and 128, 2.41; 1,024 and 64, 2.84; 512
-# and 64, 2.07. On the validation split (benchmarks/validation_grid.py, the three shipped models x 12.5 / 25 /
-# 50 % x RTX 3090 / H100, simulated) a store of 512 maps decoded at 0.7446x on-demand LRU's TPOT in geometric
-# mean against 0.7442x for 1,000 (256: 0.7532x). A shortlist of 64 instead of 128 returned the exact best
-# semantic match for 90-94 % of the queries of `matcher_overhead`'s synthetic contexts at 512 maps (128:
-# 91-96 %, by model); the shipped models' 128-wide embeddings are searched exactly either way. The geometric
-# mean hides a split: on the validation split the smaller store was 0-4 % faster at Mixtral's points and
-# 1-3 % slower at the tiny Qwen1.5-MoE's; on the evaluation prompts afterwards Mixtral's were 0-1.5 % slower
-# and Qwen1.5-MoE's 25 % points 3-4 % slower (its gap to the oracle closed: 48-49 %, was 53; all with the
-# reuse forecast's horizon then fixed at 2, see fmoe's `auto_reuse_horizon`).
+# Defaults, chosen for the host time of a decode iteration at real shapes against the simulated TPOT on the
+# validation split: decision "store capacity".
 CAPACITY = 512
 RERANK = 64
 
 # Norms below this are treated as zero: such a vector has cosine 0 with everything.
 _NORM_FLOOR = 1e-12
 _SKETCH_SEED = 0
-# Rows per `add` when loading, so that loading never holds more than one chunk of temporaries.
-_LOAD_CHUNK = 4096
-_FORMAT = "fmoe-expert-map-store"
-_VERSION = 1
-_SHAPE_FIELDS = ("num_layers", "num_experts", "embed_dim", "prefetch_distance")
 
 
 class ExpertMapStore:
@@ -76,7 +57,7 @@ class ExpertMapStore:
     with d the prefetch distance and both maps flattened to [L*J].
 
     Matching an empty store returns scores 0 and all-zero maps (no stored map, no information);
-    `fmoe_select.select_experts` selects no expert from an all-zero map.
+    `select.select_experts` selects no expert from an all-zero map.
     """
 
     def __init__(
@@ -131,9 +112,8 @@ class ExpertMapStore:
         self._maps = np.zeros((capacity, width), np.float32)  # [C, L*J]
         # The same maps layer by layer, for the trajectory searches of an iteration (`PrefixDots`): each
         # adds one layer's products, and reading that layer of every map from the [C, L*J] rows takes a
-        # short piece of each row (a cache miss or more per map), from [L, C, J] one contiguous block. At
-        # Qwen1.5-MoE shapes with 1,024 maps a decode iteration's 21 searches took 1.05-1.17 ms instead of
-        # 1.6-1.8 (this 2-core machine, beside other work), with bit-identical results.
+        # short piece of each row (a cache miss or more per map), from [L, C, J] one contiguous block
+        # (decision "store layout by layer").
         self._by_layer = np.zeros((num_layers, capacity, num_experts), np.float32)  # [L, C, J]
         # What followed each map in its request: the sum of the next tokens' maps, and how many were added
         # (`add_future`); `future_of` answers with the mean followers of the best-matching maps.
@@ -198,15 +178,7 @@ class ExpertMapStore:
         updates only the replaced columns, from the batch's own [B, B] similarities. `dots`, the rows' dot
         products with every stored map already summed (a full store's), replace that product's map half.
         """
-        embeds = self._rows(embeds, (self.embed_dim,), "embeds")  # [B, H]
-        maps = self._rows(maps, (self.num_layers, self.num_experts), "maps")  # [B, L, J]
-        if embeds.shape[0] != maps.shape[0]:
-            raise ValueError(
-                f"add needs one map per embedding, got {embeds.shape[0]} embeddings and {maps.shape[0]} maps."
-            )
-        if np.any(maps < 0):
-            raise ValueError("expert maps hold router probabilities and must be >= 0.")
-        flat = maps.reshape(len(maps), self.num_layers * self.num_experts)  # [B, L*J]
+        embeds, flat = self._new_rows(embeds, maps)  # [B, H], [B, L*J]
         inv_prefix = self._prefix_stats(flat)
         scored = self._matched_embeds  # the same rows' `match_embed` against the same maps, if it was last
         if scored is not None and scored[0] == self.version and np.array_equal(scored[1], embeds):
@@ -219,14 +191,8 @@ class ExpertMapStore:
         take = min(self.capacity - self._size, num_rows)
         if take:  # free slots first
             slots[:take] = np.arange(self._size, self._size + take)
-            self._write(
-                slots[:take],
-                embeds[:take],
-                flat[:take],
-                inv_embed[:take],
-                inv_prefix[:take],
-                None if sketch is None else sketch[:take],
-            )
+            rows = slice(0, take)
+            self._write(slots[rows], rows, embeds, flat, inv_embed, inv_prefix, sketch)
             self._size += take
         if take == num_rows:
             return slots
@@ -234,19 +200,14 @@ class ExpertMapStore:
         # Full from here on: n == C.
         rest = slice(take, num_rows)
         unit_embeds = embeds[rest] * inv_embed[rest, None]  # [r, H]
-        unit_maps = flat[rest] * inv_prefix[rest, -1:]  # [r, L*J]
-        if scored_sem is not None and take == 0:  # the same product of the same rows and stored embeddings
-            sem = scored_sem.copy()
-        else:
-            sem = self._semantic_scores(unit_embeds, None if sketch is None else sketch[rest])  # [r, C]
-        if dots is not None and take == 0 and np.shape(dots) == (num_rows, self.capacity):
-            traj = dots * inv_prefix[:, -1:] * self._inv_prefix_norm[-1]  # [r, C] cosines
-        else:
-            traj = _scores(self._maps, unit_maps) * self._inv_prefix_norm[-1]  # [r, C]
-        # Replaced columns take the same kind of value as the rest of `sem` (sketch or exact), so a
-        # batch shortlists exactly as the equivalent single-row calls would.
-        sem_batch = unit_embeds @ unit_embeds.T if sketch is None else sketch[rest] @ sketch[rest].T  # [r, r]
-        traj_batch = unit_maps @ unit_maps.T  # [r, r]
+        sem, traj, sem_batch, traj_batch = self._redundancy(
+            unit_embeds,
+            flat[rest] * inv_prefix[rest, -1:],
+            None if sketch is None else sketch[rest],
+            inv_prefix[rest, -1:],
+            scored_sem if take == 0 else None,  # the same product of the same rows and stored embeddings
+            dots if take == 0 else None,
+        )
         w = self.semantic_weight
         for i, row in enumerate(range(take, num_rows)):
             rdy = w * sem[i] + (1.0 - w) * traj[i]  # [C]
@@ -258,20 +219,48 @@ class ExpertMapStore:
                 exact = (self._embeds[cand] @ unit_embeds[i]) * self._inv_embed_norm[cand]
                 slot = int(cand[np.argmax(w * exact + (1.0 - w) * traj[i, cand])])
             slots[row] = slot
-            self._write(
-                slots[row : row + 1],
-                embeds[row : row + 1],
-                flat[row : row + 1],
-                inv_embed[row : row + 1],
-                inv_prefix[row : row + 1],
-                None if sketch is None else sketch[row : row + 1],
-            )
+            one = slice(row, row + 1)
+            self._write(slots[one], one, embeds, flat, inv_embed, inv_prefix, sketch)
             sem[i + 1 :, slot] = sem_batch[i + 1 :, i]
             traj[i + 1 :, slot] = traj_batch[i + 1 :, i]
         if num_rows == 1:  # decode: `future_of` the same map next (fmoe's reuse hint) reuses its cosines
             traj[0, slot] = traj_batch[0, 0]
             self._added = (self.version, flat.copy(), traj)
         return slots
+
+    def _new_rows(self, embeds: np.ndarray, maps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`add`'s rows checked: embeddings `[B, H]` and maps flattened `[B, L*J]`, float32."""
+        embeds = self._rows(embeds, (self.embed_dim,), "embeds")  # [B, H]
+        maps = self._rows(maps, (self.num_layers, self.num_experts), "maps")  # [B, L, J]
+        if embeds.shape[0] != maps.shape[0]:
+            raise ValueError(
+                f"add needs one map per embedding, got {embeds.shape[0]} embeddings and {maps.shape[0]} maps."
+            )
+        if np.any(maps < 0):
+            raise ValueError("expert maps hold router probabilities and must be >= 0.")
+        return embeds, maps.reshape(len(maps), self.num_layers * self.num_experts)
+
+    def _redundancy(
+        self,
+        unit_embeds: np.ndarray,  # [r, H]
+        unit_maps: np.ndarray,  # [r, L*J]
+        sketch: np.ndarray | None,  # [r, k]
+        inv_norm: np.ndarray,  # [r, 1] the maps' inverse norms
+        scored_sem: np.ndarray | None,  # [r, C] the rows' `match_embed` scores against this store
+        dots: np.ndarray | None,  # [r, C] the maps' dot products with the stored maps
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # [r, C], [r, C], [r, r], [r, r]
+        """The new rows' semantic and map cosines with every stored map (of a full store) and with each
+        other, for `add`'s redundancy rule; scores already computed are taken as given."""
+        sem = scored_sem.copy() if scored_sem is not None else self._semantic_scores(unit_embeds, sketch)
+        if dots is not None and np.shape(dots) == (len(unit_maps), self.capacity):
+            traj = dots * inv_norm * self._inv_prefix_norm[-1]  # cosines
+        else:
+            traj = _scores(self._maps, unit_maps) * self._inv_prefix_norm[-1]
+        # Replaced columns take the same kind of value as the rest of `sem` (sketch or exact), so a
+        # batch shortlists exactly as the equivalent single-row calls would.
+        sem_batch = unit_embeds @ unit_embeds.T if sketch is None else sketch @ sketch.T
+        traj_batch = unit_maps @ unit_maps.T
+        return sem, traj, sem_batch, traj_batch
 
     def add_future(self, slots: np.ndarray, maps: np.ndarray) -> None:
         """Records that maps `[B, L, J]` followed the maps stored at `slots` `[B]` in their requests (a
@@ -380,53 +369,13 @@ class ExpertMapStore:
         return self._answer(sims[np.arange(len(best)), best], best)
 
     def save(self, path: str | os.PathLike, meta: dict[str, Any]) -> None:
-        """Writes the stored maps to one .npz with a JSON header, atomically.
-
-        `meta` says what the maps belong to (at least the model identity, e.g.
-        {"model": "mistralai/Mixtral-8x7B-v0.1"}); it must be JSON-serialisable. L, J, H and d are
-        written from the store itself. The file is written next to `path` and renamed over it, so a
-        crash never leaves a half-written store behind.
-        """
-        clash = sorted(set(meta) & set(_SHAPE_FIELDS + ("capacity", "size")))
-        if clash:
-            raise ValueError(f"meta must not set {clash}: the store writes these fields itself.")
-        header = {
-            "format": _FORMAT,
-            "version": _VERSION,
-            **{name: getattr(self, name) for name in _SHAPE_FIELDS},
-            "capacity": self.capacity,
-            "size": self._size,
-            "meta": meta,
-        }
-        try:
-            header_text = json.dumps(header, default=_json_default)
-        except TypeError as err:
-            raise ValueError(f"meta must be JSON-serialisable: {err}") from err
-        extra = {f"attachment_{name}": np.asarray(a) for name, a in self.attachments.items()}
-        write_atomically(
-            path,
-            lambda f: np.savez(f, header=np.array(header_text), embeds=self.embeds, maps=self.maps, **extra),
-        )
+        """Writes the stored maps to one .npz with a JSON header, atomically (`store_file.save`)."""
+        store_file.save(self, path, meta)
 
     @staticmethod
     def check_writable(path: str | os.PathLike) -> None:
-        """Refuses, before any serving, a store path that `save` could not write at the end: a directory,
-        a missing parent folder, or a folder this process may not write to."""
-        path = Path(path)
-        if path.is_dir():
-            raise ValueError(f"store_path {path} is a directory; it must name a file ({path}/store.npz?).")
-        parent = path.parent
-        if not parent.is_dir():
-            raise ValueError(f"store_path {path}: its folder {parent} does not exist; create it first.")
-        try:
-            fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
-        except OSError as err:
-            raise ValueError(
-                f"store_path {path}: cannot write to {parent} ({err.strerror}); the learned store could "
-                "not be saved at close. Choose a writable location."
-            ) from None
-        os.close(fd)
-        os.unlink(probe)
+        """Refuses, before any serving, a store path that `save` could not write at the end."""
+        store_file.check_writable(path)
 
     @classmethod
     def load(
@@ -438,73 +387,10 @@ class ExpertMapStore:
         sketch_dim: int | None = 256,
         rerank: int = RERANK,
     ) -> ExpertMapStore:
-        """Reads a store written by `save`, refusing one built for another model.
-
-        `expected_meta` must give num_layers, num_experts, embed_dim and prefetch_distance, plus the
-        fields the caller identifies the model by (e.g. "model"); every field it gives must equal the
-        file's, otherwise ValueError names each mismatched field. `capacity` defaults to the saved
-        one; `sketch_dim` and `rerank` are search settings, not part of the file.
-        """
-        missing = [name for name in _SHAPE_FIELDS if name not in expected_meta]
-        if missing:
-            raise ValueError(f"expected_meta must give {missing} to check the store at {path} against.")
-        if Path(path).is_dir():
-            raise ValueError(f"expert map store {path} is a directory; store_path must name a file.")
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                if "header" not in data:
-                    raise ValueError("it has no header")
-                header = json.loads(str(data["header"]))
-                embeds, maps = data["embeds"], data["maps"]
-                attachments = {
-                    name.removeprefix("attachment_"): data[name]
-                    for name in data.files
-                    if name.startswith("attachment_")
-                }
-            if not isinstance(header, dict) or not isinstance(header.get("meta"), dict):
-                raise ValueError("its header is not a store header")
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
-            raise ValueError(
-                f"expert map store {path} cannot be read ({err}): it is not a file written by "
-                "ExpertMapStore.save, or it is damaged. Delete it or point store_path elsewhere."
-            ) from None
-        if header.get("format") != _FORMAT or header.get("version") != _VERSION:
-            raise ValueError(
-                f"{path} has format {header.get('format')!r} version {header.get('version')!r}; "
-                f"expected {_FORMAT!r} version {_VERSION}."
-            )
-        saved_meta = header["meta"]
-        mismatched = []
-        for name, expected in expected_meta.items():
-            saved = header[name] if name in _SHAPE_FIELDS else saved_meta.get(name, "<absent>")
-            if saved != json.loads(json.dumps(expected, default=_json_default)):
-                mismatched.append(f"{name}: file has {saved!r}, expected {expected!r}")
-        if mismatched:
-            raise ValueError(
-                f"expert map store {path} was built for a different model or setting "
-                f"({'; '.join(mismatched)}). Point the store path elsewhere or delete the file to start "
-                f"an empty store."
-            )
-        store = cls(
-            capacity=header["capacity"] if capacity is None else capacity,
-            **{name: header[name] for name in _SHAPE_FIELDS},
-            sketch_dim=sketch_dim,
-            rerank=rerank,
+        """Reads a store written by `save`, refusing one built for another model (`store_file.load`)."""
+        return store_file.load(
+            cls, path, expected_meta, capacity=capacity, sketch_dim=sketch_dim, rerank=rerank
         )
-        size = header["size"]
-        expected_maps = (size, store.num_layers, store.num_experts)
-        if embeds.shape != (size, store.embed_dim) or maps.shape != expected_maps:
-            raise ValueError(
-                f"{path} is corrupt: header says {size} maps, arrays are {embeds.shape} and {maps.shape}."
-            )
-        if size > store.capacity:
-            raise ValueError(
-                f"{path} holds {size} maps, more than capacity={store.capacity}; pass capacity >= {size}."
-            )
-        for start in range(0, size, _LOAD_CHUNK):
-            store.add(embeds[start : start + _LOAD_CHUNK], maps[start : start + _LOAD_CHUNK])
-        store.attachments = attachments
-        return store
 
     def _rows(self, x: np.ndarray, trailing: tuple[int, ...], name: str) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -537,24 +423,25 @@ class ExpertMapStore:
     def _write(
         self,
         slots: np.ndarray,  # [m]
-        embeds: np.ndarray,  # [m, H]
-        flat_maps: np.ndarray,  # [m, L*J]
-        inv_embed: np.ndarray,  # [m]
-        inv_prefix: np.ndarray,  # [m, L]
-        sketch: np.ndarray | None,  # [m, k]
+        rows: slice,  # the m rows of the batch that go there
+        embeds: np.ndarray,  # [B, H]
+        flat_maps: np.ndarray,  # [B, L*J]
+        inv_embed: np.ndarray,  # [B]
+        inv_prefix: np.ndarray,  # [B, L]
+        sketch: np.ndarray | None,  # [B, k]
     ) -> None:
         self.version += 1
-        self._embeds[slots] = embeds
-        self._inv_embed_norm[slots] = inv_embed
-        self._maps[slots] = flat_maps
-        self._by_layer[:, slots] = flat_maps.reshape(len(slots), self.num_layers, self.num_experts).transpose(
-            1, 0, 2
-        )
+        maps = flat_maps[rows]  # [m, L*J]
+        self._embeds[slots] = embeds[rows]
+        self._inv_embed_norm[slots] = inv_embed[rows]
+        self._maps[slots] = maps
+        by_layer = maps.reshape(len(slots), self.num_layers, self.num_experts).transpose(1, 0, 2)  # [L, m, J]
+        self._by_layer[:, slots] = by_layer
         self._future[slots] = 0.0
         self._future_count[slots] = 0.0
-        self._inv_prefix_norm[:, slots] = inv_prefix.T
+        self._inv_prefix_norm[:, slots] = inv_prefix[rows].T
         if self._sketch is not None:
-            self._sketch[slots] = sketch
+            self._sketch[slots] = sketch[rows]
 
     def _semantic_scores(
         self,
@@ -679,13 +566,6 @@ def _top_candidates(scores: np.ndarray, count: int) -> np.ndarray:  # [n] -> [co
     if count >= len(scores):
         return np.arange(len(scores))
     return np.sort(np.argpartition(-scores, count - 1)[:count])
-
-
-def _json_default(value: Any) -> Any:
-    """Lets NumPy scalars (e.g. a config's np.int64) into the JSON header."""
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
 
 
 def _read_only(x: np.ndarray) -> np.ndarray:

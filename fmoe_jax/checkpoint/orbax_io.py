@@ -1,7 +1,7 @@
 """The converted checkpoint format: one orbax item per layer's dense weights and per layer's experts.
 
 `fmoe_jax.convert.cli` writes (`write_items`) and verifies (`read_items`) it; `fmoe_jax.load_model` calls
-`is_converted` / `load_converted`, which restore experts one at a time straight into pinned host memory.
+`is_converted` / `restore_params`, which restores experts one at a time straight into pinned host memory.
 
 A checkpoint directory holds `fmoe_manifest.json` (see `manifest.py`), the Hugging Face `config.json`,
 `generation_config.json` and tokenizer files, and one orbax PyTree item per subdirectory:
@@ -25,27 +25,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from fmoe_jax.models import MoEConfig, config_from_hf
-from fmoe_jax.models.moe import Kernel
-from fmoe_jax.models.quant import ExpertQuantization, quantized_params
 
-from fmoe_jax.loading import (
-    Model,
-    QuantizationRequest,
-    _dtype_arg,
-    build,
-    expert_quantization_of,
-    generation_eos,
-    load_tokenizer_if_any,
-    param_sharding,
-)
+from fmoe_jax.models import MoEConfig, config_from_hf
+from fmoe_jax.models.quant import ExpertQuantization, is_expert_matrix, quantized_params
 
 from .hf import CheckpointError, HFCheckpoint, read_json
-from .keys import HFTensor, hf_tensors
+from .keys import HFTensor, hf_tensors, param_dtype
 from .manifest import MANIFEST_NAME, Manifest, verify_files
 
 DENSE_ITEM = "dense"
 ParamPath = tuple[str | int, ...]
+Placement = Callable[[ParamPath], jax.sharding.Sharding]  # where each parameter is restored to
 ItemKey = tuple[str, ...]  # a leaf's key path inside an orbax item (strings only)
 Expected = dict[str, dict[ItemKey, tuple[ParamPath, tuple[int, ...]]]]
 
@@ -111,7 +101,7 @@ def item_of_tensor(tensor: HFTensor) -> str:
 def expected_items(cfg: MoEConfig, quantization: ExpertQuantization | None = None) -> Expected:
     """Item name -> {key in the item: (our parameter path, shape)}, in write order, from the key tables
     (`assemble` checks those against the model; tracing `abstract_model` here would cost seconds). With
-    `quantization`, each routed expert matrix is its `values` and `scales`."""
+    `quantization`, each routed expert matrix is its `values` and `scales` (biases stay as they are)."""
     items: Expected = {DENSE_ITEM: {}}
     for layer in range(cfg.num_layers):
         items[dense_layer_item(layer)] = {}
@@ -120,7 +110,7 @@ def expected_items(cfg: MoEConfig, quantization: ExpertQuantization | None = Non
     for tensor in hf_tensors(cfg, "hub"):
         for target in tensor.targets:
             path, shape = target.path, target.shape
-            if quantization is not None and path[0] == "experts":
+            if quantization is not None and is_expert_matrix(path):
                 for part, part_shape in (
                     ("values", quantization.values_shape(*shape)),
                     ("scales", quantization.scales_shape(*shape)),
@@ -133,10 +123,13 @@ def expected_items(cfg: MoEConfig, quantization: ExpertQuantization | None = Non
 
 def stored_dtype(path: ParamPath, dtype: np.dtype, quantization: ExpertQuantization | None) -> np.dtype:
     """The dtype a parameter is stored and restored in: a quantized expert's values keep their integer
-    type; everything else (scales included) is in the model's `dtype`."""
+    type, MXFP4 scales too; everything else (other scales included) is in the model's `dtype`, but for
+    float32 parameters (`keys.param_dtype`)."""
     if quantization is not None and path[0] == "experts" and path[-1] == "values":
         return quantization.storage_dtype
-    return np.dtype(dtype)
+    if quantization is not None and path[0] == "experts" and path[-1] == "scales":
+        return quantization.scales_dtype(dtype)
+    return param_dtype(path, dtype)
 
 
 def _item_info(name: str, flat: dict[ItemKey, np.ndarray]) -> dict[str, Any]:
@@ -216,7 +209,7 @@ def write_items(
         for group in groups:
             buffers: dict[str, dict[ItemKey, np.ndarray]] = {name: {} for name in group}
             for tensor, target, value in ckpt.params(dtype, where=lambda t, g=group: item_of_tensor(t) in g):
-                if quantization is not None and target.path[0] == "experts":
+                if quantization is not None and is_expert_matrix(target.path):
                     for path, part in quantized_params(target.path, value, quantization).items():
                         buffers[item_of(path)][item_key(path)] = part
                 else:
@@ -274,8 +267,14 @@ def _restore(
 
 
 def open_converted(directory: Path) -> tuple[Manifest, MoEConfig, Expected]:
-    """Manifest, model config and expected items of a converted checkpoint, checked against each other."""
+    """Manifest, model config and expected items of a converted checkpoint, checked against each other.
+
+    The files beside the orbax items (config.json, generation_config.json, the tokenizer's) are small and
+    decide the model's output: their sha256 is checked against the manifest every time, so that an edit of
+    the same size (a top-k, an epsilon) is refused, naming the file."""
     manifest = Manifest.read(directory)
+    side = {n: r for n, r in manifest.files.items() if n.split("/", 1)[0] not in manifest.items}
+    verify_files(directory, side, hashes=True)
     cfg = config_from_hf(read_json(directory / "config.json", "config.json"))
     expected = expected_items(cfg, manifest.quantization)
     if cfg.family != manifest.family or list(expected) != list(manifest.items):
@@ -296,28 +295,27 @@ def _by_expert(entries: dict[ItemKey, Any]) -> list[dict[ItemKey, Any]]:
 def restore_params(
     directory: str | Path,
     *,
-    offload: Any = None,
+    sharding: Placement,
     dtype: Any = None,
     verify: bool = False,
-    quantization: QuantizationRequest = (None, None),
+    quantization: ExpertQuantization | None = None,
 ) -> tuple[MoEConfig, jnp.dtype, dict[ParamPath, jax.Array]]:
-    """Restores every parameter where `param_sharding(path, offload)` says it lives.
+    """Restores every parameter where `sharding(path)` says it lives.
 
     First every file is checked against the manifest: its size, and with `verify` its sha256 (which reads
-    the checkpoint once more). Dense items go to the device, one restore each; with `offload`, each routed
-    expert is restored on its own straight into `pinned_host` memory (orbax places arrays with the target
-    sharding's memory kind; checked on CPU with jax 0.10.2), so loading never holds more than one expert in
-    transit. Restoring as another `dtype` than stored casts on the way in (a quantized expert's values keep
-    their type). Experts stored quantized load as they are; a float checkpoint asked for quantized experts
-    (`quantization`, see `loading.quantization_request`) restores each expert to the host, quantizes it
-    and places it (`experts_quantization` says which). Returns (config, dtype, {path: array}).
+    the checkpoint once more). Dense items go where they are placed, one restore each; each routed expert
+    is restored on its own straight into its sharding's memory (orbax places arrays with the target
+    sharding's memory kind, `pinned_host` included; checked on CPU with jax 0.10.2), so loading never holds
+    more than one expert in transit. Restoring as another `dtype` (default: the stored one) casts on the way
+    in (a quantized expert's values keep their type). Experts stored quantized load as they are; with
+    `quantization`, a float checkpoint's experts are restored to the host one at a time, quantized and
+    placed. Returns (config, dtype, {path: array}).
     """
     directory = Path(directory)
     manifest, cfg, expected = open_converted(directory)
     stored = manifest.quantization
-    wanted = experts_quantization(directory, quantization, manifest, cfg)
     verify_files(directory, manifest.files, hashes=verify)
-    dtype = _dtype_arg(dtype, jnp.dtype(manifest.dtype))
+    dtype = jnp.dtype(manifest.dtype if dtype is None else dtype)
     ckptr = _reader()
     flat: dict[ParamPath, jax.Array] = {}
     try:
@@ -325,15 +323,16 @@ def restore_params(
             check_item(ckptr, directory / name, entries)
             experts = name.startswith("experts_")
             for group in _by_expert(entries) if experts else [entries]:
-                if experts and wanted is not None and stored is None:
-                    flat.update(_restore_quantizing(ckptr, directory / name, group, dtype, wanted, offload))
+                if experts and quantization is not None and stored is None:
+                    flat.update(
+                        _restore_quantizing(ckptr, directory / name, group, dtype, quantization, sharding)
+                    )
                     continue
                 targets, args = {}, {}
                 for key, (path, shape) in group.items():
-                    sharding = param_sharding(path, offload)
                     kind = stored_dtype(path, dtype, stored)
-                    targets[key] = jax.ShapeDtypeStruct(shape, kind, sharding=sharding)
-                    args[key] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=kind)
+                    targets[key] = jax.ShapeDtypeStruct(shape, kind, sharding=sharding(path))
+                    args[key] = ocp.ArrayRestoreArgs(sharding=sharding(path), global_shape=shape, dtype=kind)
                 restored = _restore(ckptr, directory / name, targets, args)
                 for key, (path, _) in group.items():
                     flat[path] = restored[key]
@@ -342,33 +341,25 @@ def restore_params(
     return cfg, dtype, flat
 
 
-def experts_quantization(
-    directory: Path, request: QuantizationRequest, manifest: Manifest, cfg: MoEConfig
-) -> ExpertQuantization | None:
-    """How the checkpoint's experts load: as stored when quantized (a conflicting request is an error),
-    else as requested; checked against the model's dimensions."""
-    wanted = expert_quantization_of(request, manifest.quantization, str(directory))
-    if wanted is not None:
-        wanted.check_model(cfg.hidden_size, cfg.expert_intermediate_size)
-    return wanted
-
-
 def _restore_quantizing(
     ckptr: ocp.Checkpointer,
     path: Path,
     group: dict[ItemKey, tuple[ParamPath, tuple[int, ...]]],
     dtype: jnp.dtype,
     quantization: ExpertQuantization,
-    offload: Any,
+    sharding: Placement,
 ) -> dict[ParamPath, jax.Array]:
-    """One float expert restored to the host in `dtype`, quantized, and placed (values and scales)."""
+    """One float expert restored to the host in `dtype`, quantized, and placed (values and scales; its
+    biases, if any, as they are)."""
     args = {key: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.dtype(dtype)) for key in group}
     targets = {key: np.zeros(shape, np.dtype(dtype)) for key, (_, shape) in group.items()}
     restored = _restore(ckptr, path, targets, args)
     out = {}
     for key, (param, _) in group.items():
-        for part_path, part in quantized_params(param, restored.pop(key), quantization).items():
-            out[part_path] = jax.device_put(part, param_sharding(part_path, offload))
+        value = restored.pop(key)
+        parts = quantized_params(param, value, quantization) if is_expert_matrix(param) else {param: value}
+        for part_path, part in parts.items():
+            out[part_path] = jax.device_put(part, sharding(part_path))
     return out
 
 
@@ -383,32 +374,3 @@ def read_items(directory: Path, expected: Expected) -> Iterator[tuple[str, dict[
             yield name, {path: restored[key] for key, (path, _) in entries.items()}
     finally:
         ckptr.close()
-
-
-def load_converted(
-    directory: str | Path,
-    *,
-    offload: Any,
-    dtype: Any,
-    kernel: Kernel,
-    verify: bool = False,
-    quantization: QuantizationRequest = (None, None),
-) -> Model:
-    """`load_model` for a directory written by `fmoe-convert` (see `restore_params` for checks, placement)."""
-    directory = Path(directory)
-    cfg, dtype, flat = restore_params(
-        directory, offload=offload, dtype=dtype, verify=verify, quantization=quantization
-    )
-    manifest = Manifest.read(directory)
-    quantized = experts_quantization(directory, quantization, manifest, cfg)
-    return build(
-        cfg,
-        dtype,
-        flat,
-        offload,
-        tokenizer=load_tokenizer_if_any(directory),
-        source=str(directory),
-        eos=generation_eos(directory, cfg),
-        kernel=kernel,
-        quantization=quantized,
-    )

@@ -1,7 +1,7 @@
 """fMoE's per-expert decisions as pure functions: similarity-aware selection and the two priorities.
 
-Called by the fmoe policy (`offload/policies/fmoe.py`) and the trace-replay simulator, after a match
-from `offload/expert_map_store.py`; no JAX, no state.
+Called by the fmoe policy's guides (`guides.py`) after a match from the expert-map store (`store.py`); no
+JAX, no state.
 
 Paper section 4.3 (selection) and 4.5 (priorities: `prefetch_priority`, `keep_priority`). Notation: J experts
 per layer, K = top_k experts activated per layer, p the probability of an expert in the matched expert map.

@@ -1,0 +1,153 @@
+"""fMoE's prefetch admission (ours, not in the paper): a selected expert is prefetched only when its need
+probability q pays for the link time T it takes, and at priority q / (layers until it is needed).
+
+With `link="free"` (the default, decision "admission link rule") a prefetch is admitted when
+q >= T / (T + min(T, W)), as if the link were free when asked: a right copy saves its layer up to min(T, W) of
+waiting (W: the compute before that layer), a wrong one holds the link for T. `link="queue"` prices the same
+after the copies and misses queued ahead (`after_queue`). `link="stalls"` prices the misses a prefetch
+delays: the link serves on-demand loads first, between the pieces of a copy, so the piece under way when
+the next layer's misses come delays them; a prefetch is admitted when q covers the share of its link time
+taken from on-demand loads and it lands before its layer (`_stall_share`). Under hybrid execution misses go
+to the host, and every selected expert goes (decision "hybrid admission").
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from ...cache import CacheView, Key
+from ..base import PolicyContext
+from .options import FMoEOptions
+
+
+class Admission:
+    """Thresholds and priorities of the selected experts, from T (`copy_s`) and one decode layer's compute
+    (`layer_s`): the options' values, else the context's hints (the simulator's cost model), else measured as
+    the engine runs (`measure`). Until they are known every selected expert goes."""
+
+    def __init__(
+        self, options: FMoEOptions, ctx: PolicyContext, cache: CacheView, counts: collections.Counter
+    ):
+        self.rule, self.link = options.admission, options.link
+        self.ctx, self.cache, self.counts = ctx, cache, counts
+        self.copy_s = options.copy_s if options.copy_s is not None else ctx.copy_s
+        self.layer_s = options.layer_s if options.layer_s is not None else ctx.layer_s
+        # Hybrid execution: a miss is computed on the host rather than waiting for the link, so a wasted
+        # prefetch only delays other prefetches, and "cost" admission lets every selected expert go.
+        self.free_link = ctx.execution == "hybrid"
+        self.measuring = (
+            self.rule == "cost" and not self.free_link and (self.copy_s is None or self.layer_s is None)
+        )
+        self._clock: tuple[float, float, int] | None = None  # (time, on-demand wait, misses), last layer
+
+    def begin_iteration(self) -> None:
+        self._clock = None
+
+    def measure(self, decoding: bool) -> None:
+        """Live estimates of T and of one layer's compute (exponential averages), from the cache's on-demand
+        wait and miss count at consecutive layers of a decode step: between two routed layers the engine
+        computed one layer and waited for that layer's misses. Called at each routed layer while
+        `measuring`."""
+        now = (time.perf_counter(), self.cache.on_demand_wait_s, self.cache.stats.misses)
+        if self._clock is not None and decoding:
+            (t0, w0, m0), (t1, w1, m1) = self._clock, now
+            elapsed, waited, misses = t1 - t0, w1 - w0, m1 - m0
+            compute = max(elapsed - waited, 0.0)
+            self.layer_s = compute if self.layer_s is None else 0.9 * self.layer_s + 0.1 * compute
+            if misses > 0:
+                per_copy = waited / misses
+                self.copy_s = per_copy if self.copy_s is None else 0.9 * self.copy_s + 0.1 * per_copy
+        self._clock = now
+
+    def threshold(self, layer: int | np.ndarray, current: int) -> float | np.ndarray:
+        """The probability a selected expert of `layer` (or of each of several layers) needs to be
+        prefetched, deciding after `current`: the share of its link time taken from on-demand loads, or inf
+        where it cannot land before its layer (`link="stalls"`); T / (T + min(T, W)) with the other rules;
+        0 under hybrid execution."""
+        if self.rule == "all" or (self.rule == "cost" and self.free_link):
+            return np.zeros(np.shape(layer)) if np.ndim(layer) else 0.0
+        if self.rule != "cost":
+            return np.full(np.shape(layer), float(self.rule)) if np.ndim(layer) else float(self.rule)
+        if self.copy_s is None or self.layer_s is None or self.copy_s <= 0:
+            return np.zeros(np.shape(layer)) if np.ndim(layer) else 0.0  # nothing measured yet
+        ahead = np.asarray(layer) - current  # layers of compute before it routes (a layer routed already:
+        ahead = np.where(ahead > 0, ahead, ahead + self.ctx.num_layers)  # its routing at the next iteration)
+        if self.link == "stalls":
+            share, per_layer = self._stall_share()
+            out = np.where(ahead * per_layer >= self.copy_s, share, np.inf)  # inf: cannot land in time
+        else:
+            window = ahead * self.layer_s
+            out = self.copy_s / (self.copy_s + np.minimum(self.copy_s, window))
+        return out if np.ndim(layer) else float(out)
+
+    def price(self, layer: int, current: int) -> float:
+        """`threshold` of a prefetch for `layer` decided now, 0 where it is infinite (a prefetch already
+        admitted no longer asks whether it lands in time) or not priced: what a wrong copy costs, in need
+        probability, when a prefetch asks to evict."""
+        price = self.threshold(layer, current) if self.rule == "cost" else 0.0
+        return price if math.isfinite(price) else 0.0
+
+    def prefetches(
+        self, layers: np.ndarray, picked: np.ndarray, need: np.ndarray, current: int
+    ) -> list[tuple[Key, float]]:
+        """The admitted prefetches `(key, q / (layer - current))` among the `picked` experts `[n, J]` of
+        consecutive `layers` `[n]`, q their need probability `[n, J]`."""
+        q = np.where(picked, need, 0.0)
+        thresholds = self.threshold(layers, current)  # [n]
+        admitted = (q > 0) & (q >= thresholds[:, None])
+        pos, experts = np.nonzero(admitted)
+        self.counts["not_admitted"] += int(np.count_nonzero(picked)) - len(pos)  # admitted ones are picked
+        priority = q[pos, experts] / (layers[pos] - current)  # `prefetch_priority`, checks left out
+        if self.link == "queue" and self.rule == "cost" and len(pos) and thresholds.max() > 0:
+            keep = self.after_queue(q[pos, experts], layers[pos], current, priority)
+            self.counts["not_admitted"] += int(len(keep) - keep.sum())
+            pos, experts, priority = pos[keep], experts[keep], priority[keep]
+        keys = zip(layers[pos].tolist(), experts.tolist(), strict=True)
+        return list(zip(keys, priority.tolist(), strict=True))
+
+    def after_queue(
+        self, q: np.ndarray, layers: np.ndarray, current: int, priority: np.ndarray
+    ) -> np.ndarray:  # [m] bool
+        """Which admitted prefetches still pay once the link's queue is counted: the copies arriving now,
+        the on-demand loads the layers before the target will make (the measured miss rate), and the
+        prefetches of higher priority admitted before it. A prefetch starting at `start` lands at `start +
+        T`, so a right guess saves min(T, W - start) of the wait at its layer, nothing if the link is still
+        busy when the layer comes; a wrong one costs T of link time. Kept where q >= T / (T + saved) and
+        saved > 0."""
+        copy_s, layer_s = self.copy_s, self.layer_s
+        stats = self.cache.stats
+        misses = self.ctx.top_k * stats.misses / max(1, stats.hits + stats.misses)  # loads per layer
+        arriving = sum(1 for _, entry in self.cache.entries() if not entry.ready)
+        keep = np.zeros(len(q), bool)
+        ahead = float(arriving)
+        for i in np.argsort(-priority, kind="stable"):
+            start = (ahead + misses * (layers[i] - current - 1)) * copy_s
+            saved = min(copy_s, (layers[i] - current) * layer_s - start)
+            if saved > 0 and q[i] >= copy_s / (copy_s + saved):
+                keep[i] = True
+                ahead += 1
+        return keep
+
+    def _stall_share(self) -> tuple[float, float]:
+        """(f, c + s): the share of a prefetch's link time taken from on-demand loads, and how far it
+        advances per decode layer (c: one layer's compute; s = m * r). The piece under way when a layer's
+        misses come delays them by r = max(piece - c, piece / 2) (a piece longer than a layer's compute,
+        started as it began, runs piece - c past it; a shorter one is caught on average halfway), in a share
+        m of the layers, m = 1 - (1 - miss rate) ** top_k."""
+        stats = self.cache.stats
+        miss_rate = stats.misses / max(1, stats.hits + stats.misses)
+        m = 1.0 - (1.0 - miss_rate) ** self.ctx.top_k
+        piece = self.copy_s / max(1, self.ctx.copy_chunks)
+        stalls = m * max(piece - self.layer_s, piece / 2)
+        per_layer = self.layer_s + stalls
+        return stalls / per_layer, per_layer
+
+    def stats(self) -> dict[str, Any]:
+        if self.rule == "cost" and self.copy_s is not None and self.layer_s is not None:
+            return {"copy_ms": 1e3 * self.copy_s, "layer_ms": 1e3 * self.layer_s}
+        return {}

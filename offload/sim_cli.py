@@ -1,0 +1,275 @@
+"""`fmoe-sim` (also `python -m fmoe_jax.offload.simulator`): replays routing traces through a policy at a
+model's sizes on a hardware preset, and prints a one-screen summary (and `--json` a result file).
+
+    fmoe-sim ../shared/data/routing/gpt-oss-20b --limit 20 --policy fmoe --policy-option semantic=false \\
+        --model-preset gpt_oss --hardware rtx_3090 --budget 0.25
+    fmoe-sim --list-presets
+
+A TRACE is a trace saved by `RoutingTrace.save` (the `.npz`/`.json` pair, given with either suffix or none),
+replayed as the batch it was recorded as, or routing recorded elsewhere (`RoutingTrace.from_external`: a
+routing-set directory or a `.jsonl` file), whose requests are replayed one after another, each its own batch.
+`--warmup` traces run first through the same policy and cache and are left out of the numbers. Every number
+printed is simulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from . import cost_model
+from .config import OffloadConfig
+from .policies import POLICIES, accepted_options
+from .simulator import Replay, SimResult, common_meta
+from .trace import RoutingTrace
+
+
+class UsageError(Exception):
+    """A mistake on the command line or in an input file: printed as one line, exit status 2."""
+
+
+def model_presets() -> dict[str, cost_model.ModelPreset]:
+    """Model presets by the names `--model-preset` takes: `cost_model.MODELS`' keys and each preset's name."""
+    out = dict(cost_model.MODELS)
+    for preset in cost_model.MODELS.values():
+        out.setdefault(preset.name.lower(), preset)
+    return out
+
+
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise UsageError(f"--policy-option {text!r}: expected key=value")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value  # a bare string
+
+
+def read_traces(paths: Sequence[str], num_experts: int, limit: int | None) -> list[RoutingTrace]:
+    """The batches the TRACE arguments replay, in order (see the module docstring)."""
+    batches = []
+    for name in paths:
+        path = Path(name)
+        external = path.is_dir() or path.suffix == ".jsonl"
+        try:
+            if external:  # a JSONL file does not say how many experts a layer has: the preset's
+                trace = RoutingTrace.from_external(
+                    path, num_experts=num_experts if path.suffix == ".jsonl" else None
+                )
+            else:
+                trace = RoutingTrace.load(path)
+        except (OSError, ValueError, KeyError) as err:
+            raise UsageError(f"cannot read routing trace {name}: {err}") from None
+        requests = trace.requests[:limit] if limit else trace.requests
+        if external:
+            batches += [RoutingTrace(trace.meta, [request]) for request in requests]
+        else:
+            batches.append(RoutingTrace(trace.meta, requests))
+    return batches
+
+
+def _check(trace: RoutingTrace, model: cost_model.ModelPreset, name: str) -> None:
+    if trace.meta.get("num_experts") != model.num_experts:
+        raise UsageError(
+            f"routing trace {name} routes over {trace.meta.get('num_experts')} experts a layer, but model "
+            f"preset {model.name!r} has {model.num_experts}; pick the preset of the model that was traced"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fmoe-sim",
+        description=__doc__,
+        formatter_class=type(
+            "Formatter", (argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter), {}
+        ),
+    )
+    parser.add_argument("traces", nargs="*", metavar="TRACE", help="routing traces to replay (measured)")
+    parser.add_argument("--policy", default="on_demand_lru", choices=sorted(POLICIES), help="offload policy")
+    parser.add_argument(
+        "--policy-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a policy option (VALUE read as JSON, else a string); repeat for more",
+    )
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model-preset", default=None, help="sizes to charge: a preset (see --list-presets)")
+    model.add_argument("--model-config", type=Path, default=None, help="sizes from a model's config.json")
+    parser.add_argument("--hardware", default="rtx_3090", choices=sorted(cost_model.HARDWARE))
+    parser.add_argument("--host", default=None, choices=sorted(cost_model.HOSTS), help="host CPU (hybrid)")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--budget", type=float, default=0.25, help="cache budget, a share of all experts")
+    budget.add_argument("--cache-experts", type=int, default=None, help="cache budget in experts (slots)")
+    parser.add_argument("--warmup", nargs="+", default=[], metavar="TRACE", help="replayed first, unmeasured")
+    parser.add_argument("--execution", choices=("copy", "hybrid"), default="copy")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="replay only the first N requests of each TRACE"
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, metavar="OUT", help="also write the result as JSON"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--list-presets", action="store_true", help="list model, hardware and host presets")
+    return parser
+
+
+def list_presets() -> str:
+    lines = ["model presets (--model-preset):"]
+    for key, p in cost_model.MODELS.items():
+        lines.append(
+            f"  {key:14s} {p.name}: {p.num_layers} MoE layers x {p.num_experts} experts, top {p.top_k}, "
+            f"{p.expert_bytes / 2**20:.1f} MiB an expert"
+        )
+    lines.append("hardware presets (--hardware):")
+    lines += [f"  {key:14s} {h.name}" for key, h in cost_model.HARDWARE.items()]
+    lines.append("host presets (--host, hybrid execution):")
+    lines += [f"  {key:14s} {h.name}" for key, h in cost_model.HOSTS.items()]
+    return "\n".join(lines)
+
+
+def _model(args: argparse.Namespace) -> cost_model.ModelPreset:
+    if args.model_config is not None:
+        from fmoe_jax.models import config_from_hf
+
+        try:
+            hf = json.loads(args.model_config.read_text())
+            return cost_model.ModelPreset.from_config(config_from_hf(hf), name=args.model_config.parent.name)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise UsageError(f"cannot read model config {args.model_config}: {err}") from None
+    presets = model_presets()
+    name = (args.model_preset or "").lower()
+    if name not in presets:
+        raise UsageError(
+            f"unknown model preset {args.model_preset!r}; choose one of {', '.join(cost_model.MODELS)} "
+            "(--list-presets describes them), or give --model-config"
+        )
+    return presets[name]
+
+
+def _offload(args: argparse.Namespace, total_experts: int) -> OffloadConfig:
+    options = dict(_option(text) for text in args.policy_option)
+    if "asynchronous" in accepted_options(args.policy):
+        options.setdefault("asynchronous", False)  # a matcher thread's timing is not the simulated clock's
+    if args.cache_experts is not None:
+        slots = args.cache_experts
+    else:
+        if not 0 < args.budget <= 1:
+            raise UsageError(f"--budget must be a share of the experts in (0, 1], got {args.budget}")
+        slots = max(1, round(args.budget * total_experts))
+    try:
+        return OffloadConfig(
+            policy=args.policy, policy_options=options, cache_experts=slots, execution=args.execution
+        )
+    except (ValueError, TypeError) as err:
+        raise UsageError(str(err)) from None
+
+
+def run(args: argparse.Namespace) -> SimResult:
+    """Replays the arguments' traces; returns the result of the measured ones."""
+    model = _model(args)
+    if args.execution == "hybrid" and args.host is None:
+        raise UsageError(
+            "--execution hybrid computes misses on the host CPU: give --host (see --list-presets)"
+        )
+    warmup = read_traces(args.warmup, model.num_experts, None)
+    measured = read_traces(args.traces, model.num_experts, args.limit)
+    for name, trace in zip([*args.warmup, *args.traces], [*warmup, *measured], strict=False):
+        _check(trace, model, name)
+    everything = [*warmup, *measured]
+    meta = common_meta(everything)
+    offload = _offload(args, meta["num_layers"] * meta["num_experts"])
+    try:
+        replay = Replay(
+            offload,
+            meta=meta,
+            model=model,
+            hardware=cost_model.HARDWARE[args.hardware],
+            host=cost_model.HOSTS[args.host] if args.host else None,
+            check=everything,
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    try:
+        bar = tqdm(total=len(everything), unit="batch", disable=args.no_progress, desc="replaying")
+        with bar:
+            for i, trace in enumerate(everything):
+                if i == len(warmup):
+                    replay.reset_statistics()
+                replay.run(trace)
+                bar.update()
+    finally:
+        result = replay.close()
+    return result
+
+
+def summary(result: SimResult, args: argparse.Namespace, model: cost_model.ModelPreset, layers: int) -> str:
+    """The one-screen summary of a replay."""
+    ms = 1e3
+    stall = result.stall_s / result.total_s if result.total_s else 0.0
+    lines = [
+        f"simulated: policy {args.policy}, {result.capacity} cache slots, {args.execution}, "
+        f"{model.name} sizes on {cost_model.HARDWARE[args.hardware].name}"
+        + (f" + {cost_model.HOSTS[args.host].name}" if args.host else ""),
+        f"  the trace's {layers} MoE layers replayed (the model has {model.num_layers})",
+        f"  TPOT   median {result.median_tpot_s * ms:.2f} ms, mean {result.mean_tpot_s * ms:.2f} ms "
+        f"({1 / result.median_tpot_s:.1f} tokens/s)"
+        if result.median_tpot_s > 0
+        else "  TPOT   -",
+        f"  TTFT   median {result.median_ttft_s * ms:.2f} ms (first iteration of each request)",
+        f"  hits   {result.hit_rate:.3f} ({result.hits} hits, {result.misses} misses, "
+        f"{result.prefetches} prefetches, {result.wasted_prefetches} wasted)",
+        f"  moved  {result.bytes_to_device / 1e9:.2f} GB to the device; link busy "
+        f"{result.link_busy_share:.2f}, stall {stall:.2f} of the time",
+        "  per-layer hit rate " + " ".join(f"{h:.2f}" for h in result.layer_hit_rate),
+    ]
+    if result.host_computed:
+        lines.append(f"  host   {result.host_computed} experts computed on the host")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.list_presets:
+        print(list_presets())
+        return 0
+    if not args.traces:
+        parser.error("give at least one TRACE (or --list-presets)")
+    try:
+        model = _model(args)
+        result = run(args)
+    except UsageError as err:
+        print(f"fmoe-sim: error: {err}", file=sys.stderr)
+        return 2
+    layers = len(result.layer_hits)
+    print(summary(result, args, model, layers))
+    if args.json is not None:
+        record = {
+            "simulated": True,
+            "command": " ".join(sys.argv if argv is None else ["fmoe-sim", *argv]),
+            "policy": args.policy,
+            "model_preset": dataclasses.asdict(model),
+            "hardware": args.hardware,
+            "host": args.host,
+            "trace_layers": layers,
+            "result": result.as_dict(),
+        }
+        try:
+            args.json.write_text(json.dumps(record, indent=1, default=str))
+        except OSError as err:
+            print(f"fmoe-sim: error: cannot write {args.json}: {err}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
