@@ -386,7 +386,7 @@ def test_running_on_past_resident_layers_equals_the_per_layer_loop(policy, budge
         policy=policy,
         cache_experts=slots,
         preload=budget == "full",
-        synchronous_transfers=True,
+        transfer="synchronous",
         policy_options={"asynchronous": False} if policy == "fmoe" else {},  # its matches, in order
     )
     prompts = [[3, 14, 15, 92, 65], list(range(20, 44))]
@@ -431,10 +431,10 @@ def test_running_on_past_resident_layers_equals_the_per_layer_loop(policy, budge
 def test_a_resident_token_decodes_with_one_launch_at_a_partial_budget(hf_dirs):
     """A one-token prompt whose prefill and first decode step route to fewer experts than the model has, at
     a budget of exactly those: the second call finds them all resident (LRU kept them), and its decode step
-    is one launch and one host read (its token comes with it), no stop at any layer; tokens and
-    log-probabilities stay the resident model's."""
+    is one launch and one host read (its token comes with it), no stop at any layer; in bfloat16, tokens and
+    log-probabilities stay the resident model's bit for bit."""
     path = hf_dirs["mixtral"]
-    resident = fj.load_model(path)
+    resident = fj.load_model(path, dtype="bfloat16")
     cfg = resident.config
     total = cfg.num_moe_layers * cfg.num_experts
     for token in range(3, 40):  # a prompt whose two steps leave some expert unused (a partial budget)
@@ -451,12 +451,12 @@ def test_a_resident_token_decodes_with_one_launch_at_a_partial_budget(hf_dirs):
             break
     assert len(used) < total
     offload = OffloadConfig(policy="on_demand_lru", cache_experts=len(used))
-    with fj.load_model(path, offload=offload) as model:
+    with fj.load_model(path, offload=offload, dtype="bfloat16") as model:
         fj.generate(model, [[token]], 2, stop_at_eos=False)
         out = fj.generate(model, [[token]], 2, stop_at_eos=False, return_logprobs=True)
     assert out.tokens == reference.tokens and out.logprobs == reference.logprobs
     assert out.stats.hit_rate == 1.0 and out.stats.bytes_to_device == 0
-    assert out.stats.step_launches == [1, 1] and out.stats.step_syncs[1] <= 2
+    assert out.stats.step_launches == [1, 1] and max(out.stats.step_syncs) <= 2
 
 
 # -- chunked copies from a transfer thread (`ChunkedJaxMover`) ------------------------------------------
