@@ -358,8 +358,8 @@ def test_linear_attention_model_at_one_slot_and_a_quarter(subjects):
     "(per-layer programs, before the step program): the rotated keys the prefill caches already differ by 1 "
     "ulp, because XLA:CPU fuses `x * cos + rotated * sin` as a multiply-add and contracts it to FMA "
     "differently in the whole-model program and in the offload engine's (an optimization barrier does not "
-    "stop it; the cos/sin tables are equal). bf16, the dtype the model ships in, is identical. A fix turns this "
-    "into an XPASS, which fails: then drop it and KNOWN_DIFFERENT.",
+    "stop it; the cos/sin tables are equal). bf16, the dtype the model ships in, is identical. A fix turns "
+    "this into an XPASS, which fails: then drop it and KNOWN_DIFFERENT.",
 )
 def test_deepseek_v2_lite_float32_decode(subjects):
     prompts = [[20, 254, 157, 255, 91, 39], [3, 201, 83, 107, 235], [9, 57, 174]]  # found by hypothesis
