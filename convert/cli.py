@@ -515,7 +515,7 @@ def _run(args: argparse.Namespace, is_verify: bool, progress: bool, poll: Callab
         untie=args.untie,
     )
     source_bytes = sum(r.size for r in manifest.source_files.values())
-    note = HFCheckpoint(args.hf_dir).not_converted_note
+    note = HFCheckpoint(args.hf_dir, untie=args.untie).not_converted_note
     return (
         f"{args.out_dir}: {manifest.family}, {manifest.num_layers} layers x {manifest.num_experts} experts, "
         f"{_stored_as(manifest)}, {manifest.param_bytes / 1e9:.2f} GB written in {seconds:.1f} s "

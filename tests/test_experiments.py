@@ -310,8 +310,8 @@ def test_fmoe_store_and_moe_infinity_eams_are_sized_apart():
         return h.offload_config(workload, variant, calls=[], simulated=True, **kwargs).policy
 
     fmoe = h.Variant("fmoe", "fmoe", (("eviction", "lru"),))  # no reuse predictor to train
-    assert policy(fmoe).store_capacity == 7
-    assert policy(fmoe, store_capacity=5).store_capacity == 5
+    assert policy(fmoe).options.store_capacity == 7
+    assert policy(fmoe, store_capacity=5).options.store_capacity == 5
     assert policy(h.Variant("moe_infinity", "moe_infinity")).capacity == 9
     assert policy(h.Variant("moe_infinity", "moe_infinity"), store_capacity=5).capacity == 9
 
