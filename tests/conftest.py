@@ -16,6 +16,7 @@ if os.environ.get("FMOE_TEST_CPU_DEVICES"):  # tests/test_multidevice.py re-runs
 import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
+from collections.abc import Mapping  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -370,16 +371,44 @@ def make_hf_model(name: str, seed: int = 0):
     return model
 
 
+class HFDirs(Mapping):
+    """name -> directory of a saved tiny HF model, written on first use, once for the whole run: the test
+    workers and the test processes they start (which inherit `FMOE_TEST_HF_ROOT`) share one folder, a lock
+    per model, since building every family's model with torch takes minutes."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in HF_CONFIGS:
+            raise KeyError(name)
+        from filelock import FileLock
+
+        path = self.root / name
+        with FileLock(str(self.root / f"{name}.lock")):
+            if not path.is_dir():
+                partial = self.root / f"{name}.partial"
+                shutil.rmtree(partial, ignore_errors=True)
+                make_hf_model(name).save_pretrained(partial)
+                partial.rename(path)
+        return path
+
+    def __iter__(self):
+        return iter(HF_CONFIGS)
+
+    def __len__(self) -> int:
+        return len(HF_CONFIGS)
+
+
 @pytest.fixture(scope="session")
-def hf_dirs(tmp_path_factory) -> dict[str, Path]:
-    """name -> directory of a saved tiny HF model (created once per session)."""
-    out = {}
-    root = tmp_path_factory.mktemp("hf")
-    for name in HF_CONFIGS:
-        model = make_hf_model(name)
-        model.save_pretrained(root / name)
-        out[name] = root / name
-    return out
+def hf_dirs(tmp_path_factory) -> HFDirs:
+    root = os.environ.get("FMOE_TEST_HF_ROOT")
+    if not root:
+        base = tmp_path_factory.getbasetemp()  # under xdist each worker's; their parent is the run's
+        root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "hf-models"
+        os.environ["FMOE_TEST_HF_ROOT"] = str(root)
+    return HFDirs(Path(root))
 
 
 def write_mxfp4(src: Path, dst: Path, seed: int = 0) -> Path:
