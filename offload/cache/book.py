@@ -100,6 +100,9 @@ class CacheBook:
         self.capacity = capacity
         self.expert_bytes = expert_bytes
         self.entries: dict[Key, Entry] = {}
+        # The entries whose copy has not landed, in the order they were added: polled, cancelled and
+        # counted as in flight without visiting every resident expert.
+        self.arriving: dict[Key, Entry] = {}
         self.freq: dict[Key, int] = {}
         self.clock = 0
         self.stats = CacheStats()
@@ -132,6 +135,7 @@ class CacheBook:
         now = self.tick()
         entry = Entry(prefetched=prefetched, last_use=now, arrived=now)  # arrival counts as a use for LRU
         self.entries[key] = entry
+        self.arriving[key] = entry
         self.stats.loads += 1
         self.stats.bytes_to_device += self.expert_bytes
         self.stats.prefetches += int(prefetched)
@@ -140,19 +144,24 @@ class CacheBook:
 
     def mark_ready(self, key: Key) -> None:
         self.entries[key].ready = True
+        self.arriving.pop(key, None)
 
     def remove(self, key: Key) -> None:
-        entry = self.entries.pop(key)
+        entry = self.entries[key]
         if entry.pins:
             raise RuntimeError(f"expert {key} is pinned and cannot be evicted")
+        del self.entries[key]
+        self.arriving.pop(key, None)
         if entry.prefetched and not entry.used:
             self.stats.wasted_prefetches += 1
 
     def cancel(self, key: Key, unsent_bytes: int) -> None:
         """A prefetch stopped before it landed: its slot is free again and its unsent bytes uncounted."""
-        entry = self.entries.pop(key)
+        entry = self.entries[key]
         if entry.pins or entry.ready:
             raise RuntimeError(f"expert {key} is pinned or has landed and cannot be cancelled")
+        del self.entries[key]
+        del self.arriving[key]
         self.stats.cancelled_prefetches += 1
         self.stats.bytes_to_device -= unsent_bytes
 

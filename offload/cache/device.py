@@ -137,12 +137,11 @@ class DeviceExpertCache(BookView):
 
     def _poll(self) -> None:
         """Marks finished copies ready."""
-        for key, entry in self.book.entries.items():
-            if not entry.ready and self.mover.is_ready(self.arrays[key]):
-                entry.ready = True
+        for key in [key for key in self.book.arriving if self.mover.is_ready(self.arrays[key])]:
+            self.book.mark_ready(key)
 
     def _inflight(self) -> list[Key]:
-        return [k for k, e in self.book.entries.items() if not e.ready]
+        return list(self.book.arriving)
 
     def _evict_one(self, protect: Iterable[Key] = ()) -> bool:
         victim = self.book.victim(
@@ -196,7 +195,7 @@ class DeviceExpertCache(BookView):
                 self.queued = {entry[2] for entry in kept}
                 still = {key for key, _ in items}
                 self._cancel_arriving(lambda key: unwanted(key) and key not in still)
-            if if_idle and (self.queue or self._inflight()):
+            if if_idle and (self.queue or self.book.arriving):
                 items = []
             for key, priority in items:
                 if key in self.book or key in self.queued or key[0] == self.serving:
@@ -215,12 +214,12 @@ class DeviceExpertCache(BookView):
     def _cancel_arriving(self, unwanted: Callable[[Key], bool]) -> None:
         """Stops prefetches still arriving that are no longer wanted (between chunks, where the mover can):
         their slots and the link's remaining time go to what is wanted now. Caller holds the lock."""
-        for key, entry in list(self.book.entries.items()):
+        for key, entry in list(self.book.arriving.items()):
             if key in self.protected:  # the layer being served needs it: a late prefetch still beats a miss
                 continue
             if key in self.filling:
                 continue
-            if entry.prefetched and not entry.ready and not entry.pins and unwanted(key):
+            if entry.prefetched and not entry.pins and unwanted(key):
                 unsent = self.mover.cancel(self.arrays[key])
                 if unsent is not None:
                     self.book.cancel(key, int(round(unsent * self.book.expert_bytes)))
@@ -234,7 +233,7 @@ class DeviceExpertCache(BookView):
         if self.filling:  # only those still arriving
             entries = self.book.entries
             self.filling = {k for k in self.filling if k in entries and not entries[k].ready}
-        while self.queue and len(self._inflight()) < self.max_inflight:
+        while self.queue and len(self.book.arriving) < self.max_inflight:
             neg_priority, _, key = self.queue[0]
             if key in self.book:
                 heapq.heappop(self.queue)
