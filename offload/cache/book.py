@@ -16,12 +16,16 @@ Each (iteration, layer, expert) counts once, however many tokens route to it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 Key = tuple[int, int]  # (moe layer, expert)
+# A policy's keep scores of many experts at once: (layers, experts) [n] int64 -> [n] (`Policy.keep_scores`).
+KeepScores = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 @dataclasses.dataclass
@@ -92,6 +96,11 @@ class CacheBook:
 
     `capacity` counts experts that are resident *or* arriving (an in-flight copy already holds its memory).
     Frequencies (`freq`) count uses over the cache's whole lifetime, as LFU and fMoE's eviction need.
+
+    Besides the entries it keeps what choosing a victim reads, up to date at every transition, so that a
+    victim costs no pass over every resident expert: the held experts in order of last use (`recency`:
+    the least recently used first, and so the tie order), and per slot the expert, its last use and
+    whether it could be evicted (ready, unpinned), for a policy that scores arrays (`keep_scores`).
     """
 
     def __init__(self, capacity: int, expert_bytes: int):
@@ -103,9 +112,16 @@ class CacheBook:
         # The entries whose copy has not landed, in the order they were added: polled, cancelled and
         # counted as in flight without visiting every resident expert.
         self.arriving: dict[Key, Entry] = {}
+        self.recency: collections.OrderedDict[Key, Entry] = collections.OrderedDict()  # by last use
         self.freq: dict[Key, int] = {}
         self.clock = 0
         self.stats = CacheStats()
+        self._slot: dict[Key, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))  # slots not held (a stack)
+        self._slot_layer = np.zeros(capacity, np.int64)
+        self._slot_expert = np.zeros(capacity, np.int64)
+        self._slot_use = np.zeros(capacity, np.int64)  # its entry's last_use
+        self._evictable = np.zeros(capacity, bool)  # held, ready and unpinned
 
     # -- state -----------------------------------------------------------------------------------------
     def __contains__(self, key: Key) -> bool:
@@ -136,6 +152,10 @@ class CacheBook:
         entry = Entry(prefetched=prefetched, last_use=now, arrived=now)  # arrival counts as a use for LRU
         self.entries[key] = entry
         self.arriving[key] = entry
+        self.recency[key] = entry
+        slot = self._slot[key] = self._free.pop()
+        self._slot_layer[slot], self._slot_expert[slot] = key
+        self._slot_use[slot] = now
         self.stats.loads += 1
         self.stats.bytes_to_device += self.expert_bytes
         self.stats.prefetches += int(prefetched)
@@ -143,15 +163,25 @@ class CacheBook:
         return entry
 
     def mark_ready(self, key: Key) -> None:
-        self.entries[key].ready = True
+        entry = self.entries[key]
+        entry.ready = True
         self.arriving.pop(key, None)
+        self._evictable[self._slot[key]] = not entry.pins
+
+    def _drop(self, key: Key) -> None:
+        """Forgets a held expert's entry and frees its slot."""
+        del self.entries[key]
+        self.arriving.pop(key, None)
+        del self.recency[key]
+        slot = self._slot.pop(key)
+        self._evictable[slot] = False
+        self._free.append(slot)
 
     def remove(self, key: Key) -> None:
         entry = self.entries[key]
         if entry.pins:
             raise RuntimeError(f"expert {key} is pinned and cannot be evicted")
-        del self.entries[key]
-        self.arriving.pop(key, None)
+        self._drop(key)
         if entry.prefetched and not entry.used:
             self.stats.wasted_prefetches += 1
 
@@ -160,23 +190,30 @@ class CacheBook:
         entry = self.entries[key]
         if entry.pins or entry.ready:
             raise RuntimeError(f"expert {key} is pinned or has landed and cannot be cancelled")
-        del self.entries[key]
-        del self.arriving[key]
+        self._drop(key)
         self.stats.cancelled_prefetches += 1
         self.stats.bytes_to_device -= unsent_bytes
 
     def pin(self, keys: Iterable[Key]) -> None:
+        entries, slots, evictable = self.entries, self._slot, self._evictable
         for key in keys:
-            self.entries[key].pins += 1
+            entries[key].pins += 1
+            evictable[slots[key]] = False
 
     def unpin(self, keys: Iterable[Key]) -> None:
+        entries, slots, evictable = self.entries, self._slot, self._evictable
         for key in keys:
-            self.entries[key].pins -= 1
+            entry = entries[key]
+            entry.pins -= 1
+            if not entry.pins and entry.ready:
+                evictable[slots[key]] = True
 
     def record_use(self, key: Key) -> None:
         entry = self.entries[key]
         entry.used = True
         entry.last_use = self.tick()
+        self.recency.move_to_end(key)
+        self._slot_use[self._slot[key]] = entry.last_use
         self.freq[key] = self.freq.get(key, 0) + 1
 
     def classify(self, layer: int, needed: Iterable[Key]) -> tuple[list[Key], list[Key], list[Key]]:
@@ -225,25 +262,48 @@ class CacheBook:
         keep_score: Callable[[Key, Entry], float],
         *,
         protect: Iterable[Key] = (),
-        keep_scores: Callable[[list[Key]], Sequence[float]] | None = None,
+        keep_scores: KeepScores | None = None,
+        least_recent: bool = False,
     ) -> Key | None:
-        """The ready, unpinned expert with the lowest keep score (ties: least recently used), or None.
-        `keep_scores(keys)`, when given, scores a list of keys at once (a policy's vectorised
-        `keep_score`, `Policy.keep_scores`): the same scores, without a Python call per entry."""
-        protected = set(protect)
-        entries = self.entries
-        keys = [k for k, e in entries.items() if e.ready and not e.pins and k not in protected]
-        if not keys:
+        """The ready, unpinned expert with the lowest keep score (NaN counts as infinite; ties: the least
+        recently used), or None.
+
+        Three ways to the same choice: `least_recent` (the policy declares `keep_score` to be the last use,
+        `Policy.evicts_least_recent`) takes the first candidate in `recency` order; `keep_scores(layers,
+        experts)` (a policy's vectorised `keep_score`, `Policy.keep_scores`) scores every candidate slot in
+        one array expression; else `keep_score` is called per candidate, in `recency` order."""
+        protected = protect if isinstance(protect, (set, frozenset)) else set(protect)
+        if keep_scores is not None and not least_recent:
+            return self._victim_of_arrays(keep_scores, protected)
+        best: Key | None = None
+        low = math.inf
+        for key, entry in self.recency.items():  # least recently used first: the first lowest wins ties
+            if not entry.ready or entry.pins or key in protected:
+                continue
+            if least_recent:
+                return key
+            score = keep_score(key, entry)
+            if best is None or score < low:
+                best, low = key, (math.inf if score != score else score)
+        return best
+
+    def _victim_of_arrays(self, keep_scores: KeepScores, protected: set[Key]) -> Key | None:
+        evictable = self._evictable.copy()
+        slots = self._slot
+        for key in protected:
+            slot = slots.get(key)
+            if slot is not None:
+                evictable[slot] = False
+        candidates = np.flatnonzero(evictable)
+        if not candidates.size:
             return None
-        if keep_scores is None:
-            scores = np.array([keep_score(key, entries[key]) for key in keys], np.float64)
-        else:
-            scores = np.array(keep_scores(keys), np.float64)
+        scores = np.asarray(
+            keep_scores(self._slot_layer[candidates], self._slot_expert[candidates]), np.float64
+        )
         low = scores.min()
-        if low != low:  # a NaN: as the tuple comparison this replaced, never below a number
+        if low != low:  # a NaN: never below a number
             scores[np.isnan(scores)] = np.inf
             low = scores.min()
-        lowest = np.flatnonzero(scores == low)
-        if len(lowest) == 1:
-            return keys[lowest[0]]
-        return min((keys[i] for i in lowest), key=lambda k: (entries[k].last_use, entries[k].arrived))
+        lowest = candidates[scores == low]
+        slot = lowest[0] if len(lowest) == 1 else lowest[np.argmin(self._slot_use[lowest])]
+        return int(self._slot_layer[slot]), int(self._slot_expert[slot])

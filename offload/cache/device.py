@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .book import CacheBook, Entry, Key
+from .book import CacheBook, Entry, KeepScores, Key
 from .view import BookView
 
 if TYPE_CHECKING:
@@ -30,8 +30,11 @@ class EvictionPolicy(Protocol):
     def keep_score(self, key: Key, entry: Entry) -> float:
         """Higher is kept longer; the lowest-scoring ready, unpinned expert is evicted first."""
 
-    # `keep_score` of many resident experts at once, or None: the cache then calls `keep_score` per entry.
-    keep_scores: Callable[[list[Key]], Sequence[float]] | None
+    # `keep_score` of many resident experts at once, `keep_scores(layers, experts)`, or None: the cache then
+    # calls `keep_score` per entry.
+    keep_scores: KeepScores | None
+    # `keep_score` is the entry's last use: the cache evicts the least recently used without scoring.
+    evicts_least_recent: bool
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         """Whether a prefetch of `key` may evict `victim` to make room."""
@@ -144,8 +147,12 @@ class DeviceExpertCache(BookView):
         return list(self.book.arriving)
 
     def _evict_one(self, protect: Iterable[Key] = ()) -> bool:
+        policy = self.policy
         victim = self.book.victim(
-            self.policy.keep_score, protect=protect, keep_scores=self.policy.keep_scores
+            policy.keep_score,
+            protect=protect,
+            keep_scores=policy.keep_scores,
+            least_recent=policy.evicts_least_recent,
         )
         if victim is None:
             return False
@@ -249,10 +256,12 @@ class DeviceExpertCache(BookView):
 
     def _evict_for_prefetch(self, key: Key, priority: float) -> bool:
         """Makes room for a prefetch if the policy lets it evict its lowest-ranked expert."""
+        policy = self.policy
         victim = self.book.victim(
-            self.policy.keep_score,
+            policy.keep_score,
             protect=self.protected,
-            keep_scores=self.policy.keep_scores,
+            keep_scores=policy.keep_scores,
+            least_recent=policy.evicts_least_recent,
         )
         if victim is None or not self.policy.admit_prefetch(key, priority, victim):
             return False

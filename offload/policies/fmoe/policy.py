@@ -530,8 +530,8 @@ class FMoE(Policy):
     def keep_score(self, key: Key, entry: Entry) -> float:
         return self.evictor.keep_score(key, entry)
 
-    def keep_scores(self, keys: list[Key]) -> np.ndarray | list[float]:
-        return self.evictor.keep_scores(keys)
+    def keep_scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        return self.evictor.keep_scores(layers, experts)
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         return self.evictor.admit_prefetch(key, victim)
