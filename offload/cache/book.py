@@ -28,7 +28,7 @@ Key = tuple[int, int]  # (moe layer, expert)
 KeepScores = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Entry:
     ready: bool = False  # the copy has completed
     prefetched: bool = False  # brought in by a prefetch (not on demand)
@@ -120,7 +120,7 @@ class CacheBook:
         self._free = list(range(capacity - 1, -1, -1))  # slots not held (a stack)
         self._slot_layer = np.zeros(capacity, np.int64)
         self._slot_expert = np.zeros(capacity, np.int64)
-        self._slot_use = np.zeros(capacity, np.int64)  # its entry's last_use
+        self._slot_use = [0] * capacity  # its entry's last_use
         self._evictable = np.zeros(capacity, bool)  # held, ready and unpinned
 
     # -- state -----------------------------------------------------------------------------------------
@@ -148,18 +148,22 @@ class CacheBook:
             raise KeyError(f"expert {key} is already cached")
         if self.free_slots <= 0:
             raise RuntimeError(f"cache full ({self.capacity} slots): evict before adding {key}")
-        now = self.tick()
+        self.clock = now = self.clock + 1
         entry = Entry(prefetched=prefetched, last_use=now, arrived=now)  # arrival counts as a use for LRU
         self.entries[key] = entry
         self.arriving[key] = entry
         self.recency[key] = entry
         slot = self._slot[key] = self._free.pop()
-        self._slot_layer[slot], self._slot_expert[slot] = key
+        self._slot_layer[slot] = key[0]
+        self._slot_expert[slot] = key[1]
         self._slot_use[slot] = now
-        self.stats.loads += 1
-        self.stats.bytes_to_device += self.expert_bytes
-        self.stats.prefetches += int(prefetched)
-        self.stats.peak_bytes = max(self.stats.peak_bytes, self.held_bytes)
+        s = self.stats
+        s.loads += 1
+        s.bytes_to_device += self.expert_bytes
+        s.prefetches += prefetched
+        held = len(self.entries) * self.expert_bytes
+        if held > s.peak_bytes:
+            s.peak_bytes = held
         return entry
 
     def mark_ready(self, key: Key) -> None:
@@ -209,12 +213,21 @@ class CacheBook:
                 evictable[slots[key]] = True
 
     def record_use(self, key: Key) -> None:
-        entry = self.entries[key]
-        entry.used = True
-        entry.last_use = self.tick()
-        self.recency.move_to_end(key)
-        self._slot_use[self._slot[key]] = entry.last_use
-        self.freq[key] = self.freq.get(key, 0) + 1
+        self.record_uses((key,))
+
+    def record_uses(self, keys: Iterable[Key]) -> None:
+        """A use of each of `keys` (held), in order: each the most recent so far."""
+        entries, recency, freq = self.entries, self.recency, self.freq
+        slots, uses, now = self._slot, self._slot_use, self.clock
+        for key in keys:
+            entry = entries[key]
+            entry.used = True
+            now += 1
+            entry.last_use = now
+            recency.move_to_end(key)
+            uses[slots[key]] = now
+            freq[key] = freq.get(key, 0) + 1
+        self.clock = now
 
     def classify(self, layer: int, needed: Iterable[Key]) -> tuple[list[Key], list[Key], list[Key]]:
         """Splits a layer's needed experts into (hits, late prefetches, misses) and counts them."""
@@ -304,6 +317,6 @@ class CacheBook:
         if low != low:  # a NaN: never below a number
             scores[np.isnan(scores)] = np.inf
             low = scores.min()
-        lowest = candidates[scores == low]
-        slot = lowest[0] if len(lowest) == 1 else lowest[np.argmin(self._slot_use[lowest])]
+        lowest = candidates[scores == low].tolist()
+        slot = lowest[0] if len(lowest) == 1 else min(lowest, key=self._slot_use.__getitem__)
         return int(self._slot_layer[slot]), int(self._slot_expert[slot])

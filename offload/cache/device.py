@@ -140,8 +140,10 @@ class DeviceExpertCache(BookView):
 
     def _poll(self) -> None:
         """Marks finished copies ready."""
-        for key in [key for key in self.book.arriving if self.mover.is_ready(self.arrays[key])]:
-            self.book.mark_ready(key)
+        if self.book.arriving:
+            is_ready, arrays = self.mover.is_ready, self.arrays
+            for key in [key for key in self.book.arriving if is_ready(arrays[key])]:
+                self.book.mark_ready(key)
 
     def _inflight(self) -> list[Key]:
         return list(self.book.arriving)
@@ -285,40 +287,42 @@ class DeviceExpertCache(BookView):
         Hits are counted before anything is loaded; misses load on demand ahead of queued prefetches.
         The caller must `release` the keys after computing with them.
         """
-        if len(needed) > self.book.capacity:
-            raise ValueError(
-                f"{len(needed)} experts requested at once but the cache holds {self.book.capacity}"
-            )
+        book = self.book
+        if len(needed) > book.capacity:
+            raise ValueError(f"{len(needed)} experts requested at once but the cache holds {book.capacity}")
         with self.lock:
             self._poll()
-            hits, late, misses = self.book.classify(layer, needed)
+            hits, late, misses = book.classify(layer, needed)
             pinned = hits + late
-            self.book.pin(pinned)
-            self.paused += bool(misses)
+            book.pin(pinned)
+            if misses:
+                self.paused += 1
+                try:
+                    protect = set(needed)
+                    for key in misses:
+                        self.queued.discard(key)
+                        while book.free_slots <= 0 and not self._evict_one(protect=protect):
+                            self._wait_for_any_inflight()
+                        self._start_copy(key, prefetched=False)
+                        book.pin((key,))
+                        pinned.append(key)
+                except BaseException:
+                    self._give_back(pinned, True)
+                    raise
+        if late or misses:
+            start = time.perf_counter()
             try:
-                for key in misses:
-                    self.queued.discard(key)
-                    while self.book.free_slots <= 0 and not self._evict_one(protect=needed):
-                        self._wait_for_any_inflight()
-                    self._start_copy(key, prefetched=False)
-                    self.book.pin([key])
-                    pinned.append(key)
+                self._wait_ready(late + misses)
             except BaseException:
                 self._give_back(pinned, bool(misses))
                 raise
-        start = time.perf_counter()
-        try:
-            if late or misses:
-                self._wait_ready(late + misses)
-        except BaseException:
-            self._give_back(pinned, bool(misses))
-            raise
-        self.timers["on_demand_wait"] += time.perf_counter() - start
+            self.timers["on_demand_wait"] += time.perf_counter() - start
         with self.lock:
-            self.paused -= bool(misses)
-            for key in needed:
-                self.book.record_use(key)
-            out = {key: self.mover.result(self.arrays[key]) for key in needed}
+            if misses:
+                self.paused -= 1
+            book.record_uses(needed)
+            result, arrays = self.mover.result, self.arrays
+            out = {key: result(arrays[key]) for key in needed}
             self._pump()
         return out
 
