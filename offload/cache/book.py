@@ -301,21 +301,22 @@ class CacheBook:
         return best
 
     def _victim_of_arrays(self, keep_scores: KeepScores, protected: set[Key]) -> Key | None:
-        evictable = self._evictable.copy()
-        slots = self._slot
-        for key in protected:
-            slot = slots.get(key)
-            if slot is not None:
-                evictable[slot] = False
-        candidates = np.flatnonzero(evictable)
+        evictable, slots = self._evictable, self._slot
+        hidden = [slot for key in protected if (slot := slots.get(key)) is not None and evictable[slot]]
+        if hidden:  # protected experts that could otherwise go: left out of this choice only
+            evictable[hidden] = False
+            candidates = evictable.nonzero()[0]
+            evictable[hidden] = True
+        else:
+            candidates = evictable.nonzero()[0]
         if not candidates.size:
             return None
-        scores = np.asarray(
-            keep_scores(self._slot_layer[candidates], self._slot_expert[candidates]), np.float64
-        )
+        scores = keep_scores(self._slot_layer[candidates], self._slot_expert[candidates])
+        if not isinstance(scores, np.ndarray) or scores.dtype != np.float64:
+            scores = np.asarray(scores, np.float64)
         low = scores.min()
         if low != low:  # a NaN: never below a number
-            scores[np.isnan(scores)] = np.inf
+            scores = np.where(np.isnan(scores), np.inf, scores)
             low = scores.min()
         lowest = candidates[scores == low].tolist()
         slot = lowest[0] if len(lowest) == 1 else min(lowest, key=self._slot_use.__getitem__)

@@ -198,12 +198,14 @@ class DeviceExpertCache(BookView):
 
                 items = list(items)
                 kept = [entry for entry in self.queue if entry[0] == math.inf or not unwanted(entry[2])]
-                self.book.stats.dropped_prefetches += len(self.queue) - len(kept)
-                heapq.heapify(kept)
-                self.queue = kept
-                self.queued = {entry[2] for entry in kept}
-                still = {key for key, _ in items}
-                self._cancel_arriving(lambda key: unwanted(key) and key not in still)
+                if len(kept) < len(self.queue):  # else the queue stands as it is (a heap already)
+                    self.book.stats.dropped_prefetches += len(self.queue) - len(kept)
+                    heapq.heapify(kept)
+                    self.queue = kept
+                    self.queued = {entry[2] for entry in kept}
+                if self.book.arriving:
+                    still = {key for key, _ in items}
+                    self._cancel_arriving(lambda key: unwanted(key) and key not in still)
             if if_idle and (self.queue or self.book.arriving):
                 items = []
             for key, priority in items:
