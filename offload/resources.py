@@ -91,6 +91,25 @@ class SimulatedLink(Mover):
             queue.popleft()
         return True
 
+    def _commit_copy(self) -> bool:
+        """Starts every piece left of the next copy, one after another (as `_commit_one` would: nothing
+        else is asked of the link meanwhile, so no other piece goes between them). False when there is
+        none."""
+        queue = self.urgent or self.background
+        if not queue:
+            return False
+        copy = queue.popleft()
+        free_at, submitted, chunk_s = self.free_at, copy.submitted_s, self.chunk_s
+        start = submitted if submitted > free_at else free_at  # the max: later pieces start at `free_at`
+        busy = self.busy_s
+        for _ in range(copy.chunks_left):
+            start += chunk_s
+            busy += chunk_s
+        self.free_at = copy.done_s = start
+        self.busy_s = busy
+        copy.chunks_left = 0
+        return True
+
     def _advance(self, until: float) -> None:
         """Commits every piece that starts before `until`."""
         while self._next_start()[0] < until:
@@ -130,7 +149,7 @@ class SimulatedLink(Mover):
         self._advance(self.clock)
         for handle in handles:  # the link's pieces in its order, until every handle's last has started
             while handle.done_s == math.inf:
-                if not self._commit_one():
+                if not self._commit_copy():
                     raise RuntimeError("waiting for a copy the link does not hold (cancelled?)")
         until = max((h.done_s for h in handles), default=self.clock)
         if until > self.clock:
