@@ -465,3 +465,23 @@ def test_oracle_prefetch_turns_misses_into_hits():
     full = replay(Oracle(trace_of(iterations, 3)), iterations, **kw)
     assert belady.misses == optimal_misses(steps, 2) == 9
     assert (full.hits, full.misses, full.wasted_prefetches) == (10, 0, 0)
+
+
+def test_mixtral_offload_reads_router_inputs_only_to_speculate():
+    """Without speculation (its cache rule alone) mixtral_offload replays routing recorded elsewhere, which
+    holds no router inputs; with it, the replay is refused for want of them."""
+    from fmoe_jax.offload.cost_model import MIXTRAL_8X7B, RTX_3090
+    from fmoe_jax.offload.simulator import simulate
+
+    from fmoe_jax.trace import RoutingTrace
+
+    rng = np.random.default_rng(0)
+    steps = [{"ids": np.argsort(rng.random((1, 4, 8)), -1)[..., :2]} for _ in range(12)]
+    trace = RoutingTrace.from_external([steps], num_experts=8)
+    assert MixtralOffload().needs_hidden and not MixtralOffload(speculate=False).needs_hidden
+    offload = OffloadConfig(policy=MixtralOffload(speculate=False), cache_experts=8)
+    result = simulate(trace, offload, model=MIXTRAL_8X7B, hardware=RTX_3090)
+    assert result.hits + result.misses == sum(len(set(s["ids"][0, m])) for s in steps for m in range(4))
+    speculating = OffloadConfig(policy=MixtralOffload(), cache_experts=8)
+    with pytest.raises(ValueError, match="router weights"):
+        simulate(trace, speculating, model=MIXTRAL_8X7B, hardware=RTX_3090)
