@@ -112,3 +112,12 @@ def test_exp5_and_exp8_run_on_routing_alone(routing, tmp_path):
         "rtx_3090+desktop_ddr4"
     ]
     assert {r["policy"] for r in rows} >= {"fmoe+hybrid", "fiddler", "static_split"}
+
+
+def test_gpt_oss_routing_takes_the_shared_split(routing, tmp_path):
+    from benchmarks import gpt_oss_routing
+
+    argv = ["--data", str(routing), "--eval", "2", "--store", "2", "--warmup", "1", "--max-steps", "4"]
+    payload = gpt_oss_routing.main([*argv, "--budgets", "0.25", "--out", str(tmp_path)])
+    assert payload["eval_requests"] == ["e0", "e2"] and payload["store_requests"] == ["s0", "s2"]
+    assert len(payload["rows"]) == len(gpt_oss_routing.VARIANTS)
