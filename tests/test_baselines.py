@@ -485,3 +485,52 @@ def test_mixtral_offload_reads_router_inputs_only_to_speculate():
     speculating = OffloadConfig(policy=MixtralOffload(), cache_experts=8)
     with pytest.raises(ValueError, match="router weights"):
         simulate(trace, speculating, model=MIXTRAL_8X7B, hardware=RTX_3090)
+
+
+class _BisectingOracle(Oracle):
+    """The oracle's choices worked out the long way, as it did before it kept next uses: every expert's next
+    use bisected at each prefetch request, and a victim scored one candidate at a time."""
+
+    keep_scores = None
+
+    def _request(self, exclude):
+        import bisect
+        import heapq
+        import math
+
+        room = self.ctx.capacity if len(exclude) > self.ctx.capacity else self.ctx.capacity - len(exclude)
+        last = math.inf if self.prefetch_ahead is None else self._now + self.prefetch_ahead
+        upcoming = []
+        for key, steps in self.uses.items():
+            i = bisect.bisect_right(steps, self._now)
+            if i < len(steps) and key not in exclude and steps[i] <= last:
+                upcoming.append((steps[i], key))
+        soonest = heapq.nsmallest(room, upcoming)
+        self.cache.request_prefetch([(key, -float(step)) for step, key in soonest], replace=True)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"prefetch_ahead": 2}, {"horizon": 1}, {"prefetch": False, "horizon": 2}]
+)
+def test_oracle_kept_next_uses_choose_as_bisecting_them(options):
+    """Same replay, to the last float, with next uses kept per expert as with bisecting them each time
+    (two requests in a batch, top-2 of 6 experts: layers that run in chunks at 3 slots)."""
+    from fmoe_jax.offload.cost_model import MIXTRAL_8X7B, RTX_3090
+    from fmoe_jax.offload.simulator import simulate
+
+    rng = np.random.default_rng(len(options))
+    calls = []
+    for _ in range(3):
+        steps = [{"ids": np.argsort(rng.random((2, 3, 6)), -1)[..., :2]} for _ in range(8)]
+        calls.append(RoutingTrace.from_external([steps[:6], steps], num_experts=6))
+    for slots in (3, 5, 9):
+        results = [
+            simulate(
+                calls,
+                OffloadConfig(policy=cls(calls, **options), cache_experts=slots),
+                model=MIXTRAL_8X7B,
+                hardware=RTX_3090,
+            ).as_dict()
+            for cls in (Oracle, _BisectingOracle)
+        ]
+        assert results[0] == results[1], slots
