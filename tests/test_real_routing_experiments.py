@@ -121,3 +121,19 @@ def test_gpt_oss_routing_takes_the_shared_split(routing, tmp_path):
     payload = gpt_oss_routing.main([*argv, "--budgets", "0.25", "--out", str(tmp_path)])
     assert payload["eval_requests"] == ["e0", "e2"] and payload["store_requests"] == ["s0", "s2"]
     assert len(payload["rows"]) == len(gpt_oss_routing.VARIANTS)
+
+
+def test_readme_reports_the_routing_gap_and_leaves_validation_out_of_the_counts():
+    from benchmarks.make_readme import _routing_sentence, reported
+
+    def rows(fmoe):
+        tpot = {"on_demand_lru": 10.0, "fiddler": 8.0, "fmoe": fmoe, "oracle": 4.0}
+        return [{"budget": 0.25, "policy": p, "median_tpot_s": t} for p, t in tpot.items()]
+
+    name = f"{real_routing.NAME}@bf16"
+    models = {name: {"sim": {"rtx_3090": rows(6.0)}}}
+    models[f"{name} (validation)"] = {"sim": {"h100_sxm": rows(7.0)}}
+    text = _routing_sentence({"models": models})
+    assert f"{name}: 50 % on the rtx_3090 preset (best baseline fiddler)" in text
+    assert f"{name} (validation): 25 % on the h100_sxm preset" in text
+    assert list(reported({"models": models})) == [name]
