@@ -304,7 +304,7 @@ def test_fmoe_store_and_moe_infinity_eams_are_sized_apart():
     parser = argparse.ArgumentParser()
     h.add_arguments(parser)
     args = parser.parse_args(["--store-capacity", "7", "--eam-capacity", "9", "--max-inflight", "1"])
-    workload = types.SimpleNamespace(args=args, store=[], slots=lambda budget: 4)
+    workload = types.SimpleNamespace(args=args, store=[], slots=lambda budget: 4, recorded=True)
 
     def policy(variant, **kwargs):
         return h.offload_config(workload, variant, calls=[], simulated=True, **kwargs).policy
