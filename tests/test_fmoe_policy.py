@@ -482,7 +482,8 @@ def test_reuse_eviction_keeps_popular_experts_from_the_profile():
     policy.guides.need[3, 1] = 0.3  # a guide for a layer still to route: the third factor
     keys = [(layer, expert) for layer in range(4) for expert in range(4)]
     for p in (policy, plain):  # the cache's victim choice scores every resident expert at once
-        assert p.keep_scores(keys).tolist() == [p.keep_score(key, Entry()) for key in keys]
+        layers, experts = (np.array(column) for column in zip(*keys, strict=True))
+        assert p.keep_scores(layers, experts).tolist() == [p.keep_score(key, Entry()) for key in keys]
     with pytest.raises(ValueError, match="popularity profile"):
         bound_policy(one_map_store(), popularity=np.ones((4, 3)))
 
