@@ -8,6 +8,11 @@ same requests replayed at a real model's sizes on each `--hardware` preset, with
 rate, TTFT, TPOT) and with synchronous ones (`hit_rate_sync`: prediction and caching alone, no copy
 arrives late). `resident` (every expert on the device) is the reference.
 Writes `exp2_overall.{json,md,png}` to --out.
+
+`--model gpt-oss-20b-routing[@int4]` (add `--merge` to keep the shipped models' tables) replays gpt-oss-20b's
+real decode routing instead, simulated only, at its sizes with bf16 (or int4, int8, mxfp4) experts:
+`benchmarks/real_routing.py`'s split, policies learning from its store part, `--routing-requests` of its
+evaluation part replayed (`--split validation`: its validation part).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = parser.parse_args(argv)
 
-    tables, payload, notes = {}, {"models": {}}, []
+    tables, payload, notes, gaps = {}, {"models": {}}, [], []
     for name in args.model:
         w = h.load_workload(name, args)
         notes.append(h.settings_note(w))
@@ -63,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.no_sim:
             for hw in args.hardware:
                 rows = []
-                for v in h.variants(args.policies):
+                for v in h.runnable(w, h.variants(args.policies)):
                     print(f"[{w.name}] simulated {v.label} on {hw}", flush=True)
                     r = h.run_sim(w, v, hw)
                     sync = h.run_sim(w, v, hw, synchronous=True)
@@ -83,7 +88,12 @@ def main(argv: list[str] | None = None) -> dict:
                     )
                 tables[f"{w.name}, simulated at {w.preset.name} sizes on {hw}"] = rows
                 tables[f"{w.name}, simulated on {hw}: fmoe against each"] = h.versus_fmoe(rows, "tpot_s")
-        w.model.close()
+                gap = h.gap_closed({r["policy"]: r["tpot_s"] for r in rows})
+                if gap:
+                    gaps.append(dict(model=w.name, hardware=hw, budget=args.budget, **gap))
+        w.close()
+    if gaps:
+        tables["The share of the best baseline's gap to the oracle fmoe closes (simulated TPOT)"] = gaps
     payload["args"] = {k: str(v) for k, v in vars(args).items()}
     h.write_results(
         NAME,

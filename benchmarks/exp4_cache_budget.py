@@ -8,6 +8,11 @@ policies taking turns request by request (`run_live_interleaved`); simulated:
 every evaluation request, asynchronous copies, on each `--hardware` preset. Each table has one row per
 budget and one column per policy (median TPOT over requests, or hit rate). Writes
 `exp4_cache_budget.{json,md,png}` to --out.
+
+`--model gpt-oss-20b-routing[@int4]` (add `--merge` to keep the shipped models' tables) replays gpt-oss-20b's
+real decode routing instead, simulated only, at its sizes with bf16 (or int4, int8, mxfp4) experts:
+`benchmarks/real_routing.py`'s split, policies learning from its store part, `--routing-requests` of its
+evaluation part replayed (`--split validation`: its validation part).
 """
 
 from __future__ import annotations
@@ -30,6 +35,16 @@ def pivot(rows: list[dict], key: str, budget_gb: dict | None = None) -> list[dic
             row["cache_gb"] = budget_gb[r["budget"]]
         row[r["policy"]] = r[key]
     return list(out.values())
+
+
+def gaps(rows: list[dict]) -> list[dict]:
+    """Per budget, the share of the gap from the best baseline's TPOT to the oracle's that fmoe closes."""
+    out = []
+    for budget in dict.fromkeys(r["budget"] for r in rows):
+        gap = h.gap_closed({r["policy"]: r["median_tpot_s"] for r in rows if r["budget"] == budget})
+        if gap:
+            out.append(dict(budget=budget, **gap))
+    return out
 
 
 def plot(payload: dict, path) -> None:
@@ -127,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
                 rows = result["sim"][hw] = []
                 gb = {b: w.slots(b) * w.preset.expert_bytes / 1e9 for b in args.budgets}
                 for budget in args.budgets:
-                    for v in h.variants(args.policies):
+                    for v in h.runnable(w, h.variants(args.policies)):
                         print(f"[{w.name}] simulated {v.label} on {hw}, budget {budget}", flush=True)
                         r = h.run_sim(w, v, hw, budget=budget)
                         rows.append(
@@ -142,12 +157,13 @@ def main(argv: list[str] | None = None) -> dict:
                 caption = f"{w.name}, simulated at {w.preset.name} sizes on {hw}"
                 tables[f"{caption}: median TPOT (s)"] = pivot(rows, "median_tpot_s", gb)
                 tables[f"{caption}: hit rate"] = pivot(rows, "hit_rate", gb)
+                tables[f"{caption}: share of the best baseline's gap to the oracle fmoe closes"] = gaps(rows)
                 unfit = sorted({r["budget"] for r in rows if not r["fits_device"]})
                 if unfit:
                     notes.append(f"{hw}: budgets {unfit} exceed the device memory (cache + dense weights)")
-        w.model.close()
+        w.close()
     for caption, rows in list(tables.items()):
-        policies = [p for p in args.policies if p != "fmoe" and rows and p in rows[0]]
+        policies = [p for p in (rows[0] if rows else {}) if p not in ("budget", "slots", "cache_gb", "fmoe")]
         if "fmoe" in (rows[0] if rows else {}) and "TPOT" in caption:
             wins = {p: int(np.sum([r["fmoe"] <= r[p] for r in rows])) for p in policies}
             notes.append(f"{caption}: budgets where fmoe's TPOT <= each policy's (of {len(rows)}): {wins}")

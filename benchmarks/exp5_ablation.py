@@ -21,6 +21,11 @@ per matrix (the default is the cost model's choice, `HardwarePreset.copy_chunks`
 tokens of foresight or the whole future (on-demand loads, no prefetch) beside the oracle (Belady plus
 perfect prefetch one layer ahead).
 Writes `exp5_ablation.{json,md,png}` to --out.
+
+`--model gpt-oss-20b-routing[@int4]` (add `--merge` to keep the shipped models' tables) replays gpt-oss-20b's
+real decode routing instead, simulated only, at its sizes with bf16 (or int4, int8, mxfp4) experts:
+`benchmarks/real_routing.py`'s split, policies learning from its store part, `--routing-requests` of its
+evaluation part replayed (`--split validation`: its validation part).
 """
 
 from __future__ import annotations
@@ -68,11 +73,22 @@ PARTS = [
 ]
 
 
+def groups(w: h.Workload) -> tuple[list[h.Variant], list[h.Variant], list[h.Variant]]:
+    """(tracking, caching, parts) for the workload: on routing recorded elsewhere (no embeddings, no router
+    inputs) speculation, semantic search and the reuse predictor are out, and map(T+delta) stands for
+    map(T+S+delta)."""
+    if w.recorded:
+        return TRACKING, CACHING, PARTS
+    tracking = [v for v in TRACKING if v.label in ("hit count", "map(T)")]
+    tracking += [h.Variant("map(T+delta)", "fmoe", (("semantic", False), *ALL)), TRACKING[-1]]
+    return tracking, CACHING, [v for v in PARTS if v.label != "no reuse predictor"]
+
+
 def rows_for(w: h.Workload, group: list[h.Variant], args, *, live: bool = True) -> list[dict]:
     rows = []
     for v in group:
         row = {"variant": v.label}
-        if live and not args.no_live:
+        if live and not args.no_live and not w.simulated_only:
             print(f"[{w.name}] live {v.label}", flush=True)
             r = h.run_live(w, v)
             row |= dict(live_hit_rate=r["hit_rate"], live_tpot_ms=1e3 * r["median_tpot_s"])
@@ -90,21 +106,24 @@ def rows_for(w: h.Workload, group: list[h.Variant], args, *, live: bool = True) 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     h.add_arguments(parser)
+    h.add_merge_argument(parser)
     args = parser.parse_args(argv)
     tables, payload, notes = {}, {"models": {}}, []
     for name in args.model:
         w = h.load_workload(name, args)
         notes.append(h.settings_note(w))
-        tracking, caching = rows_for(w, TRACKING, args), rows_for(w, CACHING, args)
-        parts = rows_for(w, PARTS, args, live=False)
+        tracking_group, caching_group, parts_group = groups(w)
+        tracking, caching = rows_for(w, tracking_group, args), rows_for(w, caching_group, args)
+        parts = rows_for(w, parts_group, args, live=False)
         payload["models"][w.name] = {"tracking": tracking, "caching": caching, "parts": parts}
         tables[f"{w.name}: (a) expert-pattern tracking"] = tracking
         tables[f"{w.name}: (b) prefetching and caching (eviction)"] = caching
         tables[f"{w.name}: (c) the default fmoe's parts, and Belady's foresight (simulated)"] = parts
-        w.model.close()
+        w.close()
     notes.append("sim_hit_rate_sync: simulated on the first --hardware preset with synchronous copies")
     payload["args"] = {k: str(v) for k, v in vars(args).items()}
-    h.write_results(NAME, "Experiment 5: ablation study (figure 12)", payload, tables, notes, args.out)
+    title = "Experiment 5: ablation study (figure 12)"
+    h.write_results(NAME, title, payload, tables, notes, args.out, merge=args.merge)
     plot(h.saved(NAME, args.out), args.out / f"{NAME}.png")
     return payload
 

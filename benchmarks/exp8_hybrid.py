@@ -44,7 +44,9 @@ def sizes(workload: h.Workload) -> list:
     (both top-2 over 4096-wide experts; the trace keeps its own 8 experts per layer) unless `--quick`."""
     from fmoe_jax.offload.cost_model import PHI35_MOE
 
-    if workload.args.sim_model == "own" or workload.config.family != "mixtral" or workload.args.quick:
+    if not workload.recorded or workload.args.sim_model == "own" or workload.args.quick:
+        return [workload.preset]
+    if workload.config.family != "mixtral":
         return [workload.preset]
     return [workload.preset, PHI35_MOE]
 
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     # be reordered or dropped (with 4 in flight the oracle's simulated TPOT at Mixtral-8x7B on an RTX 3090
     # was 80 ms copy-only and 37 ms hybrid, against 64 and 31 with 1; no variant was slower with 1).
     h.add_arguments(parser, hardware=[], max_inflight=1)
+    h.add_merge_argument(parser)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.125, 0.25, 0.5], help="cache budgets")
     parser.add_argument(
         "--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, help="accelerator+host presets"
@@ -137,8 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
                 tables[f"{w.name}, simulated at {model.name} sizes on {system}"] = rows
                 if model.name.startswith("Mixtral") and system.startswith("rtx_3090"):
                     goals += targets(rows, model.name, system)
-        w.model.close()
-    tables["Targets (issue 17): Mixtral-8x7B, RTX 3090 + desktop host, 25 % budget"] = goals
+        w.close()
+    if goals or not args.merge:
+        tables["Targets (issue 17): Mixtral-8x7B, RTX 3090 + desktop host, 25 % budget"] = goals
     notes += [
         "TPOT and TTFT: medians over the evaluation requests (one at a time). host_share: needed experts the "
         "host computed; host_busy_share, link_busy_share, stall_share: fractions of the simulated time the "
@@ -154,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
         "execution it is not a bound: it plans copies as if every miss waited for one.",
     ]
     payload["args"] = {k: str(v) for k, v in vars(args).items()}
-    h.write_results(NAME, "Experiment 8: hybrid execution (issue 17)", payload, tables, notes, args.out)
+    title = "Experiment 8: hybrid execution (issue 17)"
+    h.write_results(NAME, title, payload, tables, notes, args.out, merge=args.merge)
     plot(h.saved(NAME, args.out), args.out / f"{NAME}.png")
     return payload
 

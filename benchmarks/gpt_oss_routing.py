@@ -2,7 +2,7 @@
 on_demand_lru, fiddler, static_split (llama.cpp's `--n-cpu-moe` split) and fmoe, copy-only and hybrid, with
 25 % and 50 % of the experts on the device.
 
-    .venv/bin/python -m benchmarks.gpt_oss_routing [--eval 24] [--store 48] [--max-steps 128]
+    .venv/bin/python -m benchmarks.gpt_oss_routing [--eval 24] [--store 48] [--max-steps N]
 
 Routing: `shared/data/routing/gpt-oss-20b` (real decode routing of openai/gpt-oss-20b recorded with
 transformers: per request and decode step, the top-4 experts of each of its 24 MoE layers and their weights;
@@ -10,17 +10,14 @@ no prefill routing and no router distributions were recorded, so a request's rep
 decode step, whose one token stands in for the prefill, and no TTFT is reported). Each request replays on
 its own (batch 1) through `RoutingTrace.from_external`.
 
-Store / evaluation split, by request and by dataset: the 477 requests are ordered by their key (`rNNNN`);
-each dataset's every fourth request (its 4th, 8th, ...) is an evaluation request, the others are store
-requests, so both splits hold every dataset (MMLU dev / test / validation, MMLU-Pro, Polyglot-or-Not, Tulu3
-persona-IF) and no request is in both. Each split is then dealt round-robin over the datasets (one request of
-each dataset in turn, in key order within a dataset). The first `--eval` evaluation requests are replayed
-and measured; the first `--store` store requests are what the policies may learn from: fmoe's expert-map
+Store / evaluation split: `benchmarks/real_routing.py`'s, by dataset (the one every experiment uses: store
+mmlu_test; evaluation mmlu_validation, MMLU-Pro, Polyglot-or-Not and Tulu3 persona-IF; the validation part,
+mmlu_dev, is not used here). `--eval` evaluation requests (evenly spaced over that part) are replayed and
+measured; `--store` store requests (evenly spaced) are what the policies may learn from: fmoe's expert-map
 store and expert popularity (`FMoE.from_traces`, trajectory matching only: the data has no embeddings),
 fiddler's expert popularity (`Fiddler.from_traces`); the last `--warmup` of them are also replayed through
 every policy before the measured requests (caches warm, fmoe's calibration and reuse forecast learned
-online). Every request is cut to its first `--max-steps` decode steps (the simulator is
-slow: ~2,600 layer events a second under fmoe on one core), and the numbers say how many were replayed.
+online). Requests replay whole unless `--max-steps` cuts them to their first decode steps.
 
 Sizes: gpt-oss-20b's (`cost_model.GPT_OSS_20B`: experts in MXFP4 as published, 4.25 bits per weight plus
 their bf16 biases, 13.2 MB each; everything else bf16) on the RTX 3090 preset (PCIe 4.0 x16) beside a
@@ -33,18 +30,16 @@ experts, as `--n-cpu-moe N` leaves them. Simulated only. Writes `gpt_oss_routing
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks import harness as h
+from benchmarks import real_routing
 from benchmarks.common import HelpFormatter, grouped_bars
 
 NAME = "gpt_oss_routing"
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "gpt-oss-20b"
 # (label, policy, execution, options)
 VARIANTS: list[tuple[str, str, str, dict[str, Any]]] = [
     ("on_demand_lru", "on_demand_lru", "copy", {}),
@@ -56,35 +51,19 @@ VARIANTS: list[tuple[str, str, str, dict[str, Any]]] = [
 ]
 
 
-def split(requests: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
-    """(store keys, evaluation keys): by key order, each dataset's every fourth request is evaluated; each
-    list is then dealt round-robin over the datasets (so that its first n keys span them)."""
-    store: dict[str, list[str]] = {}
-    evaluate: dict[str, list[str]] = {}
-    for r in sorted(requests, key=lambda r: r["request"]):
-        n = len(store.get(r["dataset"], [])) + len(evaluate.get(r["dataset"], [])) + 1
-        (evaluate if n % 4 == 0 else store).setdefault(r["dataset"], []).append(r["request"])
-    return _deal(store), _deal(evaluate)
-
-
-def _deal(by_dataset: dict[str, list[str]]) -> list[str]:
-    """The datasets' keys, one from each dataset in turn (datasets in name order)."""
-    columns = [by_dataset[name] for name in sorted(by_dataset)]
-    return [keys[i] for i in range(max(map(len, columns))) for keys in columns if i < len(keys)]
-
-
-def load(data: Path, keys: list[str], max_steps: int) -> list[Any]:
-    """One single-request `RoutingTrace` per key, each decode step one iteration of one token."""
+def load(data: Path, part: str, limit: int, max_steps: int | None) -> list[Any]:
+    """`limit` requests of one part of `real_routing`'s split (evenly spaced), one single-request
+    `RoutingTrace` each, each cut to its first `max_steps` decode steps (None: whole)."""
     import fmoe_jax as fj
 
-    routing = np.load(data / "decode_routing.npz")
-    traces = []
-    for key in keys:
-        ids, weights = routing[f"{key}__ids"][:max_steps], routing[f"{key}__w"][:max_steps]
-        steps = [{"ids": ids[t : t + 1], "weights": weights[t : t + 1]} for t in range(len(ids))]
-        trace = fj.RoutingTrace.from_external([steps], num_experts=32, meta={"family": "gpt_oss"})
-        traces.append(trace)
-    return traces
+    trace = real_routing.load(part, data, limit=limit)
+    meta = {**trace.meta, "family": "gpt_oss"}
+    return [
+        fj.RoutingTrace(
+            {**meta, "requests": [record]}, [dataclasses.replace(r, iterations=r.iterations[:max_steps])]
+        )
+        for record, r in zip(trace.meta["requests"], trace.requests, strict=True)
+    ]
 
 
 def run(variant: tuple, budget: float, store: list[Any], warmup: list[Any], evaluated: list[Any]) -> dict:
@@ -124,33 +103,33 @@ def run(variant: tuple, budget: float, store: list[Any], warmup: list[Any], eval
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--data", type=Path, default=DATA, help="the gpt-oss-20b routing folder")
+    parser.add_argument("--data", type=Path, default=real_routing.DEFAULT_PATH, help="the routing set")
     parser.add_argument("--eval", type=int, default=24, help="evaluation requests replayed and measured")
     parser.add_argument("--store", type=int, default=48, help="store requests the policies learn from")
     parser.add_argument("--warmup", type=int, default=8, help="of those, replayed before the measurement")
-    parser.add_argument("--max-steps", type=int, default=128, help="decode steps kept per request")
+    parser.add_argument("--max-steps", type=int, default=None, help="decode steps kept per request (all)")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5], help="cache budgets")
     parser.add_argument("--out", type=Path, default=h.RESULTS)
     args = parser.parse_args(argv)
-    requests = json.loads((args.data / "requests.json").read_text())["requests"]
-    store_keys, eval_keys = split(requests)
-    store_keys, eval_keys = store_keys[: args.store], eval_keys[: args.eval]
-    store = load(args.data, store_keys, args.max_steps)
-    evaluated = load(args.data, eval_keys, args.max_steps)
+    store = load(args.data, "store", args.store, args.max_steps)
+    evaluated = load(args.data, "evaluation", args.eval, args.max_steps)
+    store_keys, eval_keys = ([t.meta["requests"][0]["request"] for t in ts] for ts in (store, evaluated))
     warmup = store[len(store) - args.warmup :] if args.warmup else []
     rows = [run(v, b, store, warmup, evaluated) for b in args.budgets for v in VARIANTS]
     for row in rows:
         base = next(r for r in rows if r["budget"] == row["budget"] and r["policy"] == "on_demand_lru")
         row["tpot_vs_lru"] = row["tpot_ms"] / base["tpot_ms"]
     steps = [len(t.requests[0].iterations) for t in evaluated]
-    datasets = {r["request"]: r["dataset"] for r in requests}
+    datasets = {t.meta["requests"][0]["request"]: t.meta["requests"][0]["dataset"] for t in store + evaluated}
     notes = [
         "simulated at gpt-oss-20b sizes (24 MoE layers x 32 experts, top-4; MXFP4 experts of 13.2 MB) on "
         "the RTX 3090 preset beside a desktop_ddr4 host; batch 1, prefetch distance 3, one copy in flight; "
-        f"TPOT the median over the {len(evaluated)} evaluation requests ({sum(steps)} decode steps, at "
-        f"most {args.max_steps} each), tokens/s its inverse",
-        f"{len(eval_keys)} evaluation requests from {sorted({datasets[k] for k in eval_keys})}; the policies "
-        f"learn from {len(store)} other (store) requests, the last {len(warmup)} also replayed first",
+        f"TPOT the median over the {len(evaluated)} evaluation requests ({sum(steps)} decode steps, "
+        f"{'whole requests' if args.max_steps is None else f'at most {args.max_steps} each'}), tokens/s its "
+        "inverse",
+        f"{len(eval_keys)} of the evaluation part's requests (benchmarks/real_routing.py: split by dataset), "
+        f"from {sorted({datasets[k] for k in eval_keys})}; the policies learn from {len(store)} of the store "
+        f"part's ({sorted({datasets[k] for k in store_keys})}), the last {len(warmup)} also replayed first",
         "fiddler and static_split run hybrid only (they place experts and compute the rest on the host); "
         "static_split keeps the last layers' experts on the device, as llama.cpp's --n-cpu-moe does",
         "routing: real gpt-oss-20b decode routing (shared/data/routing/gpt-oss-20b); no prefill, no TTFT",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -98,7 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
         nargs="+",
         default=d["model"],
         help="shipped model names or checkpoint directories; NAME@PRESET replays NAME's traces at the sizes "
-        "of cost_model.MODELS[PRESET] (simulated only: e.g. fmoe-tiny-qwen3-moe@qwen3_next)",
+        "of cost_model.MODELS[PRESET] (simulated only: e.g. fmoe-tiny-qwen3-moe@qwen3_next); "
+        "gpt-oss-20b-routing[@EXPERTS]: gpt-oss-20b's real routing (benchmarks/real_routing.py)",
     )
     a("--data", type=Path, default=DATA, help="data directory (corpora/, prompts/, arrivals/)")
     a(
@@ -148,6 +150,14 @@ def add_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     )
     a("--out", type=Path, default=RESULTS)
     a("--cache-dir", type=Path, default=CACHE, help="recorded traces and trained predictors")
+    a(
+        "--routing-requests",
+        type=int,
+        default=d.get("routing_requests", 40),
+        help="--model gpt-oss-20b-routing[@EXPERTS]: requests of its evaluation (or validation) part "
+        "replayed, evenly spaced (benchmarks/real_routing.py)",
+    )
+    a("--routing-data", type=Path, default=None, help="that routing set (default: the shared one)")
 
 
 def add_merge_argument(parser: argparse.ArgumentParser) -> None:
@@ -211,14 +221,30 @@ class Workload:
     args: argparse.Namespace
     cache_dir: Path
     simulated_only: bool = False  # NAME@PRESET: another model's sizes, so no live run stands for it
+    # Routing recorded elsewhere (`real_routing`): no model, and its own part of its own split replayed.
+    part: str = ""
+    learned: dict[tuple, Any] = dataclasses.field(default_factory=dict)  # policies built from the store
 
     @property
     def config(self) -> Any:
         return self.model.config
 
     @property
+    def recorded(self) -> bool:
+        """Whether the traces are this project's recordings of the model (embeddings and router inputs
+        included); routing recorded elsewhere has the experts chosen and their weights only."""
+        return self.model is not None
+
+    @property
     def total_experts(self) -> int:
-        return self.config.num_moe_layers * self.config.num_experts
+        if self.recorded:
+            return self.config.num_moe_layers * self.config.num_experts
+        meta = (self.store or self.eval)[0].trace.meta
+        return meta["num_layers"] * meta["num_experts"]
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.model.close()
 
     def slots(self, budget: float) -> int:
         return max(1, round(budget * self.total_experts))
@@ -263,8 +289,11 @@ def load_workload(name: str, args: argparse.Namespace, *, record: bool = True) -
     from fmoe_jax.offload.cost_model import MODELS, ModelPreset
 
     import fmoe_jax as fj
+    from benchmarks import real_routing
     from fmoe_jax.engines.offload import router_weights
 
+    if real_routing.is_routing(name):
+        return real_routing.workload(name, args)
     base, _, preset_name = name.partition("@")
     if preset_name and preset_name not in MODELS:
         known = ", ".join(MODELS)
@@ -400,6 +429,27 @@ def variants(names: Sequence[str]) -> list[Variant]:
     return [Variant(n, n) for n in names]
 
 
+def runnable(workload: Workload, chosen: Sequence[Variant]) -> list[Variant]:
+    """The variants a workload's traces can drive: all of them on this project's recordings; on routing
+    recorded elsewhere (no router inputs) mixtral_offload without its speculative gate, and neither ProMoE
+    nor DuoServe (their predictors read router inputs), nor a row that is about speculation."""
+    from benchmarks import real_routing
+
+    if workload.recorded:
+        return list(chosen)
+    out = []
+    for v in chosen:
+        if v.policy in ("promoe", "duoserve"):
+            continue
+        if v.policy == "mixtral_offload":
+            if v.label != v.policy or dict(v.options).get("speculate", True) is False:
+                continue  # a row about its speculation
+            label, options = real_routing.WITHOUT_HIDDEN[v.policy]
+            v = dataclasses.replace(v, label=label, options=options)
+        out.append(v)
+    return out
+
+
 def predictor(workload: Workload, kind: str, stride: int, horizon: int = 2) -> Any:
     """ProMoE's (per stride), DuoServe's or fmoe's reuse predictor (per horizon), trained on the store traces
     only; cached on disk."""
@@ -451,7 +501,10 @@ def offload_config(
     if variant.policy == "moe_infinity":
         capacity = args.eam_capacity
     options: dict[str, Any] = dict(variant.options)
-    if variant.policy == "fmoe":
+    if variant.policy == "fmoe" and not workload.recorded:  # routing alone: no embeddings, no router inputs
+        options.setdefault("semantic", False)
+        options.setdefault("asynchronous", not simulated)
+    elif variant.policy == "fmoe":
         options.setdefault("asynchronous", not simulated)
         if options.get("eviction", "reuse") == "reuse":  # its reuse forecast reads the router inputs
             # trained for the iterations the forecast looks ahead (`FMoE._train_reuse`)
@@ -468,10 +521,17 @@ def offload_config(
     store = [r.trace for r in workload.store] if variant.knowledge else []
     if variant.policy == "oracle":  # it knows the calls it serves and learns nothing from other requests
         policy = ALL_POLICIES["oracle"](**options)
-    else:
+    elif workload.recorded or not simulated:
         policy = ALL_POLICIES[variant.policy].from_traces(
             store, prefetch_distance=d, store_capacity=capacity, **options
         )
+    else:  # routing recorded elsewhere: a large store, learned once per setting, a fresh copy each run
+        key = (variant.policy, variant.knowledge, d, capacity, tuple(sorted(options.items(), key=str)))
+        if key not in workload.learned:
+            workload.learned[key] = ALL_POLICIES[variant.policy].from_traces(
+                store, prefetch_distance=d, store_capacity=capacity, **options
+            )
+        policy = copy.deepcopy(workload.learned[key])
     return fj.OffloadConfig(
         policy=policy,
         cache_experts=workload.slots(budget if budget is not None else args.budget),
@@ -733,6 +793,10 @@ def simulated_sizes(payload: dict[str, Any], model: str) -> str:
 
 
 def settings_note(workload: Workload) -> str:
+    if not workload.recorded:
+        from benchmarks import real_routing
+
+        return real_routing.settings_note(workload)
     a, cfg = workload.args, workload.config
     eams = "" if a.eam_capacity == a.store_capacity else f" (MoE-Infinity: {a.eam_capacity} EAMs)"
     sizes = ""
@@ -752,6 +816,23 @@ def settings_note(workload: Workload) -> str:
         f"{a.warmup} warm-up store prompts; "
         f"simulated sizes: {workload.preset.name} ({workload.preset.expert_bytes / 2**20:.0f} MiB per "
         f"expert){sizes}"
+    )
+
+
+def gap_closed(tpot: dict[str, float], label: str = "fmoe", bound: str = "oracle") -> dict[str, Any]:
+    """The share of the gap from the best baseline (the fastest row that is neither `label`, `bound` nor
+    `resident`) down to `bound` (Belady's foresight) that `label` closes, from TPOT by policy: 1 at the
+    bound, 0 no faster than the best baseline, below 0 slower; {} without the three."""
+    baselines = {p: t for p, t in tpot.items() if p not in (label, bound, "resident")}
+    if label not in tpot or bound not in tpot or not baselines:
+        return {}
+    best = min(baselines, key=baselines.__getitem__)
+    gap = baselines[best] - tpot[bound]
+    return dict(
+        best_baseline=best,
+        best_tpot=baselines[best],
+        **{f"{label}_tpot": tpot[label], f"{bound}_tpot": tpot[bound]},
+        gap_closed=(baselines[best] - tpot[label]) / gap if gap > 0 else float("nan"),
     )
 
 

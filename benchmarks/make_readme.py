@@ -167,7 +167,7 @@ def conclusion(results: Path = RESULTS) -> str:
         set(),
     )
     live_ratio, live_hits, live_unpaid = [], [], []
-    for result in payload["models"].values():
+    for result in reported(payload).values():
         for by_policy in result["sim"].values():
             rows = {p: r["async"] for p, r in by_policy.items()}
             if "fmoe" not in rows or "on_demand_lru" not in rows:
@@ -198,8 +198,8 @@ def conclusion(results: Path = RESULTS) -> str:
             searches = unpaid + sum(extra.get(f"{k}_matches", 0) for k in kinds)
             if searches:
                 live_unpaid.append(unpaid / searches)
-    models = sorted({simulated_sizes(payload, m) for m in payload["models"]})
-    hardware = sorted({HARDWARE_NAMES.get(hw, hw) for r in payload["models"].values() for hw in r["sim"]})
+    models = sorted({simulated_sizes(payload, m) for m in reported(payload)})
+    hardware = sorted({HARDWARE_NAMES.get(hw, hw) for r in reported(payload).values() for hw in r["sim"]})
     cache = float(payload["args"].get("budget", "nan"))
     text = [
         f"**Conclusion** (computed from `results/*.json` by `make_readme`). Simulated at the sizes of "
@@ -218,7 +218,7 @@ def conclusion(results: Path = RESULTS) -> str:
         text.append(f"The oracle (perfect prediction) stays {_span(vs_oracle, '{:.1f}')}x faster.")
     if budget.exists():
         points, losses = 0, []
-        for result in json.loads(budget.read_text())["models"].values():
+        for result in reported(json.loads(budget.read_text())).values():
             for rows in result["sim"].values():
                 by_budget: dict[float, dict[str, float]] = {}
                 for r in rows:
@@ -244,6 +244,7 @@ def conclusion(results: Path = RESULTS) -> str:
                 f"{points - len(losses)} of {points} (model, preset, budget) points"
                 + (f"; it loses {detail}." if losses else ".")
             )
+        text.append(_routing_sentence(json.loads(budget.read_text())))
     foresight = results / "foresight.json"
     if foresight.exists():
         text.append(_foresight_sentence(json.loads(foresight.read_text())))
@@ -287,6 +288,44 @@ def conclusion(results: Path = RESULTS) -> str:
             "predictions pay, is only in the simulated results."
         )
     return " ".join(text)
+
+
+VALIDATION = " (validation)"  # the end of a workload's name replayed on its validation split
+
+
+def reported(payload: dict) -> dict:
+    """An experiment's results by model, less the workloads replayed on a validation split (for choices,
+    not for reporting)."""
+    return {name: r for name, r in payload["models"].items() if not name.endswith(VALIDATION)}
+
+
+def _routing_sentence(payload: dict, budget: float = 0.25) -> str:
+    """Experiment 4 on gpt-oss-20b's real routing (`--model gpt-oss-20b-routing`): at `budget`, per preset,
+    the share of the best baseline's gap to the oracle fMoE closes, on the evaluation split and, where it
+    was run, the validation split."""
+    from benchmarks.harness import gap_closed
+    from benchmarks.real_routing import NAME
+
+    shares: dict[str, list[str]] = {}
+    for model, result in payload["models"].items():
+        if not model.startswith(NAME):
+            continue
+        for hw, rows in result["sim"].items():
+            gap = gap_closed({r["policy"]: r["median_tpot_s"] for r in rows if r["budget"] == budget})
+            if gap:
+                best = gap["best_baseline"]
+                shares.setdefault(model, []).append(
+                    f"{100 * gap['gap_closed']:.0f} % on the {hw} preset (best baseline {best})"
+                )
+    if not shares:
+        return ""
+    parts = [f"{model}: {', '.join(v)}" for model, v in shares.items()]
+    return (
+        f"On gpt-oss-20b's real routing (experiment 4, simulated at its sizes), at {budget:.0%} of the "
+        "experts fMoE closes this share of the gap from the best baseline's TPOT down to the oracle's: "
+        + "; ".join(parts)
+        + "."
+    )
 
 
 def _foresight_sentence(payload: dict, budget: float = 0.25) -> str:

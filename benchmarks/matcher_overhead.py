@@ -108,6 +108,9 @@ class _NullCache(BookView):
     def request_prefetch(self, items, **kwargs) -> None:
         list(items)
 
+    def drop_prefetches(self, *, before: int) -> None:
+        pass
+
 
 def policy_iteration(
     store: ExpertMapStore, queries: list, top_k: int, prefetch_distance: int, **options: Any

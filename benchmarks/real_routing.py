@@ -20,12 +20,13 @@ part (request order of `requests.json`), so that a shorter replay still spans it
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from fmoe_jax.trace import RoutingTrace
 
-DEFAULT_PATH = Path("../shared/data/routing/gpt-oss-20b")
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "gpt-oss-20b"
 SPLIT: dict[str, tuple[str, ...]] = {
     "store": ("mmlu_test",),
     "validation": ("mmlu_dev",),
@@ -54,3 +55,91 @@ def request_names(part: str, path: Path = DEFAULT_PATH, limit: int | None = None
 def load(part: str, path: Path = DEFAULT_PATH, limit: int | None = None) -> RoutingTrace:
     """One part of the split as a `RoutingTrace` (one iteration per decode step; no prefill routing)."""
     return RoutingTrace.from_external(path, select=request_names(part, path, limit))
+
+
+# -- as an experiment workload ------------------------------------------------------------------------------
+# `--model` names experiments take for this routing: NAME@EXPERTS, the experts' precision the simulator
+# charges at gpt-oss-20b's sizes (bf16, int4 or int8, or mxfp4 as published).
+NAME = "gpt-oss-20b-routing"
+PRECISIONS = {"bf16": None, "int8": "int8", "int4": "int4", "mxfp4": "mxfp4"}
+# Policies that need what this routing does not hold (router inputs and weights, embeddings), and how an
+# experiment runs them instead: mixtral_offload without its speculative gate (its cache rule alone); ProMoE's
+# and DuoServe's predictors read router inputs, so they do not run.
+WITHOUT_HIDDEN = {"mixtral_offload": ("mixtral_offload (no speculation)", (("speculate", False),))}
+
+
+def is_routing(name: str) -> bool:
+    """Whether an experiment's `--model` names this routing (`NAME` or `NAME@EXPERTS`)."""
+    return name.partition("@")[0] == NAME
+
+
+def workload(name: str, args: Any) -> Any:
+    """The routing as a `harness.Workload` of simulated runs only: its store part learned from (every store
+    request, `Policy.from_traces`; the first `--warmup` also replayed first), and `--routing-requests` of its
+    evaluation part (`--split eval`) or validation part (`--split validation`) replayed, evenly spaced; at
+    gpt-oss-20b's sizes with the experts in the precision `name` gives (default bf16)."""
+    import dataclasses
+
+    from fmoe_jax.offload.cost_model import GPT_OSS_20B
+
+    from benchmarks import harness as h
+
+    precision = name.partition("@")[2] or "bf16"
+    if precision not in PRECISIONS:
+        raise SystemExit(f"--model {name}: experts {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    part = "validation" if args.split == "validation" else "evaluation"
+    path = data_path(args)
+    replayed = load(part, path, limit=args.routing_requests)
+    store = load("store", path)
+    preset = dataclasses.replace(
+        GPT_OSS_20B, name=f"gpt-oss-20b ({precision} experts)", expert_quantization=PRECISIONS[precision]
+    )
+
+    def requests(trace: Any) -> list[Any]:
+        from fmoe_jax.trace import RoutingTrace
+
+        records = trace.meta["requests"]
+        return [
+            h.Request(None, [], RoutingTrace({**trace.meta, "requests": [records[i]]}, [r]))
+            for i, r in enumerate(trace.requests)
+        ]
+
+    return h.Workload(
+        name=f"{NAME}@{precision}" + (" (validation)" if part == "validation" else ""),
+        model=None,
+        store=requests(store),
+        eval=requests(replayed),
+        preset=preset,
+        router_weights=None,
+        args=args,
+        cache_dir=args.cache_dir / NAME,
+        simulated_only=True,
+        part=part,
+    )
+
+
+def data_path(args: Any) -> Path:
+    """The routing set an experiment's `--routing-data` names (default: the shared gpt-oss-20b set)."""
+    return Path(args.routing_data) if args.routing_data else DEFAULT_PATH
+
+
+def settings_note(w: Any) -> str:
+    """What an experiment replayed of this routing, for its notes."""
+    a = w.args
+    meta = w.eval[0].trace.meta
+    steps = sum(len(r.trace.requests[0].iterations) for r in w.eval)
+    total = len(request_names(w.part, data_path(a)))
+    return (
+        f"{w.name}: gpt-oss-20b's real decode routing ({meta['num_layers']} MoE layers x "
+        f"{meta['num_experts']} experts, top-{meta['top_k']}; no embeddings, router inputs or prefill "
+        "routing), split by dataset "
+        f"(benchmarks/real_routing.py): policies learn from all {len(w.store)} store requests, the first "
+        f"{a.warmup} also replayed first; {len(w.eval)} of the {total} {w.part} requests replayed "
+        f"({steps:,} decode steps, each request a batch of one; TTFT means nothing here); "
+        f"cache {w.slots(a.budget)} of {w.total_experts} experts ({a.budget:.0%}), "
+        f"d = {a.prefetch_distance}, store capacity {a.store_capacity}; simulated at {w.preset.name} sizes "
+        f"({w.preset.expert_bytes / 2**20:.1f} MiB per expert), all {meta['num_layers']} of its "
+        f"{w.preset.num_layers} MoE layers; fmoe matches on routing alone (semantic=False, no reuse "
+        "predictor); mixtral_offload runs without its speculative gate (no router inputs), ProMoE and "
+        "DuoServe not at all"
+    )

@@ -7,7 +7,6 @@ steps as functions that raise instead of printing (tests, notebooks).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import contextlib
 import datetime
 import gc
@@ -28,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 from fmoe_jax.models import FAMILIES, UnsupportedConfigError
 from fmoe_jax.models.quant import KINDS, ExpertQuantization, is_expert_matrix, quantized_params
-from tqdm import tqdm
 
 import fmoe_jax
 from fmoe_jax.checkpoint import orbax_io
@@ -38,11 +36,9 @@ from fmoe_jax.checkpoint.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
-    FileRecord,
     Interrupted,
     Manifest,
     files_under,
-    hash_file,
     verify_files,
 )
 
@@ -56,6 +52,7 @@ from .destination import (
     remove_tree,
     work_dir,
 )
+from .hashing import Hasher, progress_bar
 
 DTYPES = ("bfloat16", "float16", "float32")
 # Files copied next to the weights when the source has them (config.json is required and always copied).
@@ -72,69 +69,6 @@ SIDE_FILES = (
     "chat_template.json",
     "chat_template.jinja",
 )
-
-
-def _bar(total: int, desc: str, enabled: bool) -> tqdm:
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="B",
-        unit_scale=True,
-        disable=not enabled,
-        file=sys.stderr,
-        dynamic_ncols=True,
-        smoothing=0.1,
-    )
-
-
-class _Hasher:
-    """sha256 of files on one background thread, overlapping the conversion (hashlib releases the GIL)."""
-
-    def __init__(self) -> None:
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fmoe-hash")
-        self._stop = threading.Event()
-        self._futures: dict[str, tuple[Path, cf.Future]] = {}
-        self._done_bytes = 0
-        self._lock = threading.Lock()
-
-    def _count(self, n: int) -> None:
-        with self._lock:
-            self._done_bytes += n
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._futures
-
-    def add(self, name: str, path: Path) -> None:
-        self._futures[name] = (
-            path,
-            self._pool.submit(hash_file, path, on_bytes=self._count, stop=self._stop),
-        )
-
-    def results(self, names: Sequence[str], bar: tqdm, poll: Callable[[], None]) -> dict[str, FileRecord]:
-        """Waits for the given files' hashes, advancing `bar` by the bytes hashed meanwhile."""
-        out = {}
-        with self._lock:
-            seen = self._done_bytes
-        for name in names:
-            future = self._futures[name][1]
-            while not cf.wait([future], timeout=0.2).done:
-                poll()
-                with self._lock:
-                    bar.update(self._done_bytes - seen)
-                    seen = self._done_bytes
-            out[name] = future.result()
-        with self._lock:
-            bar.update(self._done_bytes - seen)
-        return out
-
-    def pending_bytes(self) -> int:
-        with self._lock:
-            done = self._done_bytes
-        return sum(path.stat().st_size for path, _ in self._futures.values()) - done
-
-    def close(self) -> None:
-        self._stop.set()
-        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def convert(
@@ -188,59 +122,10 @@ def convert(
     except OSError as err:
         raise ConvertError(f"{parent}: cannot create the output there ({err.strerror})") from None
 
-    hasher = _Hasher()
+    hasher = Hasher()
     try:
-        side = [name for name in SIDE_FILES if (hf_dir / name).is_file()]
-        sources = sorted({*(s.path.name for s in ckpt.shards.values()), *side})
-        if (hf_dir / "model.safetensors.index.json").is_file():
-            sources.append("model.safetensors.index.json")
-        for name in sources:
-            hasher.add(f"source/{name}", hf_dir / name)
-        for name in side:
-            shutil.copyfile(hf_dir / name, tmp / name)
-            if name == "config.json" and ckpt.untied:
-                (tmp / name).write_text(json.dumps(ckpt.hf_config, indent=2) + "\n")
-            hasher.add(name, tmp / name)
-
-        def item_written(item: str) -> None:
-            for path in files_under(tmp / item):
-                hasher.add(path.relative_to(tmp).as_posix(), path)
-
-        with _bar(ckpt.total_bytes, "converting", progress) as bar:
-            items = orbax_io.write_items(
-                ckpt,
-                tmp,
-                np_dtype,
-                on_bytes=_polling(bar.update, poll),
-                on_item=_polling(item_written, poll),
-                quantization=quantization,
-            )
-        outputs = [p.relative_to(tmp).as_posix() for p in files_under(tmp)]
-        for name in outputs:
-            if name not in hasher:
-                hasher.add(name, tmp / name)
-        with _bar(hasher.pending_bytes(), "hashing", progress) as bar:
-            source_files = hasher.results([f"source/{n}" for n in sources], bar, poll)
-            files = hasher.results(outputs, bar, poll)
-        manifest = Manifest(
-            family=cfg.family,
-            dtype=str(jnp.dtype(np_dtype)),
-            num_layers=cfg.num_layers,
-            num_experts=cfg.num_experts,
-            moe_layers=list(cfg.moe_layer_ids),
-            bytes_per_expert=bytes_per_expert,
-            param_bytes=param_bytes,
-            items=items,
-            source_dir=str(hf_dir.absolute()),
-            source_layout=ckpt.layout,
-            source_dtype=str(jnp.dtype(ckpt.stored_dtype())),
-            source_files={k.removeprefix("source/"): v for k, v in source_files.items()},
-            files=files,
-            converter=f"fmoe-jax {fmoe_jax.__version__}",
-            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            format_version=FORMAT_VERSION if quantization is not None else FLOAT_FORMAT_VERSION,
-            expert_quantization=None if quantization is None else quantization.as_dict(),
-        )
+        sizes = (bytes_per_expert, param_bytes)
+        manifest = _write(ckpt, hf_dir, tmp, np_dtype, quantization, sizes, hasher, progress, poll)
         manifest.write(tmp)
         install(tmp, out_dir)
     except OSError as err:
@@ -251,6 +136,75 @@ def convert(
         raise
     hasher.close()
     return manifest, time.perf_counter() - start
+
+
+def _write(
+    ckpt: HFCheckpoint,
+    hf_dir: Path,
+    tmp: Path,
+    np_dtype: np.dtype,
+    quantization: ExpertQuantization | None,
+    sizes: tuple[int, int],
+    hasher: Hasher,
+    progress: bool,
+    poll: Callable[[], None],
+) -> Manifest:
+    """Writes the conversion into `tmp` (side files, then items streamed from `ckpt`), hashes the sources and
+    the outputs, and returns the manifest; `sizes`: bytes per expert and of all parameters, as stored."""
+    cfg = ckpt.config
+    bytes_per_expert, param_bytes = sizes
+    side = [name for name in SIDE_FILES if (hf_dir / name).is_file()]
+    sources = sorted({*(s.path.name for s in ckpt.shards.values()), *side})
+    if (hf_dir / "model.safetensors.index.json").is_file():
+        sources.append("model.safetensors.index.json")
+    for name in sources:
+        hasher.add(f"source/{name}", hf_dir / name)
+    for name in side:
+        shutil.copyfile(hf_dir / name, tmp / name)
+        if name == "config.json" and ckpt.untied:
+            (tmp / name).write_text(json.dumps(ckpt.hf_config, indent=2) + "\n")
+        hasher.add(name, tmp / name)
+
+    def item_written(item: str) -> None:
+        for path in files_under(tmp / item):
+            hasher.add(path.relative_to(tmp).as_posix(), path)
+
+    with progress_bar(ckpt.total_bytes, "converting", progress) as bar:
+        items = orbax_io.write_items(
+            ckpt,
+            tmp,
+            np_dtype,
+            on_bytes=_polling(bar.update, poll),
+            on_item=_polling(item_written, poll),
+            quantization=quantization,
+        )
+    outputs = [p.relative_to(tmp).as_posix() for p in files_under(tmp)]
+    for name in outputs:
+        if name not in hasher:
+            hasher.add(name, tmp / name)
+    with progress_bar(hasher.pending_bytes(), "hashing", progress) as bar:
+        source_files = hasher.results([f"source/{n}" for n in sources], bar, poll)
+        files = hasher.results(outputs, bar, poll)
+    manifest = Manifest(
+        family=cfg.family,
+        dtype=str(jnp.dtype(np_dtype)),
+        num_layers=cfg.num_layers,
+        num_experts=cfg.num_experts,
+        moe_layers=list(cfg.moe_layer_ids),
+        bytes_per_expert=bytes_per_expert,
+        param_bytes=param_bytes,
+        items=items,
+        source_dir=str(hf_dir.absolute()),
+        source_layout=ckpt.layout,
+        source_dtype=str(jnp.dtype(ckpt.stored_dtype())),
+        source_files={k.removeprefix("source/"): v for k, v in source_files.items()},
+        files=files,
+        converter=f"fmoe-jax {fmoe_jax.__version__}",
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        format_version=FORMAT_VERSION if quantization is not None else FLOAT_FORMAT_VERSION,
+        expert_quantization=None if quantization is None else quantization.as_dict(),
+    )
+    return manifest
 
 
 def _quantization_arg(
@@ -291,7 +245,7 @@ def _stored_bytes(cfg: Any, dtype: np.dtype, quantization: ExpertQuantization | 
     return sum(nbytes(path, shape) for path, shape in first if path[2] == 0), total
 
 
-def _abandon(hasher: _Hasher, tmp: Path) -> None:
+def _abandon(hasher: Hasher, tmp: Path) -> None:
     """Stops hashing and removes the work directory; a further Ctrl-C does not stop it (`remove_tree`).
 
     Whether the directory is gone is for the caller to check (`work_dir`): `main` names it if not."""
@@ -331,7 +285,7 @@ def verify(
     if not orbax_io.is_converted(out_dir):
         raise CheckpointError(f"{out_dir}: no {MANIFEST_NAME}; not a checkpoint written by {PROG}")
     manifest = Manifest.read(out_dir)
-    with _bar(sum(r.size for r in manifest.files.values()), "hashing", progress) as bar:
+    with progress_bar(sum(r.size for r in manifest.files.values()), "hashing", progress) as bar:
         verify_files(out_dir, manifest.files, hashes=True, on_bytes=_polling(bar.update, poll))
     _, cfg, expected = orbax_io.open_converted(out_dir)
     hf = None
@@ -341,7 +295,7 @@ def verify(
             raise CheckpointError(f"{against}: its config.json describes a different model than {out_dir}")
     dtype = np.dtype(jnp.dtype(manifest.dtype))
     compared = 0
-    with _bar(manifest.param_bytes, "restoring" if hf is None else "comparing", progress) as bar:
+    with progress_bar(manifest.param_bytes, "restoring" if hf is None else "comparing", progress) as bar:
         for name, arrays in orbax_io.read_items(out_dir, expected):
             poll()
             bar.update(sum(a.nbytes for a in arrays.values()))
@@ -561,7 +515,7 @@ def _run(args: argparse.Namespace, is_verify: bool, progress: bool, poll: Callab
         untie=args.untie,
     )
     source_bytes = sum(r.size for r in manifest.source_files.values())
-    note = HFCheckpoint(args.hf_dir).not_converted_note
+    note = HFCheckpoint(args.hf_dir, untie=args.untie).not_converted_note
     return (
         f"{args.out_dir}: {manifest.family}, {manifest.num_layers} layers x {manifest.num_experts} experts, "
         f"{_stored_as(manifest)}, {manifest.param_bytes / 1e9:.2f} GB written in {seconds:.1f} s "

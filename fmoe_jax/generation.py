@@ -227,30 +227,22 @@ def _generation(
     max_new_tokens, sampling = request.max_new_tokens, request.sampling
     record_trace, record_hidden = request.record_trace, request.record_hidden
     cfg = model.config
-    longest = max(len(p) for p in ids)
     batch = len(ids)
-    t_pad = bucket_length(longest)
+    tokens, key_start = _left_padded(ids, model.pad_token_id)
+    t_pad = tokens.shape[1]
     cache_len = bucket_length(t_pad + max_new_tokens)
-    tokens = np.full((batch, t_pad), model.pad_token_id, np.int32)
-    for b, p in enumerate(ids):
-        tokens[b, t_pad - len(p) :] = p
-    key_start = np.asarray([t_pad - len(p) for p in ids], np.int32)
     active = np.ones((batch,), bool)
+    tokenizer = model.tokenizer if text_pieces or request.stop else None
     rows = Rows(
         batch,
-        model.tokenizer if text_pieces or request.stop else None,
+        tokenizer,
         request.eos,
         request.stop,
         max_new_tokens,
         logprobs=request.return_logprobs,
         top_logprobs=request.top_logprobs,
     )
-    # The tokens each row holds, for the repetition penalty (a bit mask the sampler reads, see sampler_key).
-    seen = None
-    if sampling.repetition_penalty != 1.0:
-        seen = np.zeros((batch, cfg.vocab_size), bool)
-        for b, p in enumerate(ids):
-            seen[b, p] = True
+    seen = _seen_tokens(ids, cfg.vocab_size) if sampling.repetition_penalty != 1.0 else None
     engine = model.engine
     # Every call's key, fold_in(key(seed), i), made at once as raw key data: host-side JAX calls in the
     # decode loop cost ~0.5 ms each on CPU, a step's layout and key are therefore plain NumPy.
@@ -264,15 +256,7 @@ def _generation(
     first_key = sampler_key(step_keys[0], seen)  # before the clock: its program compiles on the first call
     start = time.perf_counter()
     layout = Layout(np.int32(0), key_start, active.copy(), t_pad)
-    out, cache = engine.step(
-        tokens,
-        cache,
-        layout,
-        first_key,
-        sampling,
-        record_trace,
-        record_hidden,
-    )
+    out, cache = engine.step(tokens, cache, layout, first_key, sampling, record_trace, record_hidden)
     next_tokens = np.asarray(out.tokens)
     compile_s = engine.programs.compile_s - compiled
     stats.ttft_s = time.perf_counter() - start - compile_s
@@ -299,14 +283,9 @@ def _generation(
         t0, compiled = time.perf_counter(), engine.programs.compile_s
         layout = Layout(np.int32(t_pad + step), key_start, active.copy(), 1)
         row_valid = active.copy()
+        key = sampler_key(step_keys[step + 1], seen)
         out, cache = engine.step(
-            next_tokens[:, None],
-            cache,
-            layout,
-            sampler_key(step_keys[step + 1], seen),
-            sampling,
-            record_trace,
-            record_hidden,
+            next_tokens[:, None], cache, layout, key, sampling, record_trace, record_hidden
         )
         next_tokens = np.asarray(out.tokens)
         step_compile_s = engine.programs.compile_s - compiled
@@ -315,11 +294,33 @@ def _generation(
         if trace is not None:
             trace.add_iteration(out.recorded, valid=row_valid[:, None])
 
+    stats.compile_s = compile_s
+    return _output(model, rows, stats, trace)
+
+
+def _left_padded(ids: list[list[int]], pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts as one [batch, bucketed length] array, padded on the left, and where each row starts."""
+    t_pad = bucket_length(max(len(p) for p in ids))
+    tokens = np.full((len(ids), t_pad), pad_token_id, np.int32)
+    for b, p in enumerate(ids):
+        tokens[b, t_pad - len(p) :] = p
+    return tokens, np.asarray([t_pad - len(p) for p in ids], np.int32)
+
+
+def _seen_tokens(ids: list[list[int]], vocab_size: int) -> np.ndarray:
+    """Each row's tokens, for the repetition penalty (a bit mask the sampler reads, see `sampler_key`)."""
+    seen = np.zeros((len(ids), vocab_size), bool)
+    for b, p in enumerate(ids):
+        seen[b, p] = True
+    return seen
+
+
+def _output(model: Model, rows: Rows, stats: GenerationStats, trace: RoutingTrace | None) -> GenerateOutput:
+    """The finished generation: statistics completed (and the engine's added), texts decoded."""
     generated = rows.tokens
     stats.new_tokens = sum(len(g) for g in generated)
     stats.tpot_s = float(np.mean(stats.decode_step_s)) if stats.decode_step_s else 0.0
-    stats.compile_s = compile_s
-    engine.finish(stats)
+    model.engine.finish(stats)
     texts = None
     if model.tokenizer is not None:
         texts = [model.tokenizer.decode(g, skip_special_tokens=True) for g in generated]

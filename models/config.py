@@ -200,6 +200,19 @@ class MoEConfig:
             raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
         if not all(self.moe_layers) and self.dense_intermediate_size <= 0:
             raise ValueError("dense layers need dense_intermediate_size > 0")
+        self._check_attention()
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must divide num_experts ({self.num_experts})")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
+        if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+            raise ValueError(
+                f"topk_group={self.topk_group} groups of {self.num_experts // self.n_group} experts hold "
+                f"fewer than top_k={self.top_k} experts"
+            )
+
+    def _check_attention(self) -> None:
+        """Attention and positions (RoPE tables, latent attention, linear layers), and routing groups."""
         if self.rope.kind == "longrope" and len(self.rope.short_factor) != self.rope_dim // 2:
             raise ValueError(
                 f"longrope short_factor has {len(self.rope.short_factor)} entries, expected head_dim/2 = "
@@ -236,15 +249,6 @@ class MoEConfig:
             raise ValueError(
                 f"sigmoid_grouped routing ranks groups by their two best experts; {self.num_experts} experts "
                 f"in n_group={self.n_group} groups leaves fewer than two per group"
-            )
-        if self.n_group < 1 or self.num_experts % self.n_group:
-            raise ValueError(f"n_group ({self.n_group}) must divide num_experts ({self.num_experts})")
-        if not 1 <= self.topk_group <= self.n_group:
-            raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
-        if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
-            raise ValueError(
-                f"topk_group={self.topk_group} groups of {self.num_experts // self.n_group} experts hold "
-                f"fewer than top_k={self.top_k} experts"
             )
 
     @property

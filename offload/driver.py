@@ -35,7 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -164,15 +164,17 @@ class Driver:
         """
         policy = self.policy
         token_valid = valid.reshape(-1)
+        rows = None if token_valid.all() else token_valid  # the valid tokens' rows (None: every row)
         # Read once an iteration, as `Policy` documents: they hold until `on_iteration_end`.
         semantic, probs = policy.needs_semantic, policy.needs_probs
         start = IterationStart(valid, embeds if semantic else None, self.requests)
         self._tell(policy.on_iteration_start, start)
         for layer in range(policy.ctx.num_layers):
             routed = loop.route(layer)
-            needed = needed_experts(routed.ids, token_valid)
+            needed = needed_experts(routed.ids, rows)
+            keys = [(layer, e) for e in needed]
             # Protect before the policy hears of the routing: a prefetch it requests must not evict them.
-            self.cache.protect([(layer, e) for e in needed], layer)
+            self.cache.protect(keys, layer)
             event = LayerRouted(
                 layer,
                 routed.ids,
@@ -189,7 +191,7 @@ class Driver:
             except BaseException:
                 self.cache.protect(())  # as `serve` would have: a failed call leaves the cache usable
                 raise
-            self.serve(layer, [e for e in needed if (layer, e) not in on_host], loop.compute)
+            self.serve(layer, [key for key in keys if key not in on_host] if on_host else keys, loop.compute)
             if on_host and policy.host_fill:
                 fill = [(key, FILL_PRIORITY) for key in on_host if self.cache.entry(key) is None]
                 self.cache.request_prefetch(fill, replace=False, if_idle=policy.host_fill == "idle")
@@ -208,31 +210,34 @@ class Driver:
         self.timers["hybrid_planning"] += time.perf_counter() - start
         return on_host
 
-    def serve(self, layer: int, needed: Sequence[int], compute: Compute) -> None:
-        """For each device's share of the layer's needed experts, chunk by chunk: ensure, compute, release.
+    def serve(self, layer: int, keys: list[Key], compute: Compute) -> None:
+        """For each device's share of the layer's needed experts `keys`, chunk by chunk: ensure, compute,
+        release.
 
         `is_last` is True for the layer's last chunk over all devices (the engine finishes the layer
         there); a layer that needs nothing (or only host-computed experts) gets one `compute` with an empty
         chunk."""
         try:
-            parts = self.cache.parts([(layer, e) for e in needed])
             chunks = [
                 (part, chunk)
-                for part, keys in parts
-                for chunk in plan_chunks(keys, part.book.capacity, part.book.__contains__)
+                for part, share in self.cache.parts(keys)
+                for chunk in plan_chunks(share, part.book.capacity, part.book.__contains__)
             ]
             if not chunks:
                 compute(layer, [], {}, True)
                 return
+            last = len(chunks) - 1
             for i, (part, chunk) in enumerate(chunks):
                 arrays = part.ensure(layer, chunk)
                 try:
-                    compute(layer, chunk, arrays, i == len(chunks) - 1)
+                    compute(layer, chunk, arrays, i == last)
                 finally:
                     part.release(chunk)
-                # A chunk that has run needs no protection: prefetches for later layers may take its slots
-                # while the layer's remaining chunks load (DuoServe streams its prefill through them).
-                self.cache.protect([key for _, later in chunks[i + 1 :] for key in later], layer)
+                if i < last:
+                    # A chunk that has run needs no protection: prefetches for later layers may take its
+                    # slots while the layer's remaining chunks load (DuoServe streams its prefill through
+                    # them). After the last, `protect(())` below ends it.
+                    self.cache.protect([key for _, later in chunks[i + 1 :] for key in later], layer)
         finally:
             self.cache.protect(())
 

@@ -52,6 +52,8 @@ class LayerRouted:
         return self.valid.reshape(-1)
 
 
-def needed_experts(ids: np.ndarray, valid: np.ndarray) -> tuple[int, ...]:
-    """Distinct experts chosen by the valid tokens: ids `[N, k]`, valid `[N]` -> ascending expert ids."""
-    return tuple(sorted({int(e) for e in ids[valid].ravel()}))
+def needed_experts(ids: np.ndarray, valid: np.ndarray | None) -> tuple[int, ...]:
+    """Distinct experts chosen by the valid tokens: ids `[N, k]`, valid `[N]` (None: every token) ->
+    ascending expert ids."""
+    chosen = ids if valid is None else ids[valid]
+    return tuple(sorted(set(chosen.ravel().tolist())))

@@ -70,23 +70,44 @@ class SimulatedLink(Mover):
 
     def _next_start(self) -> tuple[float, collections.deque[Copy] | None]:
         """When the link starts its next piece, and from which queue (urgent first if it is waiting)."""
-        queue = self.urgent if self.urgent else self.background
+        queue = self.urgent or self.background
         if not queue:
             return math.inf, None
-        return max(self.free_at, queue[0].submitted_s), queue
+        free_at, submitted = self.free_at, queue[0].submitted_s
+        return (submitted if submitted > free_at else free_at), queue  # max(free_at, submitted)
 
     def _commit_one(self) -> bool:
         """Starts the next piece (the caller checked its start time). False when there is none."""
-        start, queue = self._next_start()
-        if queue is None:
+        queue = self.urgent or self.background
+        if not queue:
             return False
         copy = queue[0]
-        self.free_at = start + self.chunk_s
+        free_at, submitted = self.free_at, copy.submitted_s
+        self.free_at = (submitted if submitted > free_at else free_at) + self.chunk_s  # its start: the max
         self.busy_s += self.chunk_s
         copy.chunks_left -= 1
         if copy.chunks_left == 0:
             copy.done_s = self.free_at
             queue.popleft()
+        return True
+
+    def _commit_copy(self) -> bool:
+        """Starts every piece left of the next copy, one after another (as `_commit_one` would: nothing
+        else is asked of the link meanwhile, so no other piece goes between them). False when there is
+        none."""
+        queue = self.urgent or self.background
+        if not queue:
+            return False
+        copy = queue.popleft()
+        free_at, submitted, chunk_s = self.free_at, copy.submitted_s, self.chunk_s
+        start = submitted if submitted > free_at else free_at  # the max: later pieces start at `free_at`
+        busy = self.busy_s
+        for _ in range(copy.chunks_left):
+            start += chunk_s
+            busy += chunk_s
+        self.free_at = copy.done_s = start
+        self.busy_s = busy
+        copy.chunks_left = 0
         return True
 
     def _advance(self, until: float) -> None:
@@ -126,9 +147,10 @@ class SimulatedLink(Mover):
 
     def wait(self, handles: Sequence[Copy]) -> None:
         self._advance(self.clock)
-        while any(h.done_s == math.inf for h in handles):
-            if not self._commit_one():
-                raise RuntimeError("waiting for a copy the link does not hold (cancelled?)")
+        for handle in handles:  # the link's pieces in its order, until every handle's last has started
+            while handle.done_s == math.inf:
+                if not self._commit_copy():
+                    raise RuntimeError("waiting for a copy the link does not hold (cancelled?)")
         until = max((h.done_s for h in handles), default=self.clock)
         if until > self.clock:
             self.stall_s += until - self.clock

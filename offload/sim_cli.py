@@ -36,9 +36,10 @@ class UsageError(Exception):
 
 
 def model_presets() -> dict[str, cost_model.ModelPreset]:
-    """Model presets by the names `--model-preset` takes: `cost_model.MODELS`' keys and each preset's name."""
+    """Model presets by the names `--model-preset` takes: `cost_model.MODELS`' keys (model families) and
+    every preset's model name (`cost_model.PRESETS`, several sizes of a family), lower case."""
     out = dict(cost_model.MODELS)
-    for preset in cost_model.MODELS.values():
+    for preset in (*cost_model.MODELS.values(), *cost_model.PRESETS.values()):
         out.setdefault(preset.name.lower(), preset)
     return out
 
@@ -123,16 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def list_presets() -> str:
-    lines = ["model presets (--model-preset):"]
-    for key, p in cost_model.MODELS.items():
-        lines.append(
-            f"  {key:14s} {p.name}: {p.num_layers} MoE layers x {p.num_experts} experts, top {p.top_k}, "
+    def describe(key: str, p: cost_model.ModelPreset) -> str:
+        return (
+            f"  {key:18s} {p.name}: {p.num_layers} MoE layers x {p.num_experts} experts, top {p.top_k}, "
             f"{p.expert_bytes / 2**20:.1f} MiB an expert"
         )
+
+    lines = ["model presets (--model-preset, by family or by the model's name):"]
+    lines += [describe(key, p) for key, p in cost_model.MODELS.items()]
+    by_family = set(cost_model.MODELS.values())
+    lines += [describe(p.name.lower(), p) for p in cost_model.PRESETS.values() if p not in by_family]
     lines.append("hardware presets (--hardware):")
-    lines += [f"  {key:14s} {h.name}" for key, h in cost_model.HARDWARE.items()]
+    lines += [f"  {key:18s} {h.name}" for key, h in cost_model.HARDWARE.items()]
     lines.append("host presets (--host, hybrid execution):")
-    lines += [f"  {key:14s} {h.name}" for key, h in cost_model.HOSTS.items()]
+    lines += [f"  {key:18s} {h.name}" for key, h in cost_model.HOSTS.items()]
     return "\n".join(lines)
 
 
@@ -149,8 +154,9 @@ def _model(args: argparse.Namespace) -> cost_model.ModelPreset:
     name = (args.model_preset or "").lower()
     if name not in presets:
         raise UsageError(
-            f"unknown model preset {args.model_preset!r}; choose one of {', '.join(cost_model.MODELS)} "
-            "(--list-presets describes them), or give --model-config"
+            f"unknown model preset {args.model_preset!r}; choose a model family "
+            f"({', '.join(cost_model.MODELS)}) or a model's name (--list-presets lists them all), or give "
+            "--model-config"
         )
     return presets[name]
 

@@ -243,6 +243,7 @@ class Replay:
             synchronous=offload.transfer == "synchronous",
         )
         self.costs = CostModel(model, hardware, num_experts)
+        self.charges = _Charges(self.costs)
         self.policy.bind(self._context(offload, chunks, matcher_s), self.cache)
         self.host: SimulatedHost | None = None
         planner = None
@@ -312,7 +313,7 @@ class Replay:
                     f"{self.meta.get(key)}; replay traces of one model together"
                 )
         _check_policy(self.policy, [trace], self.router_weights, self.num_layers)
-        ttft, tpot = _replay_batch(trace, self.driver, self.link, self.costs, self.host)
+        ttft, tpot = _replay_batch(trace, self.driver, self.link, self.charges, self.host)
         self.ttft_s += ttft
         self.tpot_s += tpot
         return ttft, tpot
@@ -368,25 +369,57 @@ class _Step:
     hidden: np.ndarray | None  # [N, L, D] float32
     new_tokens: np.ndarray  # [R] new tokens of each active row
     past_tokens: np.ndarray  # [R] tokens each active row had before this iteration
+    routed: list[list[int]]  # [L][J] valid tokens routed to each expert
+
+
+class _Charges:
+    """The cost model's seconds for the stages a replay charges again and again with the same arguments
+    (a chunk of experts and their token counts, the shared expert, the LM head), each worked out once: the
+    cost model is a pure function of them, so the floats are the ones it gives."""
+
+    def __init__(self, costs: CostModel):
+        self.costs = costs
+        self._experts: dict[tuple[int, ...], float] = {}
+        self._shared: dict[int, float] = {}
+        self._head: dict[int, float] = {}
+
+    def experts_s(self, tokens: tuple[int, ...]) -> float:
+        seconds = self._experts.get(tokens)
+        if seconds is None:
+            seconds = self._experts[tokens] = self.costs.experts_s(list(tokens))
+        return seconds
+
+    def shared_s(self, tokens: int) -> float:
+        seconds = self._shared.get(tokens)
+        if seconds is None:
+            seconds = self._shared[tokens] = self.costs.shared_s(tokens)
+        return seconds
+
+    def head_s(self, rows: int) -> float:
+        seconds = self._head.get(rows)
+        if seconds is None:
+            seconds = self._head[rows] = self.costs.head_s(rows)
+        return seconds
 
 
 def _replay_batch(
-    trace: RoutingTrace, driver: Driver, link: SimulatedLink, costs: CostModel, host: SimulatedHost | None
+    trace: RoutingTrace, driver: Driver, link: SimulatedLink, charges: _Charges, host: SimulatedHost | None
 ) -> tuple[list[float], list[float]]:
     """Replays one batch (one `generate` call); returns per-request TTFT and mean decode-iteration time."""
     requests = trace.requests
     rows = len(requests)
     num_iterations = max((len(r.iterations) for r in requests), default=0)
+    # Tokens each request has before each of its iterations (its KV cache), summed once.
+    past = [np.cumsum([0] + [it.num_tokens for it in r.iterations]).tolist() for r in requests]
     start = link.clock
     ttft = [float("nan")] * rows
     decode_times: list[list[float]] = [[] for _ in range(rows)]
     driver.begin(rows)
     for i in range(num_iterations):
-        step = _layout(trace, i, driver.policy)
+        step = _layout(trace, i, driver.policy, past)
         began = link.clock
-        flat_valid = step.valid.reshape(-1)
-        tokens = int(flat_valid.sum())
-        attention_s = costs.attention_s(step.new_tokens, step.past_tokens)
+        tokens = int(step.valid.sum())
+        attention_s = charges.costs.attention_s(step.new_tokens, step.past_tokens)
 
         def route(m: int, step=step, attention_s=attention_s) -> Routed:
             link.compute(attention_s)
@@ -396,24 +429,21 @@ def _replay_batch(
                 None if step.hidden is None else step.hidden[:, m],
             )
 
-        def routed_to(m: int, step=step) -> np.ndarray:
-            return np.bincount(step.ids[:, m][step.valid.reshape(-1)].ravel(), minlength=costs.num_experts)
-
-        def compute(m: int, chunk: list[Key], arrays: dict, is_last: bool, tokens=tokens) -> None:
-            routed = routed_to(m)
-            link.compute(costs.experts_s([int(routed[e]) for _, e in chunk]))
+        def compute(m: int, chunk: list[Key], arrays: dict, is_last: bool, step=step, tokens=tokens) -> None:
+            routed = step.routed[m]
+            link.compute(charges.experts_s(tuple([routed[e] for _, e in chunk])))
             if is_last:
                 if host is not None:
                     host.join(link)
-                link.compute(costs.shared_s(tokens))
+                link.compute(charges.shared_s(tokens))
 
-        def on_host(m: int, keys: list[Key], tokens=tokens) -> None:
-            routed = routed_to(m)
-            host.start(link.clock, tokens, [int(routed[e]) for _, e in keys])
+        def on_host(m: int, keys: list[Key], step=step, tokens=tokens) -> None:
+            routed = step.routed[m]
+            host.start(link.clock, tokens, [routed[e] for _, e in keys])
 
         driver.iteration(step.valid, step.embeds, Functions(route, compute, on_host))
         active = step.valid.any(axis=1)
-        link.compute(costs.head_s(int(active.sum())))
+        link.compute(charges.head_s(int(active.sum())))
         for b in np.flatnonzero(active):
             if i == 0:
                 ttft[b] = link.clock - start
@@ -423,9 +453,10 @@ def _replay_batch(
     return ttft, tpot
 
 
-def _layout(trace: RoutingTrace, i: int, policy: Policy) -> _Step:
+def _layout(trace: RoutingTrace, i: int, policy: Policy, past: list[list[int]]) -> _Step:
     """Iteration `i` of a batch as the engine lays it out: rows of the requests with an iteration `i`, left
-    padded to the longest of them; only the arrays the policy reads."""
+    padded to the longest of them; only the arrays the policy reads. `past[b][i]`: the tokens request `b`
+    has before its iteration `i`."""
     requests = trace.requests
     meta = trace.meta
     rows = len(requests)
@@ -452,16 +483,21 @@ def _layout(trace: RoutingTrace, i: int, policy: Policy) -> _Step:
                 hidden = np.zeros((rows, width, layers, it.hidden.shape[-1]), np.float32)
             hidden[b, width - t :] = it.hidden
         new_tokens.append(t)
-        past_tokens.append(sum(requests[b].iterations[j].num_tokens for j in range(i)))
+        past_tokens.append(past[b][i])
     n = rows * width
+    ids = ids.reshape(n, layers, top_k)
+    # Valid tokens per layer and expert: one count over every layer (offset by layer) for the iteration.
+    chosen = ids[valid.reshape(-1)] + (np.arange(layers, dtype=np.int32) * num_experts)[:, None]  # [n, L, k]
+    routed = np.bincount(chosen.ravel(), minlength=layers * num_experts).reshape(layers, num_experts)
     return _Step(
         valid=valid,
-        ids=ids.reshape(n, layers, top_k),
+        ids=ids,
         probs=None if probs is None else probs.reshape(n, layers, num_experts),
         embeds=None if embeds is None else embeds.reshape(n, -1),
         hidden=None if hidden is None else hidden.reshape(n, layers, -1),
         new_tokens=np.asarray(new_tokens),
         past_tokens=np.asarray(past_tokens),
+        routed=routed.tolist(),
     )
 
 

@@ -16,6 +16,7 @@ if os.environ.get("FMOE_TEST_CPU_DEVICES"):  # tests/test_multidevice.py re-runs
 import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
+from collections.abc import Mapping  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -370,16 +371,44 @@ def make_hf_model(name: str, seed: int = 0):
     return model
 
 
+class HFDirs(Mapping):
+    """name -> directory of a saved tiny HF model, written on first use, once for the whole run: the test
+    workers and the test processes they start (which inherit `FMOE_TEST_HF_ROOT`) share one folder, a lock
+    per model, since building every family's model with torch takes minutes."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in HF_CONFIGS:
+            raise KeyError(name)
+        from filelock import FileLock
+
+        path = self.root / name
+        with FileLock(str(self.root / f"{name}.lock")):
+            if not path.is_dir():
+                partial = self.root / f"{name}.partial"
+                shutil.rmtree(partial, ignore_errors=True)
+                make_hf_model(name).save_pretrained(partial)
+                partial.rename(path)
+        return path
+
+    def __iter__(self):
+        return iter(HF_CONFIGS)
+
+    def __len__(self) -> int:
+        return len(HF_CONFIGS)
+
+
 @pytest.fixture(scope="session")
-def hf_dirs(tmp_path_factory) -> dict[str, Path]:
-    """name -> directory of a saved tiny HF model (created once per session)."""
-    out = {}
-    root = tmp_path_factory.mktemp("hf")
-    for name in HF_CONFIGS:
-        model = make_hf_model(name)
-        model.save_pretrained(root / name)
-        out[name] = root / name
-    return out
+def hf_dirs(tmp_path_factory) -> HFDirs:
+    root = os.environ.get("FMOE_TEST_HF_ROOT")
+    if not root:
+        base = tmp_path_factory.getbasetemp()  # under xdist each worker's; their parent is the run's
+        root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "hf-models"
+        os.environ["FMOE_TEST_HF_ROOT"] = str(root)
+    return HFDirs(Path(root))
 
 
 def write_mxfp4(src: Path, dst: Path, seed: int = 0) -> Path:
@@ -482,12 +511,15 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _free_executables(request):
-    """Frees each module's compiled programs when it ends. XLA:CPU maps memory for every executable, and
-    one process compiling the whole suite's models would pass the kernel's `vm.max_map_count` (65530),
-    where the next compilation segfaults."""
-    yield
+def _memory_mappings() -> int:
+    try:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux: no such limit to watch
+        return 0
+
+
+def _clear_executables() -> None:
     import gc
 
     import jax
@@ -495,6 +527,26 @@ def _free_executables(request):
     gc.collect()
     jax.clear_caches()
     gc.collect()
+
+
+# XLA:CPU maps memory for every executable, and a process that passes the kernel's `vm.max_map_count`
+# (65530 by default) segfaults at its next compilation. A module that compiles many models (the lossless
+# property tests) can pass it alone, so a test that leaves more than this many mappings frees them.
+_MAPPINGS_TO_FREE = 30_000
+
+
+@pytest.fixture(autouse=True)
+def _free_executables_when_many():
+    yield
+    if _memory_mappings() > _MAPPINGS_TO_FREE:
+        _clear_executables()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_executables(request):
+    """Frees each module's compiled programs when it ends (see `_MAPPINGS_TO_FREE`)."""
+    yield
+    _clear_executables()
     if os.environ.get("FMOE_TEST_MAPS_LOG"):  # how many mappings remain after each module
-        with open("/proc/self/maps") as maps, open(os.environ["FMOE_TEST_MAPS_LOG"], "a") as log:
-            log.write(f"{request.module.__name__} {sum(1 for _ in maps)}\n")
+        with open(os.environ["FMOE_TEST_MAPS_LOG"], "a") as log:
+            log.write(f"{request.module.__name__} {_memory_mappings()}\n")

@@ -464,3 +464,146 @@ def test_oracle_prefetch_turns_misses_into_hits():
     full = replay(Oracle(trace_of(iterations, 3)), iterations, **kw)
     assert belady.misses == optimal_misses(steps, 2) == 9
     assert (full.hits, full.misses, full.wasted_prefetches) == (10, 0, 0)
+
+
+def test_mixtral_offload_reads_router_inputs_only_to_speculate():
+    """Without speculation (its cache rule alone) mixtral_offload replays routing recorded elsewhere, which
+    holds no router inputs; with it, the replay is refused for want of them."""
+    from fmoe_jax.offload.cost_model import MIXTRAL_8X7B, RTX_3090
+    from fmoe_jax.offload.simulator import simulate
+
+    from fmoe_jax.trace import RoutingTrace
+
+    rng = np.random.default_rng(0)
+    steps = [{"ids": np.argsort(rng.random((1, 4, 8)), -1)[..., :2]} for _ in range(12)]
+    trace = RoutingTrace.from_external([steps], num_experts=8)
+    assert MixtralOffload().needs_hidden and not MixtralOffload(speculate=False).needs_hidden
+    offload = OffloadConfig(policy=MixtralOffload(speculate=False), cache_experts=8)
+    result = simulate(trace, offload, model=MIXTRAL_8X7B, hardware=RTX_3090)
+    assert result.hits + result.misses == sum(len(set(s["ids"][0, m])) for s in steps for m in range(4))
+    speculating = OffloadConfig(policy=MixtralOffload(), cache_experts=8)
+    with pytest.raises(ValueError, match="router weights"):
+        simulate(trace, speculating, model=MIXTRAL_8X7B, hardware=RTX_3090)
+
+
+class _BisectingOracle(Oracle):
+    """The oracle's choices worked out the long way, as it did before it kept next uses: every expert's next
+    use bisected at each prefetch request, and a victim scored one candidate at a time."""
+
+    keep_scores = None
+
+    def _request(self, exclude):
+        import bisect
+        import heapq
+        import math
+
+        room = self.ctx.capacity if len(exclude) > self.ctx.capacity else self.ctx.capacity - len(exclude)
+        last = math.inf if self.prefetch_ahead is None else self._now + self.prefetch_ahead
+        upcoming = []
+        for key, steps in self.uses.items():
+            i = bisect.bisect_right(steps, self._now)
+            if i < len(steps) and key not in exclude and steps[i] <= last:
+                upcoming.append((steps[i], key))
+        soonest = heapq.nsmallest(room, upcoming)
+        self.cache.request_prefetch([(key, -float(step)) for step, key in soonest], replace=True)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"prefetch_ahead": 2}, {"horizon": 1}, {"prefetch": False, "horizon": 2}]
+)
+def test_oracle_kept_next_uses_choose_as_bisecting_them(options):
+    """Same replay, to the last float, with next uses kept per expert as with bisecting them each time
+    (two requests in a batch, top-2 of 6 experts: layers that run in chunks at 3 slots)."""
+    from fmoe_jax.offload.cost_model import MIXTRAL_8X7B, RTX_3090
+    from fmoe_jax.offload.simulator import simulate
+
+    rng = np.random.default_rng(len(options))
+    calls = []
+    for _ in range(3):
+        steps = [{"ids": np.argsort(rng.random((2, 3, 6)), -1)[..., :2]} for _ in range(8)]
+        calls.append(RoutingTrace.from_external([steps[:6], steps], num_experts=6))
+    for slots in (3, 5, 9):
+        results = [
+            simulate(
+                calls,
+                OffloadConfig(policy=cls(calls, **options), cache_experts=slots),
+                model=MIXTRAL_8X7B,
+                hardware=RTX_3090,
+            ).as_dict()
+            for cls in (Oracle, _BisectingOracle)
+        ]
+        assert results[0] == results[1], slots
+
+
+class _CopyingCollection(ActivationMatrixCollection):
+    """MoE-Infinity's EAM collection as it matched before: the stored EAMs copied and normed at each match."""
+
+    def similarity(self, query, observed):
+        stored = self.stored[:, observed].reshape(self.size, -1)
+        q = query[observed].ravel()
+        norms = np.linalg.norm(stored, axis=1) * np.linalg.norm(q)
+        return np.divide(stored @ q, norms, out=np.zeros(self.size), where=norms > 0)
+
+
+class _LoopingMoEInfinity(MoEInfinity):
+    """MoE-Infinity's prefetch list built in a Python loop and sorted, and victims scored one at a time."""
+
+    keep_scores = None
+
+    def _predict(self, layer):
+        num_layers = self.ctx.num_layers
+        probs = self.predicted_activation(layer)
+        items = []
+        for target in range(layer + 1, num_layers):
+            proximity = 1.0 - (target - layer) / num_layers
+            for expert in np.flatnonzero(probs[target]):
+                items.append(((target, int(expert)), float(probs[target, expert] * proximity)))
+        items.sort(key=lambda item: (-item[1], item[0]))
+        limit = self.ctx.capacity if self.prefetch_limit is None else self.prefetch_limit
+        items = [item for item in items[:limit] if item[1] > 0]
+        self._want(items)
+        self.cache.request_prefetch(items, replace=True, stale_before=layer + 1)
+
+
+@pytest.mark.parametrize("options", [{}, {"prefetch_limit": 2}, {"prefetch_at_start": False}])
+def test_moe_infinity_arrays_choose_as_its_loops(options):
+    """Same replay, to the last float, with the kept norms, the sorted arrays and victims scored as arrays
+    as with the loops (EAMs learned online into a collection of 3, so that stored EAMs get replaced)."""
+    from fmoe_jax.offload.cost_model import MIXTRAL_8X7B, RTX_3090
+    from fmoe_jax.offload.simulator import simulate
+
+    rng = np.random.default_rng(7)
+    calls = []
+    for _ in range(5):
+        skew = rng.normal(size=(1, 3, 6))
+        steps = [{"ids": np.argsort(-(rng.normal(size=(2, 3, 6)) + skew), -1)[..., :2]} for _ in range(6)]
+        calls.append(RoutingTrace.from_external([steps[:4], steps], num_experts=6))
+
+    kept, copied = ActivationMatrixCollection(3, 3, 6), _CopyingCollection(3, 3, 6)
+    for _ in range(6):  # the kept norms follow each EAM stored or replaced
+        eam = rng.integers(0, 3, size=(3, 6)).astype(float)
+        kept.add(eam)
+        copied.add(eam)
+        for observed in (np.ones(3, bool), np.array([True, False, True])):
+            assert (
+                kept.similarity(eam[::-1], observed).tolist()
+                == copied.similarity(eam[::-1], observed).tolist()
+            )
+
+    def empty(cls):
+        return {"prefill": cls(3, 3, 6), "decode": cls(3, 3, 6)}
+
+    for slots in (3, 5, 9):
+        results = [
+            simulate(
+                calls,
+                OffloadConfig(policy=cls(capacity=3, eamc=empty(collection), **options), cache_experts=slots),
+                model=MIXTRAL_8X7B,
+                hardware=RTX_3090,
+            ).as_dict()
+            for cls, collection in (
+                (MoEInfinity, ActivationMatrixCollection),
+                (_LoopingMoEInfinity, _CopyingCollection),
+            )
+        ]
+        assert results[0] == results[1], slots

@@ -304,14 +304,14 @@ def test_fmoe_store_and_moe_infinity_eams_are_sized_apart():
     parser = argparse.ArgumentParser()
     h.add_arguments(parser)
     args = parser.parse_args(["--store-capacity", "7", "--eam-capacity", "9", "--max-inflight", "1"])
-    workload = types.SimpleNamespace(args=args, store=[], slots=lambda budget: 4)
+    workload = types.SimpleNamespace(args=args, store=[], slots=lambda budget: 4, recorded=True)
 
     def policy(variant, **kwargs):
         return h.offload_config(workload, variant, calls=[], simulated=True, **kwargs).policy
 
     fmoe = h.Variant("fmoe", "fmoe", (("eviction", "lru"),))  # no reuse predictor to train
-    assert policy(fmoe).store_capacity == 7
-    assert policy(fmoe, store_capacity=5).store_capacity == 5
+    assert policy(fmoe).options.store_capacity == 7
+    assert policy(fmoe, store_capacity=5).options.store_capacity == 5
     assert policy(h.Variant("moe_infinity", "moe_infinity")).capacity == 9
     assert policy(h.Variant("moe_infinity", "moe_infinity"), store_capacity=5).capacity == 9
 

@@ -351,6 +351,30 @@ def test_stalls_admission_wants_a_copy_that_lands_in_time_and_pays_for_the_misse
         FMoE(link="busy")
 
 
+def test_one_layers_threshold_is_the_same_double_as_an_arrays():
+    """Admission prices one prefetch with Python floats (`_threshold`) and a search's selection with arrays:
+    for every rule and state they give the same numbers, bit for bit."""
+    layers = np.arange(6)
+    cases = [
+        dict(copy_s=3e-3, layer_s=1e-3),
+        dict(copy_s=3e-3, layer_s=7e-4, link="stalls", hits=3, misses=5),
+        dict(copy_s=6e-3, layer_s=1e-3, link="stalls", copy_chunks=3, misses=1),
+        dict(copy_s=1e-2, layer_s=1e-3, execution="hybrid"),
+        dict(admission=0.8),
+        dict(),
+    ]
+    for case in cases:
+        hits, misses = case.pop("hits", 0), case.pop("misses", 0)
+        store = ExpertMapStore(capacity=2, num_layers=6, num_experts=4, embed_dim=3, prefetch_distance=1)
+        policy, cache = bound_policy(store, semantic=False, **case)
+        cache.book.stats.hits, cache.book.stats.misses = hits, misses
+        for current in range(-1, 6):
+            arrays = policy.threshold(layers, current)
+            singles = [policy.threshold(int(layer), current) for layer in layers]
+            assert all(type(t) is float for t in singles)
+            np.testing.assert_array_equal(np.array(singles), arrays, err_msg=str(case))
+
+
 def test_the_calibration_learns_from_guides_made_every_distance_ahead():
     """A stored map says expert 0 (p 0.9) at every layer; the request always routes to expert 3. With d = 1
     the latest guide a layer has when it routes was made one layer before, but admission decides up to L - 1
@@ -458,7 +482,8 @@ def test_reuse_eviction_keeps_popular_experts_from_the_profile():
     policy.guides.need[3, 1] = 0.3  # a guide for a layer still to route: the third factor
     keys = [(layer, expert) for layer in range(4) for expert in range(4)]
     for p in (policy, plain):  # the cache's victim choice scores every resident expert at once
-        assert p.keep_scores(keys).tolist() == [p.keep_score(key, Entry()) for key in keys]
+        layers, experts = (np.array(column) for column in zip(*keys, strict=True))
+        assert p.keep_scores(layers, experts).tolist() == [p.keep_score(key, Entry()) for key in keys]
     with pytest.raises(ValueError, match="popularity profile"):
         bound_policy(one_map_store(), popularity=np.ones((4, 3)))
 

@@ -179,8 +179,9 @@ def test_chat_template_of_shipped_models(name, mixtral):
     short_ids = model.tokenizer(short, add_special_tokens=False)["input_ids"]
     assert encode_prompts(model, CHAT) == [ids]  # one conversation
     assert encode_prompts(model, [CHAT, CHAT[1:]]) == [ids, short_ids]  # a batch of them
-    expected = fj.generate(model, [ids, short_ids], N).tokens
-    assert fj.generate(model, [CHAT, CHAT[1:]], N).tokens == expected
+    if model is mixtral:  # what the template renders is generated as its ids are (compiling one model)
+        expected = fj.generate(model, [ids, short_ids], N).tokens
+        assert fj.generate(model, [CHAT, CHAT[1:]], N).tokens == expected
 
 
 def test_chat_errors(mixtral):

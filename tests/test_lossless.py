@@ -232,7 +232,7 @@ MODELS = [*SHIPPED[:1], *RANDOM]  # the other shipped models: test_shipped_model
 # No shrinking: each example loads engines and compiles, and a failure already names its model, policy,
 # budget and prompts.
 @settings(
-    max_examples=8,  # each example compiles a model's programs: the suite's time budget
+    max_examples=4,  # each example compiles a model's programs: the suite's time budget
     deadline=None,
     phases=(Phase.explicit, Phase.reuse, Phase.generate),
     suppress_health_check=[HealthCheck.function_scoped_fixture],
@@ -256,7 +256,7 @@ def test_offloading_is_bit_identical_to_resident(model, policy, fraction, data, 
     check_lossless(subject, policy, slots, prompts, data.draw(st.integers(1, 5)))
 
 
-@pytest.mark.parametrize("name", SHIPPED[:2])  # the bug report's model and the shipped Qwen
+@pytest.mark.parametrize("name", SHIPPED[:1])  # the bug report's model; the others: property test
 @pytest.mark.parametrize("policy", ["on_demand_lru", "fmoe"])
 def test_shipped_models_chunked_budgets(name, policy, subjects):
     """Budgets the bug report named (1 and 4 slots, below one layer's experts), 2, and all experts, on the
@@ -274,7 +274,7 @@ def test_shipped_models_chunked_budgets(name, policy, subjects):
         model.close()
 
 
-@pytest.mark.parametrize("name", SHIPPED[:2])
+@pytest.mark.parametrize("name", SHIPPED[:1])
 def test_fmoe_with_its_reuse_predictor_is_lossless(name, subjects):
     """fmoe reading router inputs for its learned reuse predictor, at 1, 2 and 4 slots and every expert."""
     subject = subjects(name)
@@ -323,32 +323,30 @@ class OneTokenOnHost(HostCost):
 @pytest.mark.parametrize("name", ["gpt_oss_mxfp4", "deepseek_v3", "glm4_moe"])
 def test_new_families_are_lossless_copy_only_and_hybrid(name, subjects, mxfp4_dir):
     """gpt-oss (its experts in MXFP4 as published; with float experts it is one of the property test's
-    draws), DeepSeek-V3 and GLM-4.5 in bfloat16: at one slot and 25 % of the experts, under on_demand_lru and
-    fmoe, copy-only serving is bit-identical to resident serving, and hybrid serving (the host taking each
+    draws), DeepSeek-V3 and GLM-4.5 in bfloat16: on_demand_lru at one slot and fmoe at 25 % of the experts,
+    copy-only serving is bit-identical to resident serving, and hybrid serving (the host taking each
     single-token miss while the device computes the rest) to copy-only serving; a left-padded batch of
     two."""
     subject = _load(mxfp4_dir, "bfloat16") if name == "gpt_oss_mxfp4" else subjects((name, "bfloat16"))
     cfg = subject.resident.config
     prompts = [[5, 100, 200, 31, 47, 17, 9], [3, 14, 15]]
     hosted = 0
-    for policy in ("on_demand_lru", "fmoe"):
-        for slots in (1, max(1, cfg.num_moe_layers * cfg.num_experts // 4)):
-            check_lossless(subject, policy, slots, prompts, 3)
-            hosted += check_lossless(subject, policy, slots, prompts, 3, OneTokenOnHost(), against_copy=True)
+    for policy, slots in (("on_demand_lru", 1), ("fmoe", max(1, cfg.num_moe_layers * cfg.num_experts // 4))):
+        check_lossless(subject, policy, slots, prompts, 3)
+        hosted += check_lossless(subject, policy, slots, prompts, 3, OneTokenOnHost(), against_copy=True)
     assert hosted > 0, f"{name}: the host computed nothing; the hybrid half compares little"
 
 
 def test_linear_attention_model_at_one_slot_and_a_quarter(subjects):
     """Hybrid models (`models/gated_deltanet.py`): each linear layer's recurrent state and convolution window
     ride beside the full layers' KV cache through the per-layer programs. bfloat16 as models ship, a
-    left-padded batch of two, on-demand LRU and fmoe at one slot and at a quarter of the routed experts, on
+    left-padded batch of two, on-demand LRU at one slot and fmoe at a quarter of the routed experts, on
     Qwen3-Next (Qwen3.5-MoE, whose linear layers differ only in their projections, is drawn above)."""
     subject = subjects(("qwen3_next", "bfloat16"))
     cfg = subject.resident.config
     prompts = [[5, 100, 200, 30, 41, 17, 9, 12, 250, 77, 3], [44, 3, 81]]
-    for policy in ("on_demand_lru", "fmoe"):
-        for slots in (1, cfg.num_moe_layers * cfg.num_experts // 4):
-            check_lossless(subject, policy, slots, prompts, 4)
+    for policy, slots in (("on_demand_lru", 1), ("fmoe", cfg.num_moe_layers * cfg.num_experts // 4)):
+        check_lossless(subject, policy, slots, prompts, 4)
 
 
 @pytest.mark.xfail(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -355,6 +356,15 @@ def test_cachebook_refuses_overfill_and_pinned_eviction():
         CacheBook(0, 8)
 
 
+def _keep_scores(score: dict) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """A policy's `keep_scores` reading `score[(layer, expert)]`."""
+
+    def keep_scores(layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        return np.array([score[key] for key in zip(layers.tolist(), experts.tolist(), strict=True)])
+
+    return keep_scores
+
+
 def test_cachebook_victim_is_the_lowest_score_then_the_least_recently_used():
     book = CacheBook(5, 8)
     for expert in range(5):
@@ -364,11 +374,80 @@ def test_cachebook_victim_is_the_lowest_score_then_the_least_recently_used():
     book.pin([(0, 4)])
     score = {(0, 0): 0.5, (0, 1): 0.2, (0, 2): 0.2, (0, 3): float("nan"), (0, 4): 0.0}
     by_key = lambda key, entry: score[key]  # noqa: E731
-    by_list = lambda keys: [score[key] for key in keys]  # noqa: E731
-    for kwargs in ({}, {"keep_scores": by_list}):
+    by_arrays = _keep_scores(score)
+    for kwargs in ({}, {"keep_scores": by_arrays}):
         assert book.victim(by_key, **kwargs) == (0, 2)  # ties at 0.2: the least recently used; (0, 4) pinned
         assert book.victim(by_key, protect=[(0, 1), (0, 2)], **kwargs) == (0, 0)  # NaN never below a number
         assert book.victim(by_key, protect=[(0, 0), (0, 1), (0, 2), (0, 3)], **kwargs) is None
+    assert book.victim(by_key, least_recent=True) == (0, 0)  # scores unread: the least recently used
+    assert book.victim(by_key, least_recent=True, protect={(0, 0)}) == (0, 2)
+
+
+def test_only_the_base_eviction_order_is_declared_least_recent():
+    """A policy that defines its own keep score is not taken for LRU unless it says so."""
+
+    class ByFrequency(Policy):
+        def keep_score(self, key, entry):
+            return float(self.cache.freq(key))
+
+    class Declared(ByFrequency):
+        evicts_least_recent = True
+
+    assert POLICIES["on_demand_lru"].evicts_least_recent and Declared.evicts_least_recent
+    assert not ByFrequency.evicts_least_recent
+    assert not any(POLICIES[name].evicts_least_recent for name in ("on_demand_lfu", "fmoe", "fiddler"))
+
+
+def test_cachebook_victims_agree_with_a_pass_over_every_entry():
+    """The book's three ways to a victim (recency order, a policy's arrays, a score per entry) choose what a
+    pass over every entry does (lowest score, NaN as infinite, ties to the least recent last use), through
+    a random run of adds, copies landing, pins, uses, evictions and cancellations."""
+    rng = np.random.default_rng(0)
+    book = CacheBook(12, 1)
+    score = {(layer, e): float(rng.choice([0.1, 0.2, 0.5, np.nan])) for layer in range(4) for e in range(6)}
+
+    def reference(scored, protect):
+        candidates = [(k, e) for k, e in book.entries.items() if e.ready and not e.pins and k not in protect]
+        if not candidates:
+            return None
+        rank = lambda item: (np.inf if np.isnan(s := scored(item[0])) else s, item[1].last_use)  # noqa: E731
+        return min(candidates, key=rank)[0]
+
+    by_key = lambda key, entry: score[key]  # noqa: E731
+    by_arrays = _keep_scores(score)
+    checked = 0
+    for _ in range(3000):
+        keys = list(book.entries)
+        action = rng.integers(6)
+        if action == 0 and book.free_slots:
+            key = (int(rng.integers(4)), int(rng.integers(6)))
+            if key not in book:
+                book.add(key, prefetched=bool(rng.integers(2)))
+        elif action == 1 and book.arriving:
+            book.mark_ready(list(book.arriving)[rng.integers(len(book.arriving))])
+        elif action == 2 and keys:
+            key = keys[rng.integers(len(keys))]
+            if book.entries[key].pins:
+                book.unpin([key])
+            else:
+                book.pin([key])
+        elif action == 3 and keys:
+            key = keys[rng.integers(len(keys))]
+            if book.entries[key].ready:
+                book.record_use(key)
+        elif action == 4 and keys:
+            key = keys[rng.integers(len(keys))]
+            entry = book.entries[key]
+            if not entry.pins:
+                (book.remove if entry.ready else lambda k: book.cancel(k, 0))(key)
+        protect = set(keys[: rng.integers(3)]) if keys else set()
+        expected = reference(lambda key: score[key], protect)
+        assert book.victim(by_key, protect=protect) == expected
+        assert book.victim(by_key, protect=protect, keep_scores=by_arrays) == expected
+        lru = reference(lambda key: 0.0, protect)
+        assert book.victim(by_key, protect=protect, least_recent=True) == lru
+        checked += expected is not None
+    assert checked > 500
 
 
 @pytest.mark.parametrize("policy", ["on_demand_lfu", "fmoe"])

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from fmoe_jax.offload import sim_cli
+from fmoe_jax.offload import cost_model, sim_cli
 
 from fmoe_jax.trace import RoutingTrace
 
@@ -63,11 +63,15 @@ def test_mistakes_are_one_line_errors(tmp_path, capsys):
 
 
 def test_help_and_presets_from_the_command_line():
-    run = [sys.executable, "-m", "fmoe_jax.offload.sim_cli"]
+    run = [sys.executable, "-m", "fmoe_jax.offload.simulator"]  # the module fmoe-sim documents
     help_text = subprocess.run([*run, "--help"], capture_output=True, text=True, check=True).stdout
     assert "(default: on_demand_lru)" in help_text and "fmoe" in help_text and "rtx_3090" in help_text
-    listing = subprocess.run([*run, "--list-presets"], capture_output=True, text=True, check=True).stdout
-    assert "mixtral" in listing and "desktop_ddr5" in listing
+    listed = subprocess.run([*run, "--list-presets"], capture_output=True, text=True, check=True)
+    assert listed.stderr == ""  # no runpy warning: the package does not import the simulator eagerly
+    assert "mixtral" in listed.stdout and "desktop_ddr5" in listed.stdout
+    for preset in cost_model.PRESETS.values():  # every size, by its model's name, and accepted by that name
+        assert f" {preset.name}: " in listed.stdout
+        assert sim_cli.model_presets()[preset.name.lower()] is preset
 
 
 @pytest.mark.parametrize("limit", [1, 2])

@@ -90,15 +90,15 @@ def test_logits_match_transformers_and_the_model_is_trained(pair):
     assert nll < 6.0, (name, nll)
 
 
-def test_32_greedy_tokens_match_transformers(pair):
+def test_16_greedy_tokens_match_transformers(pair):
     import torch
 
     name, model, hf = pair
     ids = model.tokenizer(PROMPT)["input_ids"]
-    out = fj.generate(model, [PROMPT], max_new_tokens=32, stop_at_eos=False)
+    out = fj.generate(model, [PROMPT], max_new_tokens=16, stop_at_eos=False)
     with torch.no_grad():  # greedy, with transformers' own KV cache; EOS does not stop it
         theirs = hf.generate(
-            torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32, eos_token_id=None
+            torch.tensor([ids]), do_sample=False, max_new_tokens=16, min_new_tokens=16, eos_token_id=None
         )[0].tolist()
     assert out.tokens[0] == theirs[len(ids) :], name
     assert out.texts[0] == model.tokenizer.decode(out.tokens[0], skip_special_tokens=True)
@@ -127,7 +127,7 @@ def test_partial_cache_is_bit_identical_to_the_resident_model_in_bfloat16(name):
             model.close()
 
     full = run(fj.OffloadConfig(policy="resident"))
-    for policy, options in (("on_demand_lru", {}), ("fmoe", {"asynchronous": False})):
+    for policy, options in (("fmoe", {"asynchronous": False}),):  # on_demand_lru: tests/test_lossless.py
         part = run(fj.OffloadConfig(policy=policy, policy_options=options))
         for a, b in zip(full, part, strict=True):
             assert a.tokens == b.tokens, policy

@@ -124,6 +124,12 @@ def parser() -> argparse.ArgumentParser:
         help="with --max-batch > 1: prompt tokens prefilled per iteration",
     )
     ap.add_argument("--max-queue", type=positive_int, default=64, help="most waiting requests; beyond: 503")
+    _listening_arguments(ap)
+    return ap
+
+
+def _listening_arguments(ap: argparse.ArgumentParser) -> None:
+    """Where and how the server listens: address, name, warm-up, shutdown, request limits, key, log."""
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--port", type=port_number, default=8000, help="port to listen on (0: any free port)")
     ap.add_argument(
@@ -155,7 +161,6 @@ def parser() -> argparse.ArgumentParser:
         "set, else no key)",
     )
     ap.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
-    return ap
 
 
 def require_serve_dependencies() -> None:

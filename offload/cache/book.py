@@ -16,15 +16,19 @@ Each (iteration, layer, expert) counts once, however many tokens route to it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 Key = tuple[int, int]  # (moe layer, expert)
+# A policy's keep scores of many experts at once: (layers, experts) [n] int64 -> [n] (`Policy.keep_scores`).
+KeepScores = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Entry:
     ready: bool = False  # the copy has completed
     prefetched: bool = False  # brought in by a prefetch (not on demand)
@@ -92,6 +96,11 @@ class CacheBook:
 
     `capacity` counts experts that are resident *or* arriving (an in-flight copy already holds its memory).
     Frequencies (`freq`) count uses over the cache's whole lifetime, as LFU and fMoE's eviction need.
+
+    Besides the entries it keeps what choosing a victim reads, up to date at every transition, so that a
+    victim costs no pass over every resident expert: the held experts in order of last use (`recency`:
+    the least recently used first, and so the tie order), and per slot the expert, its last use and
+    whether it could be evicted (ready, unpinned), for a policy that scores arrays (`keep_scores`).
     """
 
     def __init__(self, capacity: int, expert_bytes: int):
@@ -100,9 +109,19 @@ class CacheBook:
         self.capacity = capacity
         self.expert_bytes = expert_bytes
         self.entries: dict[Key, Entry] = {}
+        # The entries whose copy has not landed, in the order they were added: polled, cancelled and
+        # counted as in flight without visiting every resident expert.
+        self.arriving: dict[Key, Entry] = {}
+        self.recency: collections.OrderedDict[Key, Entry] = collections.OrderedDict()  # by last use
         self.freq: dict[Key, int] = {}
         self.clock = 0
         self.stats = CacheStats()
+        self._slot: dict[Key, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))  # slots not held (a stack)
+        self._slot_layer = np.zeros(capacity, np.int64)
+        self._slot_expert = np.zeros(capacity, np.int64)
+        self._slot_use = [0] * capacity  # its entry's last_use
+        self._evictable = np.zeros(capacity, bool)  # held, ready and unpinned
 
     # -- state -----------------------------------------------------------------------------------------
     def __contains__(self, key: Key) -> bool:
@@ -129,46 +148,86 @@ class CacheBook:
             raise KeyError(f"expert {key} is already cached")
         if self.free_slots <= 0:
             raise RuntimeError(f"cache full ({self.capacity} slots): evict before adding {key}")
-        now = self.tick()
+        self.clock = now = self.clock + 1
         entry = Entry(prefetched=prefetched, last_use=now, arrived=now)  # arrival counts as a use for LRU
         self.entries[key] = entry
-        self.stats.loads += 1
-        self.stats.bytes_to_device += self.expert_bytes
-        self.stats.prefetches += int(prefetched)
-        self.stats.peak_bytes = max(self.stats.peak_bytes, self.held_bytes)
+        self.arriving[key] = entry
+        self.recency[key] = entry
+        slot = self._slot[key] = self._free.pop()
+        self._slot_layer[slot] = key[0]
+        self._slot_expert[slot] = key[1]
+        self._slot_use[slot] = now
+        s = self.stats
+        s.loads += 1
+        s.bytes_to_device += self.expert_bytes
+        s.prefetches += prefetched
+        held = len(self.entries) * self.expert_bytes
+        if held > s.peak_bytes:
+            s.peak_bytes = held
         return entry
 
     def mark_ready(self, key: Key) -> None:
-        self.entries[key].ready = True
+        entry = self.entries[key]
+        entry.ready = True
+        self.arriving.pop(key, None)
+        self._evictable[self._slot[key]] = not entry.pins
+
+    def _drop(self, key: Key) -> None:
+        """Forgets a held expert's entry and frees its slot."""
+        del self.entries[key]
+        self.arriving.pop(key, None)
+        del self.recency[key]
+        slot = self._slot.pop(key)
+        self._evictable[slot] = False
+        self._free.append(slot)
 
     def remove(self, key: Key) -> None:
-        entry = self.entries.pop(key)
+        entry = self.entries[key]
         if entry.pins:
             raise RuntimeError(f"expert {key} is pinned and cannot be evicted")
+        self._drop(key)
         if entry.prefetched and not entry.used:
             self.stats.wasted_prefetches += 1
 
     def cancel(self, key: Key, unsent_bytes: int) -> None:
         """A prefetch stopped before it landed: its slot is free again and its unsent bytes uncounted."""
-        entry = self.entries.pop(key)
+        entry = self.entries[key]
         if entry.pins or entry.ready:
             raise RuntimeError(f"expert {key} is pinned or has landed and cannot be cancelled")
+        self._drop(key)
         self.stats.cancelled_prefetches += 1
         self.stats.bytes_to_device -= unsent_bytes
 
     def pin(self, keys: Iterable[Key]) -> None:
+        entries, slots, evictable = self.entries, self._slot, self._evictable
         for key in keys:
-            self.entries[key].pins += 1
+            entries[key].pins += 1
+            evictable[slots[key]] = False
 
     def unpin(self, keys: Iterable[Key]) -> None:
+        entries, slots, evictable = self.entries, self._slot, self._evictable
         for key in keys:
-            self.entries[key].pins -= 1
+            entry = entries[key]
+            entry.pins -= 1
+            if not entry.pins and entry.ready:
+                evictable[slots[key]] = True
 
     def record_use(self, key: Key) -> None:
-        entry = self.entries[key]
-        entry.used = True
-        entry.last_use = self.tick()
-        self.freq[key] = self.freq.get(key, 0) + 1
+        self.record_uses((key,))
+
+    def record_uses(self, keys: Iterable[Key]) -> None:
+        """A use of each of `keys` (held), in order: each the most recent so far."""
+        entries, recency, freq = self.entries, self.recency, self.freq
+        slots, uses, now = self._slot, self._slot_use, self.clock
+        for key in keys:
+            entry = entries[key]
+            entry.used = True
+            now += 1
+            entry.last_use = now
+            recency.move_to_end(key)
+            uses[slots[key]] = now
+            freq[key] = freq.get(key, 0) + 1
+        self.clock = now
 
     def classify(self, layer: int, needed: Iterable[Key]) -> tuple[list[Key], list[Key], list[Key]]:
         """Splits a layer's needed experts into (hits, late prefetches, misses) and counts them."""
@@ -216,25 +275,49 @@ class CacheBook:
         keep_score: Callable[[Key, Entry], float],
         *,
         protect: Iterable[Key] = (),
-        keep_scores: Callable[[list[Key]], Sequence[float]] | None = None,
+        keep_scores: KeepScores | None = None,
+        least_recent: bool = False,
     ) -> Key | None:
-        """The ready, unpinned expert with the lowest keep score (ties: least recently used), or None.
-        `keep_scores(keys)`, when given, scores a list of keys at once (a policy's vectorised
-        `keep_score`, `Policy.keep_scores`): the same scores, without a Python call per entry."""
-        protected = set(protect)
-        entries = self.entries
-        keys = [k for k, e in entries.items() if e.ready and not e.pins and k not in protected]
-        if not keys:
-            return None
-        if keep_scores is None:
-            scores = np.array([keep_score(key, entries[key]) for key in keys], np.float64)
+        """The ready, unpinned expert with the lowest keep score (NaN counts as infinite; ties: the least
+        recently used), or None.
+
+        Three ways to the same choice: `least_recent` (the policy declares `keep_score` to be the last use,
+        `Policy.evicts_least_recent`) takes the first candidate in `recency` order; `keep_scores(layers,
+        experts)` (a policy's vectorised `keep_score`, `Policy.keep_scores`) scores every candidate slot in
+        one array expression; else `keep_score` is called per candidate, in `recency` order."""
+        protected = protect if isinstance(protect, (set, frozenset)) else set(protect)
+        if keep_scores is not None and not least_recent:
+            return self._victim_of_arrays(keep_scores, protected)
+        best: Key | None = None
+        low = math.inf
+        for key, entry in self.recency.items():  # least recently used first: the first lowest wins ties
+            if not entry.ready or entry.pins or key in protected:
+                continue
+            if least_recent:
+                return key
+            score = keep_score(key, entry)
+            if best is None or score < low:
+                best, low = key, (math.inf if score != score else score)
+        return best
+
+    def _victim_of_arrays(self, keep_scores: KeepScores, protected: set[Key]) -> Key | None:
+        evictable, slots = self._evictable, self._slot
+        hidden = [slot for key in protected if (slot := slots.get(key)) is not None and evictable[slot]]
+        if hidden:  # protected experts that could otherwise go: left out of this choice only
+            evictable[hidden] = False
+            candidates = evictable.nonzero()[0]
+            evictable[hidden] = True
         else:
-            scores = np.array(keep_scores(keys), np.float64)
+            candidates = evictable.nonzero()[0]
+        if not candidates.size:
+            return None
+        scores = keep_scores(self._slot_layer[candidates], self._slot_expert[candidates])
+        if not isinstance(scores, np.ndarray) or scores.dtype != np.float64:
+            scores = np.asarray(scores, np.float64)
         low = scores.min()
-        if low != low:  # a NaN: as the tuple comparison this replaced, never below a number
-            scores[np.isnan(scores)] = np.inf
+        if low != low:  # a NaN: never below a number
+            scores = np.where(np.isnan(scores), np.inf, scores)
             low = scores.min()
-        lowest = np.flatnonzero(scores == low)
-        if len(lowest) == 1:
-            return keys[lowest[0]]
-        return min((keys[i] for i in lowest), key=lambda k: (entries[k].last_use, entries[k].arrived))
+        lowest = candidates[scores == low].tolist()
+        slot = lowest[0] if len(lowest) == 1 else min(lowest, key=self._slot_use.__getitem__)
+        return int(self._slot_layer[slot]), int(self._slot_expert[slot])

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .book import CacheBook, Entry, Key
+from .book import CacheBook, Entry, KeepScores, Key
 from .view import BookView
 
 if TYPE_CHECKING:
@@ -30,8 +30,11 @@ class EvictionPolicy(Protocol):
     def keep_score(self, key: Key, entry: Entry) -> float:
         """Higher is kept longer; the lowest-scoring ready, unpinned expert is evicted first."""
 
-    # `keep_score` of many resident experts at once, or None: the cache then calls `keep_score` per entry.
-    keep_scores: Callable[[list[Key]], Sequence[float]] | None
+    # `keep_score` of many resident experts at once, `keep_scores(layers, experts)`, or None: the cache then
+    # calls `keep_score` per entry.
+    keep_scores: KeepScores | None
+    # `keep_score` is the entry's last use: the cache evicts the least recently used without scoring.
+    evicts_least_recent: bool
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         """Whether a prefetch of `key` may evict `victim` to make room."""
@@ -137,16 +140,21 @@ class DeviceExpertCache(BookView):
 
     def _poll(self) -> None:
         """Marks finished copies ready."""
-        for key, entry in self.book.entries.items():
-            if not entry.ready and self.mover.is_ready(self.arrays[key]):
-                entry.ready = True
+        if self.book.arriving:
+            is_ready, arrays = self.mover.is_ready, self.arrays
+            for key in [key for key in self.book.arriving if is_ready(arrays[key])]:
+                self.book.mark_ready(key)
 
     def _inflight(self) -> list[Key]:
-        return [k for k, e in self.book.entries.items() if not e.ready]
+        return list(self.book.arriving)
 
     def _evict_one(self, protect: Iterable[Key] = ()) -> bool:
+        policy = self.policy
         victim = self.book.victim(
-            self.policy.keep_score, protect=protect, keep_scores=self.policy.keep_scores
+            policy.keep_score,
+            protect=protect,
+            keep_scores=policy.keep_scores,
+            least_recent=policy.evicts_least_recent,
         )
         if victim is None:
             return False
@@ -190,13 +198,15 @@ class DeviceExpertCache(BookView):
 
                 items = list(items)
                 kept = [entry for entry in self.queue if entry[0] == math.inf or not unwanted(entry[2])]
-                self.book.stats.dropped_prefetches += len(self.queue) - len(kept)
-                heapq.heapify(kept)
-                self.queue = kept
-                self.queued = {entry[2] for entry in kept}
-                still = {key for key, _ in items}
-                self._cancel_arriving(lambda key: unwanted(key) and key not in still)
-            if if_idle and (self.queue or self._inflight()):
+                if len(kept) < len(self.queue):  # else the queue stands as it is (a heap already)
+                    self.book.stats.dropped_prefetches += len(self.queue) - len(kept)
+                    heapq.heapify(kept)
+                    self.queue = kept
+                    self.queued = {entry[2] for entry in kept}
+                if self.book.arriving:
+                    still = {key for key, _ in items}
+                    self._cancel_arriving(lambda key: unwanted(key) and key not in still)
+            if if_idle and (self.queue or self.book.arriving):
                 items = []
             for key, priority in items:
                 if key in self.book or key in self.queued or key[0] == self.serving:
@@ -215,12 +225,12 @@ class DeviceExpertCache(BookView):
     def _cancel_arriving(self, unwanted: Callable[[Key], bool]) -> None:
         """Stops prefetches still arriving that are no longer wanted (between chunks, where the mover can):
         their slots and the link's remaining time go to what is wanted now. Caller holds the lock."""
-        for key, entry in list(self.book.entries.items()):
+        for key, entry in list(self.book.arriving.items()):
             if key in self.protected:  # the layer being served needs it: a late prefetch still beats a miss
                 continue
             if key in self.filling:
                 continue
-            if entry.prefetched and not entry.ready and not entry.pins and unwanted(key):
+            if entry.prefetched and not entry.pins and unwanted(key):
                 unsent = self.mover.cancel(self.arrays[key])
                 if unsent is not None:
                     self.book.cancel(key, int(round(unsent * self.book.expert_bytes)))
@@ -234,7 +244,7 @@ class DeviceExpertCache(BookView):
         if self.filling:  # only those still arriving
             entries = self.book.entries
             self.filling = {k for k in self.filling if k in entries and not entries[k].ready}
-        while self.queue and len(self._inflight()) < self.max_inflight:
+        while self.queue and len(self.book.arriving) < self.max_inflight:
             neg_priority, _, key = self.queue[0]
             if key in self.book:
                 heapq.heappop(self.queue)
@@ -250,10 +260,12 @@ class DeviceExpertCache(BookView):
 
     def _evict_for_prefetch(self, key: Key, priority: float) -> bool:
         """Makes room for a prefetch if the policy lets it evict its lowest-ranked expert."""
+        policy = self.policy
         victim = self.book.victim(
-            self.policy.keep_score,
+            policy.keep_score,
             protect=self.protected,
-            keep_scores=self.policy.keep_scores,
+            keep_scores=policy.keep_scores,
+            least_recent=policy.evicts_least_recent,
         )
         if victim is None or not self.policy.admit_prefetch(key, priority, victim):
             return False
@@ -277,40 +289,42 @@ class DeviceExpertCache(BookView):
         Hits are counted before anything is loaded; misses load on demand ahead of queued prefetches.
         The caller must `release` the keys after computing with them.
         """
-        if len(needed) > self.book.capacity:
-            raise ValueError(
-                f"{len(needed)} experts requested at once but the cache holds {self.book.capacity}"
-            )
+        book = self.book
+        if len(needed) > book.capacity:
+            raise ValueError(f"{len(needed)} experts requested at once but the cache holds {book.capacity}")
         with self.lock:
             self._poll()
-            hits, late, misses = self.book.classify(layer, needed)
+            hits, late, misses = book.classify(layer, needed)
             pinned = hits + late
-            self.book.pin(pinned)
-            self.paused += bool(misses)
+            book.pin(pinned)
+            if misses:
+                self.paused += 1
+                try:
+                    protect = set(needed)
+                    for key in misses:
+                        self.queued.discard(key)
+                        while book.free_slots <= 0 and not self._evict_one(protect=protect):
+                            self._wait_for_any_inflight()
+                        self._start_copy(key, prefetched=False)
+                        book.pin((key,))
+                        pinned.append(key)
+                except BaseException:
+                    self._give_back(pinned, True)
+                    raise
+        if late or misses:
+            start = time.perf_counter()
             try:
-                for key in misses:
-                    self.queued.discard(key)
-                    while self.book.free_slots <= 0 and not self._evict_one(protect=needed):
-                        self._wait_for_any_inflight()
-                    self._start_copy(key, prefetched=False)
-                    self.book.pin([key])
-                    pinned.append(key)
+                self._wait_ready(late + misses)
             except BaseException:
                 self._give_back(pinned, bool(misses))
                 raise
-        start = time.perf_counter()
-        try:
-            if late or misses:
-                self._wait_ready(late + misses)
-        except BaseException:
-            self._give_back(pinned, bool(misses))
-            raise
-        self.timers["on_demand_wait"] += time.perf_counter() - start
+            self.timers["on_demand_wait"] += time.perf_counter() - start
         with self.lock:
-            self.paused -= bool(misses)
-            for key in needed:
-                self.book.record_use(key)
-            out = {key: self.mover.result(self.arrays[key]) for key in needed}
+            if misses:
+                self.paused -= 1
+            book.record_uses(needed)
+            result, arrays = self.mover.result, self.arrays
+            out = {key: result(arrays[key]) for key in needed}
             self._pump()
         return out
 

@@ -142,9 +142,20 @@ class Policy:
         """Eviction order: the lowest score is evicted first."""
         return float(entry.last_use)
 
-    # Optional: `keep_scores(keys) -> [len(keys)]`, `keep_score` of many resident experts at once (a policy
-    # whose scores are array lookups saves a Python call per entry each time the cache picks a victim).
-    keep_scores: Callable[[list[Key]], np.ndarray] | None = None
+    # Optional: `keep_scores(layers, experts) -> [n]`, `keep_score` of many resident experts at once, given
+    # as int64 arrays of their layers and experts (a policy whose scores are array lookups saves a Python
+    # call per entry each time the cache picks a victim).
+    keep_scores: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+    # `keep_score` is the entry's last use (LRU), so the cache takes the least recently used evictable
+    # expert without scoring the others. True here; a subclass that defines `keep_score` or `keep_scores`
+    # is False unless it says otherwise (`__init_subclass__`).
+    evicts_least_recent = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        if ("keep_score" in own or "keep_scores" in own) and "evicts_least_recent" not in own:
+            cls.evicts_least_recent = False
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         return True

@@ -55,7 +55,11 @@ class MixtralOffload(Policy):
     """
 
     name = "mixtral_offload"
-    needs_hidden = True
+
+    @property
+    def needs_hidden(self) -> bool:
+        """Speculation reads each layer's router input; the cache rule alone reads nothing."""
+        return self.speculate
 
     def __init__(self, *, speculate: bool = True, speculative_k: int | None = None):
         if speculative_k is not None and speculative_k < 1:

@@ -38,6 +38,7 @@ class ActivationMatrixCollection:
         self.matrices = np.zeros((capacity, num_layers, num_experts), np.float64)  # [C, L, J]
         self.size = 0
         self.replacements = 0
+        self._norms: np.ndarray | None = None  # [n] each stored EAM's norm over every layer, once worked out
 
     def __len__(self) -> int:
         return self.size
@@ -59,12 +60,20 @@ class ActivationMatrixCollection:
             slot = int(np.argmax(self.similarity(eam, np.ones(eam.shape[0], bool))))
             self.replacements += 1
         self.matrices[slot] = eam
+        self._norms = None
 
     def similarity(self, query: np.ndarray, observed: np.ndarray) -> np.ndarray:
         """Cosine of a query EAM `[L, J]` with each stored EAM over the `observed` layers `[L]` -> `[n]`."""
-        stored = self.stored[:, observed].reshape(self.size, -1)  # [n, L_obs * J]
+        if observed.all():  # every layer (the usual case): the stored EAMs as they lie, their norms kept
+            stored = self.stored.reshape(self.size, -1)  # [n, L * J]
+            if self._norms is None:
+                self._norms = np.linalg.norm(stored, axis=1)
+            stored_norms = self._norms
+        else:
+            stored = self.stored[:, observed].reshape(self.size, -1)  # [n, L_obs * J]
+            stored_norms = np.linalg.norm(stored, axis=1)
         q = query[observed].ravel()
-        norms = np.linalg.norm(stored, axis=1) * np.linalg.norm(q)
+        norms = stored_norms * np.linalg.norm(q)
         return np.divide(stored @ q, norms, out=np.zeros(self.size), where=norms > 0)
 
     def mean(self) -> np.ndarray:
@@ -140,6 +149,7 @@ class MoEInfinity(Policy):
         self._eams: dict[str, np.ndarray] = {}  # phase -> [B, L, J]
         self._active = np.zeros(0, bool)
         self._wanted: dict[Key, float] = {}
+        self._wanted_grid = np.zeros((0, 0))  # [L, J] `_wanted` as an array, NaN where not wanted
 
     @classmethod
     def from_traces(
@@ -172,7 +182,7 @@ class MoEInfinity(Policy):
         self._eams = {p: np.zeros(shape) for p in PHASES}
         self._request_counts = np.zeros(shape[1:])  # [L, J] both phases, the whole batch
         self._rows, self._iteration = batch, 0
-        self._wanted = {}
+        self._want([])
 
     def _finish(self) -> None:
         """The current requests are over: their decode EAMs join the collection."""
@@ -195,7 +205,7 @@ class MoEInfinity(Policy):
         if rows != self._rows or (tokens > 1 and self._iteration > 0):
             self._begin(rows)
         self._active = valid.any(axis=1)  # [B]
-        self._wanted = {}
+        self._want([])
         if self.prefetch_at_start:
             self._predict(-1)
 
@@ -211,7 +221,7 @@ class MoEInfinity(Policy):
         if layer + 1 < self.ctx.num_layers:
             self._predict(layer)
         else:  # nothing ahead in this iteration: drop what still waits
-            self._wanted = {}
+            self._want([])
             self.cache.request_prefetch([], replace=True)
 
     def on_iteration_end(self) -> None:
@@ -219,7 +229,7 @@ class MoEInfinity(Policy):
             for b in np.flatnonzero(self._active):
                 self.collections["prefill"].add(self._eams["prefill"][b])
         self._iteration += 1
-        self._wanted = {}
+        self._want([])
 
     def close(self) -> None:
         self._finish()
@@ -254,17 +264,29 @@ class MoEInfinity(Policy):
         start = time.perf_counter()
         num_layers = self.ctx.num_layers
         probs = self.predicted_activation(layer)  # [L, J]
-        items = []
-        for target in range(layer + 1, num_layers):
-            proximity = 1.0 - (target - layer) / num_layers
-            for expert in np.flatnonzero(probs[target]):
-                items.append(((target, int(expert)), float(probs[target, expert] * proximity)))
-        items.sort(key=lambda item: (-item[1], item[0]))
+        proximity = np.array([1.0 - (target - layer) / num_layers for target in range(layer + 1, num_layers)])
+        later = probs[layer + 1 :]  # [L - l - 1, J]
+        targets, experts = np.nonzero(later)
+        priority = later[targets, experts] * proximity[targets]
+        # Highest priority first, ties by (layer, expert); the first `limit`, less those of priority 0.
         limit = self.ctx.capacity if self.prefetch_limit is None else self.prefetch_limit
-        items = [item for item in items[:limit] if item[1] > 0]
-        self._wanted = dict(items)
+        order = np.lexsort((experts, targets, -priority))[:limit]
+        order = order[priority[order] > 0]
+        chosen = zip(targets[order].tolist(), experts[order].tolist(), priority[order].tolist(), strict=True)
+        items = [((layer + 1 + t, e), p) for t, e, p in chosen]
+        self._want(items)
         self.timers["matching"] += time.perf_counter() - start
         self.cache.request_prefetch(items, replace=True, stale_before=layer + 1)
+
+    def _want(self, items: list[tuple[Key, float]]) -> None:
+        """The experts the current prediction wants, with their prefetch priorities."""
+        self._wanted = dict(items)
+        if self._wanted_grid.shape != (self.ctx.num_layers, self.ctx.num_experts):
+            self._wanted_grid = np.full((self.ctx.num_layers, self.ctx.num_experts), np.nan)
+        else:
+            self._wanted_grid.fill(np.nan)
+        for key, priority in items:
+            self._wanted_grid[key] = priority
 
     # -- caching -----------------------------------------------------------------------------------------
     def keep_score(self, key: Key, entry: Entry) -> float:
@@ -272,6 +294,12 @@ class MoEInfinity(Policy):
         if wanted is not None:
             return PROTECTED + wanted
         return float((self._request_counts[key] + 1.0) * self.layer_weight[key[0]])
+
+    def keep_scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """`keep_score` of many experts at once (the same floats)."""
+        wanted = self._wanted_grid[layers, experts]
+        counted = (self._request_counts[layers, experts] + 1.0) * self.layer_weight[layers]
+        return np.where(np.isnan(wanted), counted, PROTECTED + wanted)
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         wanted = self._wanted.get(victim)

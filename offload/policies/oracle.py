@@ -115,6 +115,11 @@ class Oracle(Policy):
                     f"trace 0 has L={self.num_layers}, J={self.num_experts}"
                 )
             self._add_call(trace)
+        # Each expert's first use after step `_synced` (inf: none), for `keep_scores`; `_cursor`: its index
+        # in `uses`. Brought forward to `_now` when read (`_sync`).
+        self._next = np.full((self.num_layers, self.num_experts), np.inf)
+        self._cursor: dict[Key, int] = {}
+        self._synced = math.inf  # not yet set up
         self._call = -1  # the open call
         self._iteration = -1  # within it
         self._layer = -1  # last routed MoE layer of the iteration
@@ -222,13 +227,20 @@ class Oracle(Policy):
         holds them back until the last chunk's experts are in)."""
         chunked = len(exclude) > self.ctx.capacity
         room = self.ctx.capacity if chunked else self.ctx.capacity - len(exclude)
-        last = math.inf if self.prefetch_ahead is None else self._now + self.prefetch_ahead
-        upcoming = []
-        for key, steps in self.uses.items():
-            i = bisect.bisect_right(steps, self._now)
-            if i < len(steps) and key not in exclude and steps[i] <= last:
-                upcoming.append((steps[i], key))
-        soonest = heapq.nsmallest(room, upcoming)
+        if self.prefetch_ahead is None:
+            upcoming = []
+            for key, steps in self.uses.items():
+                i = bisect.bisect_right(steps, self._now)
+                if i < len(steps) and key not in exclude:
+                    upcoming.append((steps[i], key))
+            soonest = heapq.nsmallest(room, upcoming)
+        else:  # the steps up to `prefetch_ahead` ahead hold all there is: no pass over every expert
+            soonest, seen = [], set(exclude)
+            for step in range(self._now + 1, min(self._now + self.prefetch_ahead + 1, len(self.needs))):
+                for key in sorted(self.needs[step] - seen):  # (step, key) order, as nsmallest's
+                    soonest.append((step, key))
+                    seen.add(key)
+            soonest = soonest[: max(room, 0)]
         self.cache.request_prefetch([(key, -float(step)) for step, key in soonest], replace=True)
 
     # -- the future ------------------------------------------------------------------------------------
@@ -249,6 +261,31 @@ class Oracle(Policy):
 
     def keep_score(self, key: Key, entry: Entry) -> float:
         return -self.next_use(key)
+
+    def keep_scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """`keep_score` of many experts at once: the same floats, from the next uses kept per expert."""
+        if self._synced != self._now:
+            self._sync()
+        upcoming = np.where(self._next <= self._until, self._next, np.inf)
+        for key in self._at_routing:
+            if not self._served(key):
+                upcoming[key] = float(self._now)
+        return -upcoming[layers, experts]
+
+    def _sync(self) -> None:
+        """Brings `_next` to `_now`: the experts needed at each step passed move on to their next use."""
+        if self._synced > self._now:  # set up (or, were the stream to step back, start over)
+            self._next.fill(np.inf)
+            for key, steps in self.uses.items():
+                self._next[key] = steps[0]
+                self._cursor[key] = 0
+            self._synced = -1
+        for step in range(self._synced + 1, self._now + 1):
+            for key in self.needs[step]:
+                i = self._cursor[key] = self._cursor[key] + 1
+                steps = self.uses[key]
+                self._next[key] = steps[i] if i < len(steps) else np.inf
+        self._synced = self._now
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         """Only by evicting an expert needed later, and only if the current layer's experts still to load

@@ -69,6 +69,8 @@ class Admission:
         prefetched, deciding after `current`: the share of its link time taken from on-demand loads, or inf
         where it cannot land before its layer (`link="stalls"`); T / (T + min(T, W)) with the other rules;
         0 under hybrid execution."""
+        if not isinstance(layer, np.ndarray):
+            return self._threshold(int(layer), current)
         if self.rule == "all" or (self.rule == "cost" and self.free_link):
             return np.zeros(np.shape(layer)) if np.ndim(layer) else 0.0
         if self.rule != "cost":
@@ -84,6 +86,25 @@ class Admission:
             window = ahead * self.layer_s
             out = self.copy_s / (self.copy_s + np.minimum(self.copy_s, window))
         return out if np.ndim(layer) else float(out)
+
+    def _threshold(self, layer: int, current: int) -> float:
+        """`threshold` of one layer, in Python floats (the same operations, one at a time: the same
+        doubles): each prefetch that asks to evict is priced by it."""
+        if self.rule == "all" or (self.rule == "cost" and self.free_link):
+            return 0.0
+        if self.rule != "cost":
+            return float(self.rule)
+        copy_s = self.copy_s
+        if copy_s is None or self.layer_s is None or copy_s <= 0:
+            return 0.0
+        ahead = layer - current
+        if ahead <= 0:
+            ahead += self.ctx.num_layers
+        if self.link == "stalls":
+            share, per_layer = self._stall_share()
+            return float(share) if ahead * per_layer >= copy_s else math.inf
+        window = ahead * self.layer_s
+        return copy_s / (copy_s + (window if window < copy_s else copy_s))  # np.minimum(copy_s, window)
 
     def price(self, layer: int, current: int) -> float:
         """`threshold` of a prefetch for `layer` decided now, 0 where it is infinite (a prefetch already

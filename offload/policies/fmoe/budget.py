@@ -100,6 +100,12 @@ class SearchBudget:
         cost = self.prices[kind]
         return cost is None or not self.priced() or self.credit >= cost
 
+    @property
+    def measures_contexts(self) -> bool:
+        """Whether the matcher's host time per context is measured (live); the simulator gives it instead,
+        and nothing then needs the time taken (reading a thread's CPU clock is a system call)."""
+        return not self.simulated
+
     def record_context(self, kind: str, seconds: float) -> None:
         """The matcher thread's CPU time on one context (what the work takes from the engine's)."""
         self._timed[kind] += 1

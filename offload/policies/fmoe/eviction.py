@@ -131,10 +131,6 @@ class Eviction:
     ):
         self.rule, self.cache, self.guides = rule, cache, guides
         self.forecast, self.popularity, self.price = forecast, popularity, price
-        num_layers, num_experts = guides.need.shape
-        self._flat_index = {
-            (layer, e): layer * num_experts + e for layer in range(num_layers) for e in range(num_experts)
-        }
 
     def keep_score(self, key: Key, entry: Entry) -> float:
         """ "reuse": the probability the expert is needed soon: later in this iteration (its need probability,
@@ -149,11 +145,13 @@ class Eviction:
             return float(keep_priority(self._latest_p(layer, expert), self.cache.freq(key)))
         return self.reuse_score(layer, expert)
 
-    def keep_scores(self, keys: list[Key]) -> np.ndarray | list[float]:
-        """`keep_score` of each of `keys` (resident experts), as one array expression for "reuse"."""
+    def keep_scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """`keep_score` of the resident experts `(layers[i], experts[i])`, as one array expression for
+        "reuse"."""
         if self.rule != "reuse":
-            return [self.keep_score(key, self.cache.entry(key)) for key in keys]
-        flat = np.fromiter(map(self._flat_index.__getitem__, keys), np.int64, len(keys))  # layer * J + expert
+            keys = zip(layers.tolist(), experts.tolist(), strict=True)
+            return np.array([self.keep_score(key, self.cache.entry(key)) for key in keys], np.float64)
+        flat = layers * self.guides.need.shape[1] + experts  # layer * J + expert
         now = self.guides.need.take(flat)  # at each layer's next routing: this iteration's, or the next's
         later = 1.0 - self.forecast.scores.take(flat)
         unlikely = self.popularity.unlikely

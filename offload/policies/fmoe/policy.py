@@ -465,14 +465,15 @@ class FMoE(Policy):
 
     # -- the matcher's work (its thread, or inline) -----------------------------------------------------
     def _process(self, context: Context) -> None:
-        start = time.thread_time()
+        timed = self.budget.measures_contexts
+        start = time.thread_time() if timed else 0.0
         try:
             if context.kind == "update":
                 self._update(context)
             else:
                 self._search(context)
         finally:  # the price of the work: this thread's CPU time, what it takes from the engine's
-            self.budget.record_context(context.kind, time.thread_time() - start)
+            self.budget.record_context(context.kind, time.thread_time() - start if timed else 0.0)
 
     def _update(self, context: Context) -> None:
         start = time.perf_counter()
@@ -529,8 +530,8 @@ class FMoE(Policy):
     def keep_score(self, key: Key, entry: Entry) -> float:
         return self.evictor.keep_score(key, entry)
 
-    def keep_scores(self, keys: list[Key]) -> np.ndarray | list[float]:
-        return self.evictor.keep_scores(keys)
+    def keep_scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        return self.evictor.keep_scores(layers, experts)
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         return self.evictor.admit_prefetch(key, victim)
