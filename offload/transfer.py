@@ -33,12 +33,22 @@ PROGRAM_COPIES = frozenset({"cpu"})
 def copier(device: jax.sharding.Sharding, by_program: bool | None = None) -> Callable[[Any], Any]:
     """A function that copies a pytree of arrays to `device`, returning without waiting: `jax.device_put`, or
     (`by_program`; None: as `PROGRAM_COPIES` says for the device's platform) a compiled program that does
-    the same copy, whose launch costs the host less than `device_put`'s dispatch on the CPU backend."""
+    the same copy, whose launch costs the host less than `device_put`'s dispatch on the CPU backend. A
+    program runs on one device, so a tree held by another (a mesh's experts in one device's host memory)
+    goes by `device_put`."""
+    put = functools.partial(jax.device_put, device=device)
     if by_program is None:
         by_program = next(iter(device.device_set)).platform in PROGRAM_COPIES
     if not by_program:
-        return functools.partial(jax.device_put, device=device)
-    return jax.jit(functools.partial(jax.device_put, device=device))
+        return put
+    program = jax.jit(put)
+
+    def copy(tree: Any) -> Any:
+        first = jax.tree.leaves(tree)[0]
+        local = isinstance(first, jax.Array) and first.sharding.device_set == device.device_set
+        return program(tree) if local else put(tree)
+
+    return copy
 
 
 class JaxMover(Mover):
