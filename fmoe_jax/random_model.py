@@ -65,7 +65,8 @@ def preset_hf_config(preset: ModelPreset) -> dict[str, Any]:
 def shrunk_hf_config(hf: dict[str, Any], *, layers: int | None = None, width_scale: float = 1.0) -> dict:
     """`hf` with its first `layers` layers and its widths times `width_scale` (hidden and intermediate sizes
     rounded to multiples of 64, which quantization groups and MXFP4 blocks need; attention heads scaled with
-    the head size kept, a multiple of the key-value heads). The vocabulary keeps its size."""
+    the head size kept, a multiple of the key-value heads; the vocabulary scaled too, rounded to 128, so that
+    the LM head keeps its share of a step)."""
     out = dict(hf)
     if layers is not None:
         if not 1 <= layers <= hf["num_hidden_layers"]:
@@ -84,6 +85,7 @@ def shrunk_hf_config(hf: dict[str, Any], *, layers: int | None = None, width_sca
         kv = max(1, round((hf.get("num_key_value_heads") or hf["num_attention_heads"]) * width_scale))
         out["num_key_value_heads"] = kv
         out["num_attention_heads"] = max(kv, round(hf["num_attention_heads"] * width_scale / kv) * kv)
+        out["vocab_size"] = max(256, round(hf["vocab_size"] * width_scale / 128) * 128)
     return out
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 GiB = 2**30
+# The engine's own host costs a preset may carry (`offload/engine_model.py`); zero: not charged.
+ENGINE_COSTS = ("launch_s", "launch_argument_s", "sync_s", "layer_host_s", "copy_issue_s")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -29,6 +31,12 @@ class HardwarePreset:
       expert_kernel_s: fixed time of one expert's kernels at decode beside its bytes (its three GEMVs and
         the activation: launches and tails that batch-1 work cannot hide).
       attention_kernel_s: likewise for one layer's attention block and router.
+      launch_s, launch_argument_s: the engine's host cost of one launch of its step program, and per argument
+        of it (every expert's arrays are arguments: `ModelPreset.launch_arguments`); see
+        `offload/engine_model.py` for what the simulator charges.
+      sync_s: one host read of a launch's results beside the wait for them.
+      layer_host_s: the host's serving of one MoE layer's routing (driver, cache, a cheap policy's events).
+      copy_issue_s: the host's cost of issuing one expert copy.
     """
 
     name: str
@@ -42,9 +50,14 @@ class HardwarePreset:
     copy_latency_s: float = 0.0
     expert_kernel_s: float = 0.0
     attention_kernel_s: float = 0.0
+    launch_s: float = 0.0
+    launch_argument_s: float = 0.0
+    sync_s: float = 0.0
+    layer_host_s: float = 0.0
+    copy_issue_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("copy_latency_s", "expert_kernel_s", "attention_kernel_s"):
+        for name in ("copy_latency_s", "expert_kernel_s", "attention_kernel_s", *ENGINE_COSTS):
             if getattr(self, name) < 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("hbm_bytes_per_s", "flops_per_s", "link_bytes_per_s", "memory_bytes"):
@@ -57,6 +70,11 @@ class HardwarePreset:
                 raise ValueError(
                     f"hardware {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}"
                 )
+
+    def without_engine(self) -> HardwarePreset:
+        """This preset with the engine's host costs zero: the link and the kernels alone (replays as they were
+        before the engine's costs were charged)."""
+        return dataclasses.replace(self, **dict.fromkeys(ENGINE_COSTS, 0.0))
 
     @property
     def link_effective(self) -> float:
