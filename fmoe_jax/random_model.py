@@ -109,8 +109,8 @@ def random_model(
         config dict (any supported family).
       offload: None (resident) or an `OffloadConfig`: routed experts then live in pinned host memory.
       layers: keep the first `layers` layers (default all); width_scale: narrower, see `shrunk_hf_config`.
-      expert_quantization: routed experts as "int8", "int4", "mxfp4" (gpt-oss only), or None (`dtype`);
-        default: the `OffloadConfig`'s, else the preset's own (gpt-oss: MXFP4), else None.
+      expert_quantization: routed experts as "int8", "int4", "mxfp4" (gpt-oss only) or "none" (`dtype`);
+        None: the `OffloadConfig`'s, else the preset's own (gpt-oss: MXFP4), else `dtype`.
       dtype: every other weight's dtype (bf16, as models ship).
       seed, std: weights are N(0, std) (quantized experts: uniform codes with scales of about that spread),
         norms ones, biases zeros.
@@ -123,6 +123,7 @@ def random_model(
         kind, quantization_group_size = offload.expert_quantization, offload.quantization_group_size
     if kind is None and isinstance(source, ModelPreset):
         kind = source.expert_quantization
+    kind = None if kind == "none" else kind
     if kind == "mxfp4" and cfg.swiglu_clamp is None:
         raise ValueError(
             f"expert_quantization='mxfp4' is gpt-oss's format; {cfg.family} experts take int8/int4"

@@ -185,12 +185,41 @@ RTX_3090 = HardwarePreset(
     memory_bytes=24 * GiB,
     link_efficiency=PCIE4_EFFICIENCY,
 )
+# `benchmarks/engine_costs.py` on this 2-core VM (JAX CPU backend), 2026-11-29, the machine shared (load ~7).
+CPU_MEASURED = dict(
+    hbm_bytes_per_s=5e9,
+    link_bytes_per_s=5e9,
+    copy_latency_s=20e-6,
+    expert_kernel_s=50e-6,
+    attention_kernel_s=100e-6,
+    launch_s=50e-6,
+    launch_argument_s=0.5e-6,
+    sync_s=10e-6,
+    layer_host_s=50e-6,
+)
 # The Hopper presets' copy and decode numbers are the measurements above (an H200's, on the H100s too: the
 # same link generation and architecture). The others keep assumed efficiencies typical of tuned GEMV/GEMM
 # kernels (HBM 0.8, FLOPs 0.7) and no fixed costs: nothing was measured on them. Pass
 # `dataclasses.replace(preset, hbm_efficiency=1.0, expert_kernel_s=0.0, ...)` for the ideal roofline.
 
+# This machine's CPU as the "device" (JAX's CPU backend; the "link" is a memcpy into another buffer), so that
+# live runs here and the simulator can be compared (`benchmarks/live_replay.py`): every number measured by
+# `python -m benchmarks.engine_costs` (results/engine_costs_cpu.json) on random-weight Mixtral-shaped models
+# with int4 experts, none on the models live_replay checks it against. FLOPs (prefill only) assumed: two
+# cores x 2.5 GHz x 32 FP32 FLOP per cycle. Memory: the VM's.
+CPU_2CORE_VM = HardwarePreset(
+    "2-core x86 VM (JAX CPU backend)",
+    hbm_bytes_per_s=CPU_MEASURED["hbm_bytes_per_s"],
+    flops_per_s=2 * 2.5e9 * 32,
+    link_bytes_per_s=CPU_MEASURED["link_bytes_per_s"],
+    memory_bytes=24 * GiB,
+    link_efficiency=1.0,
+    hbm_efficiency=1.0,
+    **{k: v for k, v in CPU_MEASURED.items() if k not in ("hbm_bytes_per_s", "link_bytes_per_s")},
+)
+
 HARDWARE: dict[str, HardwarePreset] = {
+    "cpu_2core_vm": CPU_2CORE_VM,
     "h100_sxm": H100_SXM,
     "h100_pcie": H100_PCIE,
     "h200_sxm": H200_SXM,
@@ -277,7 +306,17 @@ SERVER_12CH = HostPreset(
     flops_per_s=96 * 2.4e9 * 64,
 )
 
+# The same 2-core VM as the host beside CPU_2CORE_VM (hybrid execution on the CPU backend): its measured
+# memory rate, the FLOPs assumed above; the call and transfer costs the defaults'.
+CPU_2CORE_VM_HOST = HostPreset(
+    "2-core x86 VM",
+    mem_bytes_per_s=CPU_MEASURED["hbm_bytes_per_s"],
+    flops_per_s=2 * 2.5e9 * 32,
+    mem_efficiency=1.0,
+)
+
 HOSTS: dict[str, HostPreset] = {
+    "cpu_2core_vm": CPU_2CORE_VM_HOST,
     "desktop_ddr4": DESKTOP_DDR4,
     "desktop_ddr5": DESKTOP_DDR5,
     "server_8ch": SERVER_8CH,
