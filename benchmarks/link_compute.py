@@ -157,7 +157,7 @@ def measure_urgent(host, device, repeats):
 
 
 # -- 3. overlap of copies and compute ----------------------------------------------------------------------
-def measure_overlap(host, device, copy_ms, repeats):
+def measure_overlap(host, device, copy_ms, repeats, width: int = 8192):
     """A loop of GEMVs sized to take about as long as one expert's copy, alone and beside the copy, for each
     way of issuing the copy: `overlap` is the share of the shorter of the two hidden behind the other."""
     import concurrent.futures
@@ -165,8 +165,8 @@ def measure_overlap(host, device, copy_ms, repeats):
     import jax
     import jax.numpy as jnp
 
-    w = random_matrix(jax.random.key(7), (8192, 8192), jnp.bfloat16, device)
-    x0 = jnp.ones((1, 8192), jnp.bfloat16)
+    w = random_matrix(jax.random.key(7), (width, width), jnp.bfloat16, device)
+    x0 = jnp.ones((1, width), jnp.bfloat16)
     numpy_host = [np.asarray(m) for m in host]  # pageable host memory
 
     def make(steps):
@@ -237,14 +237,14 @@ def measure_overlap(host, device, copy_ms, repeats):
     return rows
 
 
-def measure_latency(pinned, device, repeats, link_nominal):
+def measure_latency(pinned, device, repeats, link_nominal, sizes_mb=(0.25, 1, 4, 16, 64, 256)):
     """One bf16 array from pinned host memory to the device at sizes from 256 KB to 256 MB: a least-squares
     line through (bytes, seconds) gives the link's fixed cost per copy and its streaming rate."""
     import jax
     import jax.numpy as jnp
 
     rows = []
-    for mb in (0.25, 1, 4, 16, 64, 256):
+    for mb in sizes_mb:
         n = int(mb * 2**20 / 2)
         src = random_matrix(jax.random.key(int(mb * 4)), (n,), jnp.bfloat16, pinned)
         seconds = timed(lambda src=src: jax.block_until_ready(jax.device_put(src, device)), repeats)

@@ -6,12 +6,15 @@ Public API (see README):
     out = fmoe_jax.generate(model, "Hello", do_sample=True, temperature=0.7, top_p=0.9)   # HF names
     for piece in fmoe_jax.generate_stream(model, [{"role": "user", "content": "Hi"}]): ...
     logits = fmoe_jax.forward(model, token_ids)
+    model = fmoe_jax.random_model(preset_or_hf_config, offload=...)   # random weights, real sizes
+    out = fmoe_jax.generate(model, prompts, forced_routing=trace)        # a recorded trace's routing
 """
 
 from fmoe_jax.offload.config import OffloadConfig
 
 from .generation import GenerateOutput, GenerationStats, forward, generate, generate_stream
 from .loading import Model, from_module, load_model, shipped_models
+from .random_model import random_model
 from .sampling import Greedy, Sample
 from .streaming import GenerationStream, StreamPiece
 from .trace import RoutingTrace
@@ -31,6 +34,7 @@ __all__ = [
     "generate",
     "generate_stream",
     "load_model",
+    "random_model",
     "shipped_models",
 ]
 __version__ = "0.1.0"

@@ -128,6 +128,7 @@ def generate(
     stop_at_eos: bool = True,
     record_trace: bool = False,
     record_hidden: bool = False,
+    forced_routing: RoutingTrace | None = None,
 ) -> GenerateOutput:
     """Generates up to `max_new_tokens` tokens for each prompt (a batch, left padded).
 
@@ -155,6 +156,10 @@ def generate(
       record_trace: also return `out.trace`, the routing trace (semantic embeddings, router
         probabilities of every MoE layer and chosen experts, per request and iteration).
       record_hidden: the trace also keeps every MoE layer's router input (for learned predictors).
+      forced_routing: a `RoutingTrace` (one request per prompt, its first iteration the prompt's tokens, then
+        one token per step, at least `max_new_tokens` iterations) whose experts and weights every MoE layer
+        uses instead of its router's choice; the routers still run. An offload policy hears the trace's
+        routing, probabilities and semantic context, as the simulator replays them (`fmoe_jax/forced.py`).
     """
     arguments = dict(locals())  # the first statement: generate's arguments by name, and nothing else
     streamer = arguments.pop("streamer")
@@ -232,16 +237,7 @@ def _generation(
     t_pad = tokens.shape[1]
     cache_len = bucket_length(t_pad + max_new_tokens)
     active = np.ones((batch,), bool)
-    tokenizer = model.tokenizer if text_pieces or request.stop else None
-    rows = Rows(
-        batch,
-        tokenizer,
-        request.eos,
-        request.stop,
-        max_new_tokens,
-        logprobs=request.return_logprobs,
-        top_logprobs=request.top_logprobs,
-    )
+    rows = _rows(model, request, text_pieces)
     seen = _seen_tokens(ids, cfg.vocab_size) if sampling.repetition_penalty != 1.0 else None
     engine = model.engine
     # Every call's key, fold_in(key(seed), i), made at once as raw key data: host-side JAX calls in the
@@ -256,7 +252,17 @@ def _generation(
     first_key = sampler_key(step_keys[0], seen)  # before the clock: its program compiles on the first call
     start = time.perf_counter()
     layout = Layout(np.int32(0), key_start, active.copy(), t_pad)
-    out, cache = engine.step(tokens, cache, layout, first_key, sampling, record_trace, record_hidden)
+    forced = _no_forcing if request.forced is None else request.forced.step
+    out, cache = engine.step(
+        tokens,
+        cache,
+        layout,
+        first_key,
+        sampling,
+        record_trace,
+        record_hidden,
+        forced=forced(0, t_pad, active),
+    )
     next_tokens = np.asarray(out.tokens)
     compile_s = engine.programs.compile_s - compiled
     stats.ttft_s = time.perf_counter() - start - compile_s
@@ -284,8 +290,9 @@ def _generation(
         layout = Layout(np.int32(t_pad + step), key_start, active.copy(), 1)
         row_valid = active.copy()
         key = sampler_key(step_keys[step + 1], seen)
+        forcing = forced(step + 1, 1, active)
         out, cache = engine.step(
-            next_tokens[:, None], cache, layout, key, sampling, record_trace, record_hidden
+            next_tokens[:, None], cache, layout, key, sampling, record_trace, record_hidden, forced=forcing
         )
         next_tokens = np.asarray(out.tokens)
         step_compile_s = engine.programs.compile_s - compiled
@@ -296,6 +303,21 @@ def _generation(
 
     stats.compile_s = compile_s
     return _output(model, rows, stats, trace)
+
+
+def _rows(model: Model, request: Request, text_pieces: bool) -> Rows:
+    """The rows' generated tokens and stop rules; text pieces are decoded when streamed or stop strings
+    need them."""
+    tokenizer = model.tokenizer if text_pieces or request.stop else None
+    limits = dict(logprobs=request.return_logprobs, top_logprobs=request.top_logprobs)
+    return Rows(
+        len(request.prompt_ids), tokenizer, request.eos, request.stop, request.max_new_tokens, **limits
+    )
+
+
+def _no_forcing(step: int, width: int, active: np.ndarray) -> None:
+    """A step's forced routing when `generate` was given none (`ForcedSteps.step`'s signature)."""
+    return None
 
 
 def _left_padded(ids: list[list[int]], pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .errors import ArgumentError
+from .forced import ForcedSteps
 from .prompts import encode_prompts
 from .sampling import Sampling, from_hf_arguments
 
@@ -26,6 +27,7 @@ class Request:
     top_logprobs: int
     record_trace: bool
     record_hidden: bool
+    forced: ForcedSteps | None = None  # the routing every step takes instead of its routers' (`forced.py`)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -94,6 +96,7 @@ def make_request(
     stop_at_eos: bool,
     record_trace: bool,
     record_hidden: bool,
+    forced_routing: Any = None,
     **hf_sampling: Any,
 ) -> Request:
     """Checks and resolves `generate`'s arguments, every one passed (their defaults and documentation are
@@ -138,4 +141,7 @@ def make_request(
         top_logprobs=int(top_logprobs),
         record_trace=record_trace,
         record_hidden=record_hidden,
+        forced=None
+        if forced_routing is None
+        else ForcedSteps(forced_routing, model.config, ids, max_new_tokens),
     )

@@ -28,7 +28,16 @@ from . import (
 from .base import DecoderLayer, MoECausalLM, RouteFn
 from .config import MoEConfig, RopeConfig, UnsupportedConfigError, model_identity
 from .layers import LayerCache, LayerKV, Layout, LinearState, init_kv_cache
-from .moe import Expert, ExpertWeights, Routing, expert_mixture, expert_parts, reference_mixture, sum_parts
+from .moe import (
+    Expert,
+    ExpertWeights,
+    ForcedRouting,
+    Routing,
+    expert_mixture,
+    expert_parts,
+    reference_mixture,
+    sum_parts,
+)
 from .quant import ExpertQuantization, QuantizedMatrix, expert_quantization
 
 
@@ -95,6 +104,7 @@ __all__ = [
     "FAMILIES",
     "DecoderLayer",
     "Expert",
+    "ForcedRouting",
     "ExpertQuantization",
     "ExpertWeights",
     "Family",

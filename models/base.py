@@ -20,7 +20,16 @@ from .config import MoEConfig
 from .gated_deltanet import GatedDeltaNet
 from .layers import Attention, LayerCache, Layout, Linear, linear, make_norm, rope_tables
 from .mla import LatentAttention
-from .moe import AnyExpertWeights, ClampedSwiGLU, Expert, Kernel, Routing, expert_parts, sum_parts
+from .moe import (
+    AnyExpertWeights,
+    ClampedSwiGLU,
+    Expert,
+    ForcedRouting,
+    Kernel,
+    Routing,
+    expert_parts,
+    sum_parts,
+)
 from .quant import ExpertQuantization
 
 # Router logits [N, J] (any dtype) -> Routing; families with a score-correction bias (DeepSeek-V3) take it
@@ -189,6 +198,7 @@ class MoECausalLM(nnx.Module):
         kernel: Kernel = "auto",
         last_only: bool = False,
         moe_inputs: list | None = None,
+        forced: ForcedRouting | None = None,
     ) -> tuple[jax.Array, list[LayerCache], list[Routing]]:
         """Resident forward over all layers.
 
@@ -199,6 +209,7 @@ class MoECausalLM(nnx.Module):
           last_only: return only the last position's logits `[B, V]` (prefill never needs `[B, T, V]`).
           moe_inputs: if a list, each MoE layer's router input `[B*T, D]` is appended to it (traces for
             policies that predict from hidden states).
+          forced: routing every MoE layer takes instead of its router's choice (the router still runs).
         Returns:
           logits `[B, T, V]` (or `[B, V]`) float32, the updated cache, and each MoE layer's routing over the
           B*T tokens.
@@ -215,6 +226,8 @@ class MoECausalLM(nnx.Module):
             z = z.reshape(b * t, -1)
             if layer.is_moe:
                 routing = layer.route(z)
+                if forced is not None:
+                    routing = forced.apply(len(routings), routing)
                 routings.append(routing)
                 if moe_inputs is not None:
                     moe_inputs.append(z)

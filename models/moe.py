@@ -167,6 +167,21 @@ class Routing:
     weights: jax.Array  # [N, k] float32, their mixing weights
 
 
+class ForcedRouting(NamedTuple):
+    """Routing recorded elsewhere that a step uses instead of its routers' choices (`generate(...,
+    forced_routing=trace)`): every MoE layer still runs its router (its cost is paid), then takes these
+    experts and weights, and reports these probabilities. Rows of padding hold zeros."""
+
+    ids: jax.Array  # [N, L, k] int32, every MoE layer's chosen experts
+    weights: jax.Array  # [N, L, k] float32, their mixing weights
+    probs: jax.Array | None  # [N, L, J] float32 expert-map probabilities; None: the router's stand
+
+    def apply(self, m: int | jax.Array, routing: Routing) -> Routing:
+        """MoE layer `m`'s routing with the forced experts, weights (in the router's dtype) and probs."""
+        probs = routing.probs if self.probs is None else self.probs[:, m].astype(routing.probs.dtype)
+        return Routing(probs, self.ids[:, m], self.weights[:, m].astype(routing.weights.dtype))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Kernels. All take the experts to use as a sequence of `ExpertWeights` plus `slot_of_expert` `[J]`
 # mapping a layer's expert id to its position in that sequence (-1: not passed, its assignments are

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 GiB = 2**30
+# The engine's own host costs a preset may carry (`offload/engine_model.py`); zero: not charged.
+ENGINE_COSTS = ("launch_s", "launch_argument_s", "sync_s", "layer_host_s", "copy_issue_s")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -29,6 +31,12 @@ class HardwarePreset:
       expert_kernel_s: fixed time of one expert's kernels at decode beside its bytes (its three GEMVs and
         the activation: launches and tails that batch-1 work cannot hide).
       attention_kernel_s: likewise for one layer's attention block and router.
+      launch_s, launch_argument_s: the engine's host cost of one launch of its step program, and per argument
+        of it (every expert's arrays are arguments: `ModelPreset.launch_arguments`); see
+        `offload/engine_model.py` for what the simulator charges.
+      sync_s: one host read of a launch's results beside the wait for them.
+      layer_host_s: the host's serving of one MoE layer's routing (driver, cache, a cheap policy's events).
+      copy_issue_s: the host's cost of issuing one expert copy.
     """
 
     name: str
@@ -42,9 +50,14 @@ class HardwarePreset:
     copy_latency_s: float = 0.0
     expert_kernel_s: float = 0.0
     attention_kernel_s: float = 0.0
+    launch_s: float = 0.0
+    launch_argument_s: float = 0.0
+    sync_s: float = 0.0
+    layer_host_s: float = 0.0
+    copy_issue_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("copy_latency_s", "expert_kernel_s", "attention_kernel_s"):
+        for name in ("copy_latency_s", "expert_kernel_s", "attention_kernel_s", *ENGINE_COSTS):
             if getattr(self, name) < 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("hbm_bytes_per_s", "flops_per_s", "link_bytes_per_s", "memory_bytes"):
@@ -57,6 +70,11 @@ class HardwarePreset:
                 raise ValueError(
                     f"hardware {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}"
                 )
+
+    def without_engine(self) -> HardwarePreset:
+        """This preset with the engine's host costs zero: the link and the kernels alone (replays as they were
+        before the engine's costs were charged)."""
+        return dataclasses.replace(self, **dict.fromkeys(ENGINE_COSTS, 0.0))
 
     @property
     def link_effective(self) -> float:
@@ -167,12 +185,44 @@ RTX_3090 = HardwarePreset(
     memory_bytes=24 * GiB,
     link_efficiency=PCIE4_EFFICIENCY,
 )
+# `benchmarks/engine_costs.py` on this 2-core VM (JAX CPU backend), 2026-11-29, with the machine shared (load
+# average 11-15 from other jobs: the values are noisy, rerun it alone). The fit gave no fixed time per expert
+# or per copy (0) and no launch cost beyond its arguments'; the attention's fixed time holds the host's
+# serving of a layer (the same cores run both here).
+CPU_MEASURED = dict(
+    hbm_bytes_per_s=1.56e9,
+    link_bytes_per_s=2.30e9,
+    copy_latency_s=0.0,
+    expert_kernel_s=0.0,
+    attention_kernel_s=2.90e-3,
+    launch_s=0.0,
+    launch_argument_s=0.243e-6,
+    sync_s=2.2e-6,
+    layer_host_s=0.0,
+)
 # The Hopper presets' copy and decode numbers are the measurements above (an H200's, on the H100s too: the
 # same link generation and architecture). The others keep assumed efficiencies typical of tuned GEMV/GEMM
 # kernels (HBM 0.8, FLOPs 0.7) and no fixed costs: nothing was measured on them. Pass
 # `dataclasses.replace(preset, hbm_efficiency=1.0, expert_kernel_s=0.0, ...)` for the ideal roofline.
 
+# This machine's CPU as the "device" (JAX's CPU backend; the "link" is a memcpy into another buffer), so that
+# live runs here and the simulator can be compared (`benchmarks/live_replay.py`): every number measured by
+# `python -m benchmarks.engine_costs` (results/engine_costs_cpu.json) on random-weight Mixtral-shaped models
+# with int4 experts, none on the models live_replay checks it against. FLOPs (prefill only) assumed: two
+# cores x 2.5 GHz x 32 FP32 FLOP per cycle. Memory: the VM's.
+CPU_2CORE_VM = HardwarePreset(
+    "2-core x86 VM (JAX CPU backend)",
+    hbm_bytes_per_s=CPU_MEASURED["hbm_bytes_per_s"],
+    flops_per_s=2 * 2.5e9 * 32,
+    link_bytes_per_s=CPU_MEASURED["link_bytes_per_s"],
+    memory_bytes=24 * GiB,
+    link_efficiency=1.0,
+    hbm_efficiency=1.0,
+    **{k: v for k, v in CPU_MEASURED.items() if k not in ("hbm_bytes_per_s", "link_bytes_per_s")},
+)
+
 HARDWARE: dict[str, HardwarePreset] = {
+    "cpu_2core_vm": CPU_2CORE_VM,
     "h100_sxm": H100_SXM,
     "h100_pcie": H100_PCIE,
     "h200_sxm": H200_SXM,
@@ -259,7 +309,17 @@ SERVER_12CH = HostPreset(
     flops_per_s=96 * 2.4e9 * 64,
 )
 
+# The same 2-core VM as the host beside CPU_2CORE_VM (hybrid execution on the CPU backend): its measured
+# memory rate, the FLOPs assumed above; the call and transfer costs the defaults'.
+CPU_2CORE_VM_HOST = HostPreset(
+    "2-core x86 VM",
+    mem_bytes_per_s=CPU_MEASURED["hbm_bytes_per_s"],
+    flops_per_s=2 * 2.5e9 * 32,
+    mem_efficiency=1.0,
+)
+
 HOSTS: dict[str, HostPreset] = {
+    "cpu_2core_vm": CPU_2CORE_VM_HOST,
     "desktop_ddr4": DESKTOP_DDR4,
     "desktop_ddr5": DESKTOP_DDR5,
     "server_8ch": SERVER_8CH,

@@ -191,6 +191,12 @@ class ModelPreset:
         """Attention plus dense MLP of one dense layer."""
         return self.attention_params + 3 * self.hidden_size * self.dense_intermediate_size
 
+    def launch_arguments(self, num_layers: int, num_experts: int) -> int:
+        """About how many arrays the offload engine's step program takes: every routed expert's (a matrix's
+        values and scales when quantized, gpt-oss's biases) and a dozen per layer besides."""
+        per_expert = 3 * (1 if self.expert_quantization is None else 2) + (3 if self.expert_bias else 0)
+        return num_layers * (num_experts * per_expert + 12) + 3
+
     def router_params(self, num_experts: int) -> int:
         return self.hidden_size * num_experts
 

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from . import cost_model
 from .config import OffloadConfig
 from .policies import POLICIES, accepted_options
+from .projection import MODES, fit_layers
 from .simulator import Replay, SimResult, common_meta
 from .trace import RoutingTrace
 
@@ -113,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", nargs="+", default=[], metavar="TRACE", help="replayed first, unmeasured")
     parser.add_argument("--execution", choices=("copy", "hybrid"), default="copy")
     parser.add_argument(
+        "--layers",
+        choices=MODES,
+        default="project",
+        help="a trace of fewer MoE layers than the model: project it onto the whole model (see "
+        "offload/projection.py), refuse it, or replay the trace's own layers",
+    )
+    parser.add_argument(
         "--limit", type=int, default=None, help="replay only the first N requests of each TRACE"
     )
     parser.add_argument(
@@ -190,7 +198,10 @@ def run(args: argparse.Namespace) -> SimResult:
     measured = read_traces(args.traces, model.num_experts, args.limit)
     for name, trace in zip([*args.warmup, *args.traces], [*warmup, *measured], strict=False):
         _check(trace, model, name)
-    everything = [*warmup, *measured]
+    try:
+        everything = fit_layers([*warmup, *measured], model.num_layers, args.layers)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     meta = common_meta(everything)
     offload = _offload(args, meta["num_layers"] * meta["num_experts"])
     try:
@@ -214,10 +225,13 @@ def run(args: argparse.Namespace) -> SimResult:
                 bar.update()
     finally:
         result = replay.close()
+    result.extra["trace_layers"] = meta.get("trace_layers", meta["num_layers"])
     return result
 
 
-def summary(result: SimResult, args: argparse.Namespace, model: cost_model.ModelPreset, layers: int) -> str:
+def summary(
+    result: SimResult, args: argparse.Namespace, model: cost_model.ModelPreset, layers: int, trace_layers: int
+) -> str:
     """The one-screen summary of a replay."""
     ms = 1e3
     stall = result.stall_s / result.total_s if result.total_s else 0.0
@@ -225,7 +239,13 @@ def summary(result: SimResult, args: argparse.Namespace, model: cost_model.Model
         f"simulated: policy {args.policy}, {result.capacity} cache slots, {args.execution}, "
         f"{model.name} sizes on {cost_model.HARDWARE[args.hardware].name}"
         + (f" + {cost_model.HOSTS[args.host].name}" if args.host else ""),
-        f"  the trace's {layers} MoE layers replayed (the model has {model.num_layers})",
+        f"  {layers} MoE layers replayed ("
+        + (
+            f"the trace's {trace_layers} projected onto the model's"
+            if trace_layers != layers
+            else "the trace's"
+        )
+        + f"; the model has {model.num_layers})",
         f"  TPOT   median {result.median_tpot_s * ms:.2f} ms, mean {result.mean_tpot_s * ms:.2f} ms "
         f"({1 / result.median_tpot_s:.1f} tokens/s)"
         if result.median_tpot_s > 0
@@ -257,7 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fmoe-sim: error: {err}", file=sys.stderr)
         return 2
     layers = len(result.layer_hits)
-    print(summary(result, args, model, layers))
+    trace_layers = result.extra.get("trace_layers", layers)
+    print(summary(result, args, model, layers, trace_layers))
     if args.json is not None:
         record = {
             "simulated": True,
@@ -266,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model_preset": dataclasses.asdict(model),
             "hardware": args.hardware,
             "host": args.host,
-            "trace_layers": layers,
+            "trace_layers": trace_layers,
+            "replayed_layers": layers,
             "result": result.as_dict(),
         }
         try:

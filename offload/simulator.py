@@ -28,8 +28,10 @@ from .cache import DeviceExpertCache, Key
 from .config import OffloadConfig
 from .cost_model import CostModel, HardwarePreset, HostPreset, ModelPreset
 from .driver import Driver, Functions, Routed
+from .engine_model import EngineModel
 from .hybrid import HybridPlanner, ModelledHostCost
 from .policies import Policy, PolicyContext
+from .projection import fit_layers
 from .resources import Copy, SimulatedHost, SimulatedLink  # noqa: F401  (Copy: part of this module's API)
 from .trace import RoutingTrace
 
@@ -62,6 +64,8 @@ class SimResult:
     host_computed: int = 0  # experts the host computed (hybrid: misses, and hits given it to balance a layer)
     host_compute_s: float = 0.0  # the host's busy time (calls overlap the device's compute)
     host_wait_s: float = 0.0  # the device waiting for the host's results
+    launches: int = 0  # the engine's step-program launches and host syncs (hardware with engine costs)
+    syncs: int = 0
 
     @property
     def link_busy_share(self) -> float:
@@ -122,6 +126,8 @@ def simulate(
     chunks: int | None = None,
     finish_started: bool = True,
     matcher_s: float = 0.0,
+    policy_s: float = 0.0,
+    layers: str = "trace",
 ) -> SimResult:
     """Replays routing traces through an offload policy and expert cache on a simulated clock.
 
@@ -155,6 +161,10 @@ def simulate(
         as the live `ChunkedJaxMover`); False: also between pieces.
       matcher_s: host seconds a predicting policy's matcher spends per context (fmoe: a search or a map
         update; `PolicyContext.matcher_s` and `.clock`); 0: free and instantaneous (the default).
+      policy_s: host seconds the policy's events take per MoE layer on the engine's path (measured live,
+        `GenerationStats.overhead_s["policy_events"]`), charged with the hardware's engine costs
+        (`offload/engine_model.py`; `hardware.without_engine()` replays without any).
+      layers: a trace of fewer MoE layers than `model`: "project", "refuse" or "trace" (`projection.py`).
 
     Returns:
       a `SimResult` of `traces`. The policy is bound to a fresh cache and closed at the end.
@@ -162,7 +172,8 @@ def simulate(
     traces = [traces] if isinstance(traces, RoutingTrace) else list(traces)
     if not traces:
         raise ValueError("simulate needs at least one routing trace")
-    everything = [*warmup, *traces]
+    model = model if isinstance(model, ModelPreset) else ModelPreset.from_config(model)
+    everything = fit_layers([*warmup, *traces], model.num_layers, layers)
     replay = Replay(
         offload,
         meta=common_meta(everything),
@@ -174,12 +185,13 @@ def simulate(
         chunks=chunks,
         finish_started=finish_started,
         matcher_s=matcher_s,
+        policy_s=policy_s,
     )
     try:
         for trace in everything[: len(everything) - len(traces)]:
             replay.run(trace)
         replay.reset_statistics()
-        for trace in traces:
+        for trace in everything[len(everything) - len(traces) :]:
             replay.run(trace)
     finally:
         result = replay.close()
@@ -209,6 +221,7 @@ class Replay:
         chunks: int | None = None,
         finish_started: bool = True,
         matcher_s: float = 0.0,
+        policy_s: float = 0.0,
     ):
         offload = offload or OffloadConfig()
         _check_setting(offload, host, matcher_s)
@@ -243,7 +256,6 @@ class Replay:
             synchronous=offload.transfer == "synchronous",
         )
         self.costs = CostModel(model, hardware, num_experts)
-        self.charges = _Charges(self.costs)
         self.policy.bind(self._context(offload, chunks, matcher_s), self.cache)
         self.host: SimulatedHost | None = None
         planner = None
@@ -252,6 +264,9 @@ class Replay:
             self.host = SimulatedHost(cost)
             planner = HybridPlanner(cost, self.costs)
         self.driver = Driver(self.policy, self.cache, planner)
+        arguments = model.launch_arguments(self.num_layers, num_experts)
+        self.engine = EngineModel(hardware, arguments, self.cache, policy_s)
+        self.charges = _Charges(self.costs, self.engine)
         self._closed = False
         try:
             if self.policy.preload_all:
@@ -301,6 +316,7 @@ class Replay:
         link, host = self.link, self.host or SimulatedHost(None)
         self.driver.reset()
         self._start = (link.clock, link.stall_s, link.compute_s, link.busy_s, host.busy_s, host.wait_s)
+        self._engine_start = (self.engine.launches, self.engine.syncs)
         self.ttft_s: list[float] = []
         self.tpot_s: list[float] = []
 
@@ -354,6 +370,8 @@ class Replay:
             host_computed=s.host_computed,
             host_compute_s=host.busy_s - host_busy,
             host_wait_s=host.wait_s - host_wait,
+            launches=self.engine.launches - self._engine_start[0],
+            syncs=self.engine.syncs - self._engine_start[1],
         )
 
 
@@ -377,8 +395,8 @@ class _Charges:
     (a chunk of experts and their token counts, the shared expert, the LM head), each worked out once: the
     cost model is a pure function of them, so the floats are the ones it gives."""
 
-    def __init__(self, costs: CostModel):
-        self.costs = costs
+    def __init__(self, costs: CostModel, engine: EngineModel):
+        self.costs, self.engine = costs, engine  # the engine's host costs (`offload/engine_model.py`)
         self._experts: dict[tuple[int, ...], float] = {}
         self._shared: dict[int, float] = {}
         self._head: dict[int, float] = {}
@@ -411,7 +429,7 @@ def _replay_batch(
     num_iterations = max((len(r.iterations) for r in requests), default=0)
     # Tokens each request has before each of its iterations (its KV cache), summed once.
     past = [np.cumsum([0] + [it.num_tokens for it in r.iterations]).tolist() for r in requests]
-    start = link.clock
+    start, engine = link.clock, charges.engine
     ttft = [float("nan")] * rows
     decode_times: list[list[float]] = [[] for _ in range(rows)]
     driver.begin(rows)
@@ -420,9 +438,10 @@ def _replay_batch(
         began = link.clock
         tokens = int(step.valid.sum())
         attention_s = charges.costs.attention_s(step.new_tokens, step.past_tokens)
+        link.compute(engine.step_started())
 
         def route(m: int, step=step, attention_s=attention_s) -> Routed:
-            link.compute(attention_s)
+            link.compute(attention_s + engine.routed())
             return Routed(
                 step.ids[:, m],
                 None if step.probs is None else step.probs[:, m],
@@ -431,14 +450,17 @@ def _replay_batch(
 
         def compute(m: int, chunk: list[Key], arrays: dict, is_last: bool, step=step, tokens=tokens) -> None:
             routed = step.routed[m]
+            engine.runs(chunk)
             link.compute(charges.experts_s(tuple([routed[e] for _, e in chunk])))
             if is_last:
+                link.compute(engine.layer_done())
                 if host is not None:
                     host.join(link)
                 link.compute(charges.shared_s(tokens))
 
         def on_host(m: int, keys: list[Key], step=step, tokens=tokens) -> None:
             routed = step.routed[m]
+            engine.runs(keys)
             host.start(link.clock, tokens, [routed[e] for _, e in keys])
 
         driver.iteration(step.valid, step.embeds, Functions(route, compute, on_host))

@@ -29,9 +29,12 @@ def test_replay_prints_a_summary_and_writes_json(tmp_path, capsys):
     assert sim_cli.main([*args, "--policy", "on_demand_lru", "--json", str(out), "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "simulated: policy on_demand_lru, 8 cache slots" in text
-    assert "the trace's 4 MoE layers replayed (the model has 32)" in text
+    assert "32 MoE layers replayed (the trace's 4 projected onto the model's; the model has 32)" in text
     record = json.loads(out.read_text())
-    assert record["simulated"] and record["trace_layers"] == 4 and record["result"]["capacity"] == 8
+    assert record["simulated"] and record["trace_layers"] == 4 and record["replayed_layers"] == 32
+    assert record["result"]["capacity"] == 8
+    assert sim_cli.main([*args, "--layers", "trace", "--no-progress"]) == 0
+    assert "4 MoE layers replayed (the trace's; the model has 32)" in capsys.readouterr().out
     result = record["result"]
     assert result["hits"] + result["misses"] == sum(result["layer_needed"]) > 0
     assert f"hits   {result['hit_rate']:.3f}" in text
@@ -55,6 +58,7 @@ def test_mistakes_are_one_line_errors(tmp_path, capsys):
         ([str(path), "--model-preset", "mixtral", "--policy-option", "bogus=1", *base], "takes no option"),
         ([str(path), "--model-preset", "mixtral", "--budget", "1.5", *base], "--budget must be a share"),
         ([str(path), "--model-preset", "mixtral", "--execution", "hybrid", *base], "give --host"),
+        ([str(path), "--model-preset", "mixtral", "--layers", "refuse", *base], "layers='project'"),
     ]
     for argv, message in cases:
         assert sim_cli.main(argv) == 2, argv

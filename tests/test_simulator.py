@@ -527,8 +527,10 @@ def test_presets_are_registered_and_sane():
     assert set(MODELS.values()) <= set(PRESETS.values())
     # DeepSeek-V2-Lite's latent cache: 512 + 64 numbers per token and layer, not 16 heads x (192 + 128).
     assert DEEPSEEK_V2_LITE.kv_bytes_per_token == (512 + 64) * 2
-    for hardware in HARDWARE.values():
-        assert 20e9 < hardware.link_effective < hardware.link_bytes_per_s < 70e9
+    for name, hardware in HARDWARE.items():
+        if name != "cpu_2core_vm":  # a PCIe link; the CPU preset's is a memcpy (benchmarks/engine_costs.py)
+            assert 20e9 < hardware.link_effective < hardware.link_bytes_per_s < 70e9
+            assert hardware.launch_s == hardware.sync_s == hardware.layer_host_s == 0  # replays as before
     assert HARDWARE["h100_sxm"].link_effective > 2 * HARDWARE["a100_sxm"].link_effective  # Gen5 vs Gen4
 
 

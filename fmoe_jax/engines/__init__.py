@@ -9,11 +9,12 @@ by one through the iteration driver. Both implement `Engine`; their compiled pro
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
+import numpy as np
 
-from fmoe_jax.models import LayerKV, Layout, Routing
+from fmoe_jax.models import ForcedRouting, LayerKV, Layout, Routing
 
 from ..sampling import Sampling
 from .programs import Programs, Recorded
@@ -28,6 +29,15 @@ class StepOutput:
         self.tokens = tokens  # [B] int32, sampled next tokens
         self.logits = logits  # [B, V] float32, logits of the last position
         self.recorded = recorded  # the step's routing, when asked to record it
+
+
+class ForcedStep(NamedTuple):
+    """One step's recorded routing that the engine uses instead of its routers' choices (`generate(...,
+    forced_routing=trace)`), and the semantic context an offload policy hears instead of the step's own
+    embedding (None: the step's own), so that it hears what the simulator gives it for the same trace."""
+
+    routing: ForcedRouting  # [N, L, k] ids and weights, [N, L, J] probs or None (host arrays)
+    embeds: np.ndarray | None  # [N, D] float32
 
 
 class Engine(Protocol):
@@ -52,9 +62,11 @@ class Engine(Protocol):
         record: bool = False,
         record_hidden: bool = False,
         requests: Any = None,
+        forced: ForcedStep | None = None,
     ) -> tuple[StepOutput, list[LayerKV]]:
         """Prefill (T > 1) or one decode step (T = 1) of tokens `[B, T]`. `requests`: each row's request id,
-        stable across steps, when rows change requests between `begin`s (continuous batching)."""
+        stable across steps, when rows change requests between `begin`s (continuous batching). `forced`:
+        routing every MoE layer takes instead of its router's choice (`generate(..., forced_routing=...)`)."""
 
     def finish(self, stats: Any) -> None:
         """The call is over: fill the engine's statistics into `stats` (a `GenerationStats`)."""
@@ -70,4 +82,4 @@ class Engine(Protocol):
         random tokens); `Policy.paused_learning`."""
 
 
-__all__ = ["Engine", "Programs", "Recorded", "StepOutput"]
+__all__ = ["Engine", "ForcedStep", "Programs", "Recorded", "StepOutput"]

@@ -36,7 +36,7 @@ from fmoe_jax.offload.policies import PolicyContext
 from fmoe_jax.offload.transfer import TimedMover, jax_mover
 
 from ..sampling import Sampling
-from . import StepOutput
+from . import ForcedStep, StepOutput
 from .devices import DeviceSet, per_device_slots, resolve_devices
 from .host import HostCompute
 from .programs import (
@@ -243,9 +243,11 @@ class OffloadEngine:
         record: bool = False,
         record_hidden: bool = False,
         requests: Any = None,
+        forced: ForcedStep | None = None,
     ) -> tuple[StepOutput, list[LayerKV]]:
         """Prefill (T > 1) or one decode step (T = 1); samples each row's next token. `requests`: each row's
-        request id (`IterationStart.requests`), for continuous batching."""
+        request id (`IterationStart.requests`), for continuous batching. `forced`: routing every MoE layer
+        and the semantic context the policy hears instead of the step's own (`ForcedStep`)."""
         self.driver.requests = None if requests is None else tuple(int(r) for r in requests)
         if not self.devices.single:
             if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
@@ -253,7 +255,16 @@ class OffloadEngine:
             key = self.devices.replicate(key)  # raw key data; the sampler wraps it
         start, waited = time.perf_counter(), self.cache.on_demand_wait_s
         loop = StepLoop(
-            self, tokens, kv, layout, key, sampling, record=record, record_hidden=record and record_hidden
+            self,
+            tokens,
+            kv,
+            layout,
+            key,
+            sampling,
+            record=record,
+            record_hidden=record and record_hidden,
+            forced=None if forced is None else forced.routing,
+            forced_embeds=None if forced is None else forced.embeds,
         )
         out, kv = loop.run()
         host_s = time.perf_counter() - start - loop.waited_s - (self.cache.on_demand_wait_s - waited)

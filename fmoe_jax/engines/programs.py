@@ -163,13 +163,16 @@ def _whole_label(params, tokens, cache, layout, *_: Any) -> str:
 
 # -- the whole model ---------------------------------------------------------------------------------------
 def whole_step(programs: Programs, graph: Graph, kernel: Kernel) -> Callable:
-    """The jitted whole-model step: prefill (T > 1) or one decode step (T = 1), sampling included."""
+    """The jitted whole-model step: prefill (T > 1) or one decode step (T = 1), sampling included; `forced`:
+    a `ForcedRouting` every MoE layer takes instead of its router's choice, or None."""
 
-    def step(params, tokens, cache, layout, key, sampling: Sampling, record: bool, record_hidden: bool):
+    def step(
+        params, tokens, cache, layout, key, sampling: Sampling, record: bool, record_hidden: bool, forced
+    ):
         model = graph.merge(params)
         hidden = [] if record_hidden else None
         logits, cache, routings = model(
-            tokens, cache, layout, kernel=kernel, last_only=True, moe_inputs=hidden
+            tokens, cache, layout, kernel=kernel, last_only=True, moe_inputs=hidden, forced=forced
         )
         next_tokens = sampling(logits, key)
         if not record:

@@ -16,7 +16,7 @@ from fmoe_jax.models import LayerKV, Layout, MoECausalLM, init_kv_cache
 from fmoe_jax.models.moe import Kernel
 
 from ..sampling import Sampling
-from . import StepOutput
+from . import ForcedStep, StepOutput
 from .programs import Programs, forward_inputs, full_forward, split, whole_step
 
 
@@ -64,12 +64,22 @@ class ResidentEngine:
         record: bool = False,
         record_hidden: bool = False,
         requests: Any = None,
+        forced: ForcedStep | None = None,
     ) -> tuple[StepOutput, list[LayerKV]]:
         """Runs prefill (T > 1) or one decode step (T = 1) and samples the next token of each row (`requests`
-        is for the offload engine's policy)."""
+        is for the offload engine's policy; `forced`: routing every MoE layer takes instead of its
+        router's)."""
         start = time.perf_counter()
         next_tokens, logits, cache, recorded = self._step(
-            self.params, tokens, cache, layout, key, sampling, record, record and record_hidden
+            self.params,
+            tokens,
+            cache,
+            layout,
+            key,
+            sampling,
+            record,
+            record and record_hidden,
+            None if forced is None else forced.routing,
         )
         self._host_s.append(time.perf_counter() - start)
         return StepOutput(next_tokens, logits, recorded), cache

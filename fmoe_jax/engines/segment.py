@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from fmoe_jax.models.layers import Layout, cache_shape
-from fmoe_jax.models.moe import Kernel, Routing, expert_parts
+from fmoe_jax.models.moe import ForcedRouting, Kernel, Routing, expert_parts
 
 from ..sampling import Sampling
 from .programs import Graph, Programs, per_row
@@ -71,13 +71,25 @@ def _label(params, slots, tokens, cache, layout, *_: Any) -> str:
 
 def offload_step(programs: Programs, graph: Graph, kernel: Kernel) -> Callable:
     """The jitted step `(params, slots, tokens, kv, layout, key, entry, sampling, record_hidden,
-    all_positions) -> (Segment, kv)`: params the module's leaves (routed experts: cached arrays or the
-    placeholder), slots `[L, J]` int32, kv donated. The layers are traced by `_Walk`."""
+    all_positions, forced) -> (Segment, kv)`: params the module's leaves (routed experts: cached arrays or
+    the placeholder), slots `[L, J]` int32, kv donated, forced a `ForcedRouting` or None. The layers are
+    traced by `_Walk`."""
 
     def step(
-        params, slots, tokens, kv, layout: Layout, key, entry: Entry, sampling, record_hidden, all_positions
+        params,
+        slots,
+        tokens,
+        kv,
+        layout: Layout,
+        key,
+        entry: Entry,
+        sampling,
+        record_hidden,
+        all_positions,
+        forced: ForcedRouting | None,
     ):
-        walk = _Walk(graph.merge(params), slots, tokens, layout, key, entry, sampling, kernel, record_hidden)
+        model = graph.merge(params)
+        walk = _Walk(model, slots, tokens, layout, key, entry, sampling, kernel, record_hidden, forced)
         caches, (ids, probs, hidden), stop, (h, z, routing), tokens_out, logits = walk.layers_from(
             0, walk.embeds, entry.start < 0, list(kv), all_positions
         )
@@ -106,11 +118,11 @@ class _Walk:
     skipped layers without a copy (`COPY_ELISION`)."""
 
     def __init__(
-        self, model, slots, tokens, layout: Layout, key, entry: Entry, sampling, kernel, record_hidden
+        self, model, slots, tokens, layout: Layout, key, entry: Entry, sampling, kernel, record_hidden, forced
     ):
         self.model, self.cfg, self.slots, self.layout = model, model.config, slots, layout
         self.key, self.entry, self.sampling, self.kernel = key, entry, sampling, kernel
-        self.record_hidden = record_hidden
+        self.record_hidden, self.forced = record_hidden, forced
         self.b, t = tokens.shape
         self.n = self.b * t
         self.valid = layout.token_valid.reshape(self.n)
@@ -154,7 +166,9 @@ class _Walk:
         m = self.moe_index[i]
         entry = self.entry
         mode = jnp.where(m == entry.start, FINISH, jnp.where(active, FULL, SKIP))
-        h, z, routing, cache, record = jax.lax.cond(mode == FULL, self.attend(layer), self.entered, x, cache)
+        h, z, routing, cache, record = jax.lax.cond(
+            mode == FULL, self.attend(layer, m), self.entered, x, cache
+        )
         row = self.slots[m]
         miss = (mode == FULL) & jnp.any(self.valid[:, None] & (row[routing.ids] < 0))
         ran = (mode != SKIP) & ~miss
@@ -186,13 +200,15 @@ class _Walk:
         )
         return [cache, *out[0]], stacked, *out[2:]
 
-    def attend(self, layer: Any) -> Callable:
-        """The MoE layer's attention and routing, as the resident forward computes them."""
+    def attend(self, layer: Any, m: int) -> Callable:
+        """MoE layer m's attention and routing, as the resident forward computes them."""
 
         def attend(x, c):
             h, z, c = layer.attention_block(x, self.rope, c, self.layout)
             z = z.reshape(self.n, -1)
             routing = layer.route(z)
+            if self.forced is not None:
+                routing = self.forced.apply(m, routing)
             record = (routing.ids, routing.probs, z.astype(jnp.float32) if self.record_hidden else None)
             return h, z, routing, c, record
 

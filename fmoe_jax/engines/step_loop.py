@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from fmoe_jax.models import Layout
-from fmoe_jax.models.moe import ExpertWeights
+from fmoe_jax.models.moe import ExpertWeights, ForcedRouting
 from fmoe_jax.offload.cache import Key
 from fmoe_jax.offload.driver import Routed
 
@@ -114,6 +114,8 @@ class StepLoop:
       key, sampling: the sampler's; None with `all_positions`.
       record: record the step's routing (`Recorded`); record_hidden: with the router inputs.
       all_positions: logits of every position `[B, T, V]`, no sampling (`forward`).
+      forced: routing every MoE layer takes instead of its router's (`ForcedRouting`, on the host), or None;
+        forced_embeds: `[N, D]` the semantic context the policy hears instead of the step's embedding.
     """
 
     def __init__(
@@ -128,6 +130,8 @@ class StepLoop:
         record: bool,
         record_hidden: bool,
         all_positions: bool = False,
+        forced: ForcedRouting | None = None,
+        forced_embeds: np.ndarray | None = None,
     ):
         policy, devices = engine.policy, engine.devices
         self.engine = engine
@@ -138,7 +142,8 @@ class StepLoop:
         # one program whatever the rows' experts, so serving compiles nothing after its warm-up.
         self.width_tokens = int(np.prod(self.shape)) if np.ndim(layout.write_index) else self.shape[1]
         if not devices.single:
-            tokens, layout = devices.replicate((tokens, layout))
+            tokens, layout, forced = devices.replicate((tokens, layout, forced))
+        self.forced, self.forced_embeds = forced, forced_embeds
         self.tokens, self.kv, self.layout, self.key, self.sampling = tokens, kv, layout, key, sampling
         self.record, self.all_positions = record, all_positions
         self.want_probs = policy.needs_probs or record
@@ -163,7 +168,8 @@ class StepLoop:
         self.launch(engine.first_entry(*self.shape), -1, {})
         self.read()
         self.first = self.seen
-        engine.driver.iteration(self.valid_bt, self.first.embeds, self)
+        embeds = self.first.embeds if self.forced_embeds is None else self.forced_embeds
+        engine.driver.iteration(self.valid_bt, embeds, self)
         last = self.segment
         if self.seen is not None:  # the launch that ran to the end was read: its tokens came with it
             tokens = self.seen.tokens
@@ -204,6 +210,7 @@ class StepLoop:
             self.sampling,
             self.want_hidden,
             self.all_positions,
+            self.forced,
         )
         self.seen, self.acc, self.pending = None, [None] * len(engine.devices), None
         self.launches += 1

@@ -1,0 +1,188 @@
+"""The engine's own costs on this machine, for a simulator hardware preset (`offload/hardware.py`).
+
+    python -m benchmarks.engine_costs [--name engine_costs_cpu]
+
+Measured live, by median over repeats (every program compiled and run before it is timed):
+- the link: `jax.device_put` of a pinned-host array to the device at 64 KB-8 MB; a straight line gives the
+  fixed cost per copy and the rate;
+- a launch: a jitted program of 1 to 4,096 small array arguments, called (the host's dispatch; a CPU backend
+  also runs it), a straight line in the argument count; a sync: reading a finished program's 64 int32;
+- the kernels: decode steps of the offload engine holding every expert (one launch and one sync a step) on
+  random-weight Mixtral-shaped models (bf16 experts, 8 layers) at top-1 and top-4 and at two expert widths
+  give, against the preset's byte counts, the rate an expert streams at (`hbm_bytes_per_s` with efficiency
+  1) and the fixed time per expert and per layer (attention block, router and the host's serving of the
+  layer, which on a CPU backend runs on the same cores: `layer_host_s` stays 0).
+
+These models are not the ones `benchmarks/live_replay.py` checks the preset against (gpt-oss's shape, other
+widths), so that check is not a fit. Prints the preset's fields; writes `results/<name>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import RESULTS, HelpFormatter, median_ms, print_table, save
+
+BASE = dict(
+    model_type="mixtral",
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    num_local_experts=16,
+    num_experts_per_tok=4,
+)
+STEPS = 24
+# bf16 experts, as models ship: one memory rate then covers experts, attention and the LM head alike (int4
+# experts on a CPU backend are bound by their dequantization, not their bytes, which one rate cannot say).
+EXPERTS = None
+
+
+def link() -> dict:
+    import jax
+
+    device = jax.local_devices()[0]
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    target = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    sizes = [2**16, 2**18, 2**20, 2**22, 2**23]
+    times = []
+    for size in sizes:
+        src = jax.device_put(np.ones(size, np.uint8), host)
+        times.append(median_ms(lambda src=src: jax.block_until_ready(jax.device_put(src, target)), 20) / 1e3)
+    slope, intercept = np.polyfit(sizes, times, 1)
+    return dict(
+        copy_latency_s=max(float(intercept), 0.0), link_bytes_per_s=1 / slope, sizes=sizes, times_s=times
+    )
+
+
+def launch_and_sync() -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    counts = [1, 256, 1024, 4096]
+    times = []
+    for n in counts:
+        args = [jnp.ones((4,), jnp.float32) for _ in range(n)]
+        fn = jax.jit(lambda *a: a[0] + 1)
+        jax.block_until_ready(fn(*args))
+        times.append(median_ms(lambda fn=fn, args=args: fn(*args), 50) / 1e3)
+    slope, intercept = np.polyfit(counts, times, 1)
+    step = jax.jit(lambda x: x + 1)
+    x = step(jnp.arange(64, dtype=jnp.int32))
+    reads = []
+    for _ in range(200):  # a fresh result each time: a read one array has had is cached
+        x = step(x)
+        begin = time.perf_counter()
+        np.asarray(jax.block_until_ready(x))
+        reads.append(time.perf_counter() - begin)
+    sync_s = float(np.median(reads))
+    return dict(
+        launch_s=max(float(intercept), 0.0), launch_argument_s=float(slope), sync_s=sync_s, counts=counts
+    )
+
+
+def decode_tpot(hf: dict) -> float:
+    """Median decode step (s) of a random-weight model of `hf`'s sizes (bf16), batch 1, served by the
+    offload engine holding every expert (one launch and one sync a step)."""
+    import fmoe_jax as fj
+
+    total = hf["num_hidden_layers"] * hf["num_local_experts"]
+    offload = fj.OffloadConfig(policy="on_demand_lru", cache_experts=total, preload=True)
+    model = fj.random_model(hf, offload, expert_quantization=EXPERTS)
+    with model:
+        fj.generate(model, [[1, 2, 3]], max_new_tokens=4, stop_at_eos=False)
+        steps = []
+        for _ in range(2):
+            out = fj.generate(model, [[1, 2, 3]], max_new_tokens=STEPS, stop_at_eos=False)
+            steps += out.stats.decode_step_s
+    return float(np.median(steps))
+
+
+def kernels(launch: dict) -> dict:
+    """Fixed and per-byte expert and attention times from warm offload decode steps at two top-k and widths,
+    less the step's launch and sync; the attention's fixed time holds the host's serving of the layer."""
+    from fmoe_jax.models import config_from_hf
+    from fmoe_jax.models.quant import expert_quantization
+    from fmoe_jax.offload.cost_model import CostModel, HardwarePreset, ModelPreset
+
+    runs = {}
+    for label, change in {
+        "k1": dict(num_experts_per_tok=1),
+        "k4": {},
+        "k4_wide": dict(intermediate_size=2048),
+    }.items():
+        runs[label] = decode_tpot({**BASE, **change})
+    q = expert_quantization(EXPERTS, None)
+    narrow = ModelPreset.from_config(config_from_hf(BASE), quantization=q)
+    wide = ModelPreset.from_config(config_from_hf({**BASE, "intermediate_size": 2048}), quantization=q)
+    layers = BASE["num_hidden_layers"]
+    per_expert = (runs["k4"] - runs["k1"]) / (3 * layers)  # seconds per expert, narrow
+    per_expert_wide = (runs["k4_wide"] - runs["k4"]) / (4 * layers) + per_expert
+    rate = (wide.expert_bytes - narrow.expert_bytes) / max(per_expert_wide - per_expert, 1e-9)
+    expert_fixed = max(per_expert - narrow.expert_bytes / rate, 0.0)
+    probe = HardwarePreset(
+        "probe",
+        hbm_bytes_per_s=rate,
+        flops_per_s=1e12,
+        link_bytes_per_s=1e9,
+        memory_bytes=1,
+        hbm_efficiency=1.0,
+        flops_efficiency=1.0,
+    )
+    costs = CostModel(narrow, probe, BASE["num_local_experts"])
+    attention_bytes_s = costs.attention_s(np.ones(1), np.full(1, 3 + STEPS // 2))
+    head_s = costs.head_s(1)
+    arguments = narrow.launch_arguments(layers, BASE["num_local_experts"])
+    engine_s = launch["launch_s"] + arguments * launch["launch_argument_s"] + launch["sync_s"]
+    attention_fixed = (runs["k1"] - engine_s - layers * per_expert - head_s) / layers - attention_bytes_s
+    return dict(
+        hbm_bytes_per_s=rate,
+        expert_kernel_s=expert_fixed,
+        attention_kernel_s=max(attention_fixed, 0.0),
+        resident_tpot_s=runs,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--name", default="engine_costs_cpu", help="results name")
+    p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON")
+    args = p.parse_args(argv)
+    load_before = os.getloadavg()
+    start = time.perf_counter()
+    measured = dict(link=link(), launch=launch_and_sync())
+    measured["kernels"] = kernels(measured["launch"])
+    fields = dict(
+        hbm_bytes_per_s=measured["kernels"]["hbm_bytes_per_s"],
+        link_bytes_per_s=measured["link"]["link_bytes_per_s"],
+        copy_latency_s=measured["link"]["copy_latency_s"],
+        expert_kernel_s=measured["kernels"]["expert_kernel_s"],
+        attention_kernel_s=measured["kernels"]["attention_kernel_s"],
+        launch_s=measured["launch"]["launch_s"],
+        launch_argument_s=measured["launch"]["launch_argument_s"],
+        sync_s=measured["launch"]["sync_s"],
+        layer_host_s=0.0,  # inside attention_kernel_s: the fit is of the offload engine's own steps
+    )
+    print_table([{k: v for k, v in fields.items()}])
+    save(
+        args.name,
+        dict(
+            preset_fields=fields,
+            measured=measured,
+            seconds=time.perf_counter() - start,
+            load_average=dict(before=load_before, after=os.getloadavg()),
+        ),
+        args.out,
+    )
+    return fields
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""One check of the engine on an accelerator, in at most ~8 minutes: run it first whenever a GPU is at hand.
+
+    python -m benchmarks.gpu_check [--cpu-smoke] [--out DIR]
+
+Writes `results/gpu_check_<device>.{json,md}` with, on JAX's default device:
+1. the link (`benchmarks/link_compute.py`'s essentials): pinned-host -> device copies at 0.25-256 MB (a line
+   gives the fixed cost per copy and the rate), a bench-s expert's copy, and how much of a copy hides
+   behind a compute issued after it and before it;
+2. `offload_overhead` on bench-s (random weights, bf16): the resident engine, the offload engine holding every
+   expert (warm), on_demand_lru and fmoe at 25 %, with launches and syncs per token, against the targets:
+   warm <= 1.15x resident; on_demand_lru <= 1.3x its link-bound estimate (bytes moved per token / the
+   measured rate + copies per token x the fixed cost + resident TPOT); fmoe <= 1.0x on_demand_lru;
+3. `live_replay` of gpt-oss-20b's real routing on a random-weight gpt-oss-20b (all 24 layers, int4 experts,
+   a cache of 25 % of the experts' bf16 bytes) for on_demand_lru, fmoe and oracle, copy-only and hybrid,
+   each beside the simulator's prediction on the device's hardware preset (target: within 20 %).
+
+`--cpu-smoke` runs every section at tiny sizes in seconds (tested), so the script is known to work before a
+GPU is lent. A failing section is recorded and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import RESULTS, HelpFormatter, save
+
+BENCH_S = "bench-s"
+TARGETS = dict(warm_vs_resident=1.15, lru_vs_link_bound=1.3, fmoe_vs_lru=1.0, sim_vs_live=(0.8, 1.2))
+
+
+def link_section(smoke: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.link_compute import measure_copies, measure_latency, measure_overlap
+
+    dev = jax.devices()[0]
+    pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    repeats = 3 if smoke else 10
+    sizes = (0.0625, 0.25, 1) if smoke else (0.25, 1, 4, 16, 64, 256)
+    latency = measure_latency(pinned, device, repeats, None, sizes_mb=sizes)
+    d, f = (64, 128) if smoke else (1024, 3584)
+    copy, host = measure_copies(BENCH_S, d, f, jnp.bfloat16, (pinned, device), repeats, None)
+    overlap = measure_overlap(host, device, copy["whole_ms"], repeats, width=256 if smoke else 8192)
+    return dict(latency=latency, expert_copy=copy, overlap=overlap)
+
+
+def overhead_section(smoke: bool, link: dict | None) -> dict:
+    """offload_overhead's rows on bench-s (random weights), and the Must-show ratios."""
+    import fmoe_jax as fj
+    from benchmarks.offload_overhead import measure
+    from fmoe_jax.engines.offload import OffloadEngine
+    from fmoe_jax.testing import PRESETS
+
+    hf = dict(PRESETS["tiny-mixtral"] if smoke else PRESETS[BENCH_S])
+    new_tokens, repeats = (4, 1) if smoke else (32, 2)
+    resident = fj.random_model(hf, None)
+    prompt = np.random.default_rng(0).integers(3, hf["vocab_size"], 16 if smoke else 128).tolist()
+    rows = {"resident": measure(resident, prompt, new_tokens, repeats)}
+    resident.close()
+    cfg = resident.config
+    total = cfg.num_moe_layers * cfg.num_experts
+    slots = max(1, round(0.25 * total))
+    base = fj.random_model(hf, fj.OffloadConfig(cache_experts=1))
+    base.close()
+    configs = {
+        "warm (cache = all)": fj.OffloadConfig(policy="on_demand_lru", cache_experts=total),
+        "on_demand_lru 25%": fj.OffloadConfig(policy="on_demand_lru", cache_experts=slots),
+        "fmoe 25%": fj.OffloadConfig(policy="fmoe", cache_experts=slots, prefetch_distance=1),
+    }
+    for label, offload in configs.items():
+        engine = OffloadEngine(base.module, offload, programs=base.engine.programs)
+        model = dataclasses.replace(base, engine=engine, offload=offload)
+        try:
+            rows[label] = measure(model, prompt, new_tokens, repeats)
+        finally:
+            engine.close()
+    res, warm = rows["resident"]["tpot_ms"], rows["warm (cache = all)"]["tpot_ms"]
+    lru, fmoe = rows["on_demand_lru 25%"], rows["fmoe 25%"]
+    ratios = dict(warm_vs_resident=warm / res, fmoe_vs_lru=fmoe["tpot_ms"] / lru["tpot_ms"])
+    if link is not None:
+        fit = link["latency"]["fit"]
+        expert_mb = base.engine.expert_bytes / 1e6
+        copies = lru["mb_to_device_per_token"] / expert_mb
+        bound_ms = lru["mb_to_device_per_token"] / fit["rate_gbs"] + copies * fit["latency_ms"] + res
+        ratios.update(link_bound_ms=bound_ms, lru_vs_link_bound=lru["tpot_ms"] / bound_ms)
+    return dict(rows=rows, ratios=ratios, moe_layers=cfg.num_moe_layers, slots=slots, total=total)
+
+
+def replay_section(smoke: bool, hardware: str, host: str) -> dict:
+    from benchmarks import live_replay
+
+    argv = ["--policies", "on_demand_lru,fmoe,oracle", "--modes", "copy,hybrid", "--budget-of", "bf16"]
+    argv += ["--hardware", hardware, "--host", host, "--experts", "int4"]
+    if smoke:
+        argv += ["--layers", "2", "--width-scale", "0.05", "--requests", "1", "--steps", "4"]
+    else:
+        argv += ["--layers", "24", "--width-scale", "1", "--requests", "3", "--steps", "32"]
+    return live_replay.replay(live_replay.parser().parse_args(argv))
+
+
+def presets_for(device_kind: str) -> tuple[str, str]:
+    """The simulator's hardware and host presets for this device."""
+    kind = device_kind.lower()
+    if "h200" in kind:
+        return "h200_sxm", "server_8ch"
+    if "h100" in kind:
+        return "h100_sxm", "server_8ch"
+    return "cpu_2core_vm", "cpu_2core_vm"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, seconds: the script's own check")
+    p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and markdown")
+    args = p.parse_args(argv)
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    device = re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_") + ("_smoke" if args.cpu_smoke else "")
+    hardware, host = presets_for(kind)
+    payload: dict[str, Any] = dict(device_kind=kind, hardware_preset=hardware, host_preset=host, errors={})
+    name = f"gpu_check_{device}"
+    started = time.perf_counter()
+    sections = (
+        ("link", lambda: link_section(args.cpu_smoke)),
+        ("offload_overhead", lambda: overhead_section(args.cpu_smoke, payload.get("link"))),
+        ("live_replay", lambda: replay_section(args.cpu_smoke, hardware, host)),
+    )
+    for section, run in sections:
+        print(f"-- {section}", flush=True)
+        begin = time.perf_counter()
+        try:
+            payload[section] = run()
+        except Exception as err:  # noqa: BLE001 - recorded; the other sections still run
+            payload["errors"][section] = f"{type(err).__name__}: {err}"[:500]
+            print(f"   failed: {payload['errors'][section]}", flush=True)
+        payload.setdefault("seconds", {})[section] = time.perf_counter() - begin
+        save(name, payload, args.out)
+    payload["seconds"]["total"] = time.perf_counter() - started
+    save(name, payload, args.out)
+    (Path(args.out) / f"{name}.md").write_text(markdown(payload))
+    print(markdown(payload))
+    return payload
+
+
+def markdown(payload: dict) -> str:
+    lines = [f"# gpu_check on {payload['device_kind']}", ""]
+    link = payload.get("link")
+    if link:
+        fit = link["latency"]["fit"]
+        lines += [
+            f"- link: {fit['rate_gbs']:.1f} GB/s + {fit['latency_ms']:.3f} ms per copy; a bench-s expert "
+            f"({link['expert_copy']['mb']:.1f} MB) {link['expert_copy']['whole_ms']:.2f} ms",
+            "- copy hidden behind a compute: "
+            + ", ".join(f"{r['issue']} {r['overlap']:.0%}" for r in link["overlap"] if "overlap" in r),
+        ]
+    over = payload.get("offload_overhead")
+    if over:
+        lines += [
+            "",
+            "| bench-s, batch 1 | TPOT ms | hit rate | launches | syncs | MB/token |",
+            "|---|---|---|---|---|---|",
+        ]
+        for label, r in over["rows"].items():
+            lines.append(
+                f"| {label} | {r['tpot_ms']:.2f} | {r['hit_rate']:.2f} | {r['launches_per_token']:.2f} | "
+                f"{r['syncs_per_token']:.2f} | {r['mb_to_device_per_token']:.1f} |"
+            )
+        lines.append("")
+        lines.append(
+            "ratios (targets: "
+            + ", ".join(f"{k} <= {v}" for k, v in TARGETS.items() if k != "sim_vs_live")
+            + "): "
+            + ", ".join(f"{k} {v:.3g}" for k, v in over["ratios"].items())
+        )
+    replay = payload.get("live_replay")
+    if replay:
+        lines += [
+            "",
+            "| live_replay | mode | live TPOT ms | simulated ms | sim / live | hit rate live / sim |",
+        ]
+        lines.append("|---|---|---|---|---|---|")
+        for r in replay["rows"]:
+            lines.append(
+                f"| {r['policy']} | {r['mode']} | {r['live_tpot_ms']:.2f} | {r['sim_tpot_ms']:.2f} | "
+                f"{r['sim_vs_live']:.2f} | {r['live_hit_rate']:.2f} / {r['sim_hit_rate']:.2f} |"
+            )
+    for section, error in payload["errors"].items():
+        lines.append(f"- {section} failed: {error}")
+    lines.append("")
+    lines.append("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in payload.get("seconds", {}).items()))
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The simulator's engine charges (`offload/engine_model.py`) and trace projection (`projection.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from fmoe_jax.offload.config import OffloadConfig
+from fmoe_jax.offload.cost_model import HARDWARE, MIXTRAL_8X7B
+from fmoe_jax.offload.projection import project
+from fmoe_jax.offload.simulator import simulate
+
+from fmoe_jax.trace import RoutingTrace
+
+
+def _trace(layers: int = 4, experts: int = 8, steps: int = 12, seed: int = 0) -> RoutingTrace:
+    rng = np.random.default_rng(seed)
+    data = [[{"ids": np.argsort(rng.random((1, layers, experts)), -1)[..., :2]} for _ in range(steps)]]
+    return RoutingTrace.from_external(data, num_experts=experts)
+
+
+def test_projection_maps_layers_in_runs_and_permutes_copies():
+    trace = _trace(layers=4)
+    out = project(trace, 10)
+    assert out.meta["num_layers"] == 10 and out.meta["trace_layers"] == 4
+    source = [m * 4 // 10 for m in range(10)]  # 0 0 0 1 1 2 2 2 3 3
+    for it, new in zip(trace.requests[0].iterations, out.requests[0].iterations, strict=True):
+        assert new.ids.shape == (1, 10, 2)
+        for m, s in enumerate(source):
+            first = source.index(s) == m
+            if first:  # a trace layer's first copy is itself
+                np.testing.assert_array_equal(new.ids[:, m], it.ids[:, s])
+            # probabilities follow their experts: each chosen expert keeps its probability
+            np.testing.assert_array_equal(
+                np.take_along_axis(new.probs[:, m], new.ids[:, m], -1),
+                np.take_along_axis(it.probs[:, s], it.ids[:, s], -1),
+            )
+    copies = np.stack([it.ids[:, 1] for it in out.requests[0].iterations])  # layer 1: copy 1 of layer 0
+    firsts = np.stack([it.ids[:, 0] for it in out.requests[0].iterations])
+    assert not np.array_equal(copies, firsts)
+
+
+def test_simulate_projects_refuses_or_keeps_the_trace_layers():
+    trace = _trace(layers=4)
+    preset = dataclasses.replace(MIXTRAL_8X7B, num_layers=8)
+    hardware = HARDWARE["h100_sxm"]
+    own = simulate(trace, OffloadConfig(cache_experts=4), model=preset, hardware=hardware)
+    whole = simulate(trace, OffloadConfig(cache_experts=8), model=preset, hardware=hardware, layers="project")
+    assert len(own.layer_hits) == 4 and len(whole.layer_hits) == 8
+    assert whole.mean_tpot_s > 1.5 * own.mean_tpot_s  # twice the layers at the same share of the experts
+    with pytest.raises(ValueError, match="layers='project'"):
+        simulate(trace, model=preset, hardware=hardware, layers="refuse")
+
+
+def test_engine_costs_charge_launches_syncs_and_layers():
+    """With engine costs, a step whose experts are all resident is one launch and one sync; a miss adds one
+    of each; zero costs (the GPU presets, `without_engine`) keep the replay as it was."""
+    trace = _trace(layers=4, steps=16)
+    costly = dataclasses.replace(HARDWARE["h100_sxm"], launch_s=1e-3, sync_s=1e-4, layer_host_s=1e-5)
+    preset = dataclasses.replace(MIXTRAL_8X7B, num_layers=4, num_experts=8)
+    everything = OffloadConfig(cache_experts=32)
+    warm = simulate(trace, everything, model=preset, hardware=costly, warmup=[trace])
+    assert (warm.launches, warm.syncs) == (16, 16)  # one each per step: nothing missed
+    plain = simulate(trace, everything, model=preset, hardware=costly.without_engine(), warmup=[trace])
+    assert plain.launches == 0
+    per_step = 1e-3 + 1e-4 + 4 * 1e-5
+    np.testing.assert_allclose(warm.total_s - plain.total_s, 16 * per_step, rtol=1e-9)
+    partial = simulate(trace, OffloadConfig(cache_experts=4), model=preset, hardware=costly)
+    assert partial.launches == partial.syncs > 16  # relaunches after the layers that missed
+    assert partial.launches <= 16 * (1 + 4)
