@@ -3,8 +3,8 @@
     python -m benchmarks.engine_costs [--name engine_costs_cpu]
 
 Measured live, by median over repeats (every program compiled and run before it is timed):
-- the link: `jax.device_put` of a pinned-host array to the device at 64 KB-8 MB; a straight line gives the
-  fixed cost per copy and the rate;
+- the link: the engine's copy (`offload/transfer.py`'s `copier`) of a pinned-host array to the device at
+  64 KB-8 MB; a straight line gives the fixed cost per copy and the rate;
 - a launch: a jitted program of 1 to 4,096 small array arguments, called (the host's dispatch; a CPU backend
   also runs it), a straight line in the argument count; a sync: reading a finished program's 64 int32;
 - the kernels: decode steps of the offload engine holding every expert (one launch and one sync a step) on
@@ -47,15 +47,17 @@ EXPERTS = None
 
 def link() -> dict:
     import jax
+    from fmoe_jax.offload.transfer import copier
 
     device = jax.local_devices()[0]
     host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     target = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
     sizes = [2**16, 2**18, 2**20, 2**22, 2**23]
+    copy = copier(target)
     times = []
     for size in sizes:
         src = jax.device_put(np.ones(size, np.uint8), host)
-        times.append(median_ms(lambda src=src: jax.block_until_ready(jax.device_put(src, target)), 20) / 1e3)
+        times.append(median_ms(lambda src=src: jax.block_until_ready(copy(src)), 20) / 1e3)
     slope, intercept = np.polyfit(sizes, times, 1)
     return dict(
         copy_latency_s=max(float(intercept), 0.0), link_bytes_per_s=1 / slope, sizes=sizes, times_s=times
