@@ -8,8 +8,8 @@ that nothing here is tuned on the evaluation split:
 1. Eviction, counted (no link, no timing): the misses of one shared cache of `budget` x L x J slots replayed
    over the sampled requests one after another, per MoE layer, under LRU, under Belady's rule with 1, 2 and 4
    tokens of foresight (an expert not used again within them ranks as never needed, ties by LRU) and under
-   Belady with the whole future; beside them, eviction by the request's own history (`sticky`: iterations
-   since last use, then how often the request used the expert).
+   Belady seeing the rest of the request (the next request unseen); beside them, eviction by the request's
+   own history (`sticky`: iterations since last use, then how often the request used the expert).
 2. Eviction against prefetch, simulated (RTX 3090 preset, gpt-oss-20b sizes, bf16): TPOT of on-demand LRU,
    fmoe, the oracle, the oracle without prefetch (Belady's eviction alone), the oracle that sees only the
    current token (perfect within-token prefetch, no foresight for eviction: the prefetch-only oracle) and
@@ -60,7 +60,8 @@ def replay_misses(
     requests: list[np.ndarray], slots: int, rule: str, foresight: int | None = None
 ) -> np.ndarray:
     """Misses per layer `[L]` of one cache of `slots` experts over `requests` in order. `rule`: "lru",
-    "belady" (next use within `foresight` tokens of the same request, None: the whole future) or "sticky"."""
+    "belady" (next use within `foresight` tokens of the same request; None: the rest of the request) or
+    "sticky"."""
     num_layers, num_experts = requests[0].shape[1:]
     keys = num_layers * num_experts
     misses = np.zeros(num_layers, np.int64)
