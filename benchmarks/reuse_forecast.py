@@ -40,6 +40,7 @@ from benchmarks.common import HelpFormatter, grouped_bars, print_table, save
 # Iterations since the expert's last use; "never used by the request" is its own bin (`GAP_NEVER`).
 GAP_NEVER = 10**6
 DECAY = 0.8  # `ReuseForecast`'s share decay
+SLOW_DECAY = 0.97  # the long share's (`ReuseForecast`'s sticky feature, `FMoEOptions.sticky`)
 HORIZON = 2  # iterations ahead (`FMoE(reuse_horizon="auto")` looks 2-4 ahead, by the cache's size)
 # The store here holds every store prompt's followers from the start; the simulator's fmoe records them only
 # for the requests it serves. (Recording them offline too changed its simulated TPOT by 0.98-1.03x, 1.000x
@@ -59,7 +60,7 @@ def collect(workload: h.Workload, neighbours: int) -> dict[str, np.ndarray]:
         capacity=workload.args.store_capacity,
         num_layers=layers,
         num_experts=experts,
-        embed_dim=meta["embed_dim"],
+        embed_dim=meta["embed_dim"] or 1,  # routing without embeddings: one zero column
         prefetch_distance=min(workload.args.prefetch_distance, layers),
     )
     for request in workload.store:
@@ -70,6 +71,7 @@ def collect(workload: h.Workload, neighbours: int) -> dict[str, np.ndarray]:
         used = [routed(it.ids, experts) for it in iterations]  # [T][L, J]
         last_use = np.full((layers, experts), -1)
         share = np.zeros((layers, experts))
+        slow = np.zeros((layers, experts))
         hint = None  # what followed maps like the previous iteration's last token: a forecast of this one
         for t, iteration in enumerate(iterations):
             hint_now = store.future_of(iteration.probs[-1:], neighbours)[0]  # forecast of t + 1
@@ -77,6 +79,7 @@ def collect(workload: h.Workload, neighbours: int) -> dict[str, np.ndarray]:
                 gap = np.where(last_use < 0, GAP_NEVER, t - 1 - last_use)
                 rows["gap"].append(gap)
                 rows["share"].append(share)
+                rows["slow_share"].append(slow / max(1.0 - SLOW_DECAY**t, 1e-9))
                 rows["hint"].append(hint)
                 rows["hint_now"].append(hint_now)
                 rows["used_now"].append(used[t])
@@ -87,6 +90,7 @@ def collect(workload: h.Workload, neighbours: int) -> dict[str, np.ndarray]:
             hint = hint_now
             last_use = np.where(used[t], t, last_use)
             share = DECAY * share + (1 - DECAY) * used[t]
+            slow = SLOW_DECAY * slow + (1 - SLOW_DECAY) * used[t]
         learn(store, iterations)
     return {k: np.stack(v).reshape(len(v), -1) for k, v in rows.items()}
 
@@ -104,11 +108,18 @@ def learn(store: Any, iterations: list[Any]) -> None:
     recent: collections.deque[int] = collections.deque(maxlen=HORIZON)
     for iteration in iterations:
         for slot, token_map in zip(
-            store.add(iteration.embeds, iteration.probs), iteration.probs, strict=True
+            store.add(embeds(iteration), iteration.probs), iteration.probs, strict=True
         ):
             if recent:
                 store.add_future(np.fromiter(recent, np.int64), np.repeat(token_map[None], len(recent), 0))
             recent.append(int(slot))
+
+
+def embeds(iteration: Any) -> np.ndarray:
+    """The iteration's embeddings, or one zero column per token where the routing has none."""
+    if iteration.embeds is not None:
+        return iteration.embeds
+    return np.zeros((len(iteration.probs), 1), np.float32)
 
 
 def binned(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -121,6 +132,7 @@ def binned(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {
         "gap": gap,
         "share": np.searchsorted(SHARE_EDGES, data["share"]),
+        "slow_share": np.searchsorted(SHARE_EDGES, data["slow_share"]),
         "hint": np.searchsorted(P_EDGES, data["hint"]),
         "hint_now": np.searchsorted(P_EDGES, data["hint_now"]),
         "used_now": data["used_now"].astype(np.int64),
@@ -199,6 +211,9 @@ def evaluate(data: dict[str, np.ndarray], budget: float) -> list[dict[str, Any]]
     forecasts = {
         "gap, share": table_forecast([b["gap"], b["share"]], reused, train),
         "gap, share, hint (fmoe)": table_forecast([b["gap"], b["share"], b["hint"]], reused, train),
+        "+ long share (sticky)": table_forecast(
+            [b["gap"], b["share"], b["slow_share"], b["hint"]], reused, train
+        ),
         "+ layer": table_forecast([b["gap"], b["share"], b["hint"], b["layer"]], reused, train),
         "gap, share, hint of this token": table_forecast(
             [b["gap"], b["share"], b["hint_now"]], reused, train

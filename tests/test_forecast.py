@@ -179,3 +179,21 @@ def test_reuse_tables_load_only_into_a_forecast_of_the_same_horizon():
     legacy = {k: v for k, v in state.items() if k != "reuse_horizon"}
     other.load(legacy)
     np.testing.assert_array_equal(other.seen, forecast.seen)
+
+
+def test_sticky_forecast_tells_a_requests_own_experts_from_a_passing_one():
+    """Two experts with the same gap and the same recent share, one used for most of the request and one
+    once: only the sticky feature (the long-run share) puts them in different bins, and each bin learns its
+    own reuse rate."""
+
+    def replay(sticky: bool) -> ReuseForecast:
+        forecast = ReuseForecast(1, 2, sticky=sticky)
+        for t in range(60):
+            forecast.begin_iteration()
+            forecast.end_iteration(np.array([[t < 40 or t == 59, t == 59]]))
+        return forecast
+
+    plain, sticky = replay(False).bins(), replay(True).bins()
+    assert plain[0, 0] == plain[0, 1]
+    assert sticky[0, 0] != sticky[0, 1]
+    assert replay(True).reused.shape == (*replay(False).reused.shape[:2], 6, replay(False).reused.shape[3])

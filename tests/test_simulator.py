@@ -620,6 +620,18 @@ def test_fmoe_learns_offline_from_routing_recorded_elsewhere():
         )
 
 
+def test_offline_store_links_each_map_to_what_followed_it():
+    """`store_from_traces(followers=1)`: the reuse hint of a stored map is the map that followed it in its
+    request; the request's last map has no follower, and without `followers` no map has one."""
+    trace = random_trace(0, requests=1)
+    maps = np.concatenate([it.probs for it in trace.requests[0].iterations])  # [T, L, J]
+    store = store_from_traces([trace], capacity=200, prefetch_distance=1, followers=1)
+    np.testing.assert_allclose(store.future_of(maps[3:4]), maps[4:5], rtol=1e-6, atol=1e-7)
+    assert store.future_of(maps[-1:]).any()  # its nearest map with a follower answers
+    plain = store_from_traces([trace], capacity=200, prefetch_distance=1)
+    assert not plain.future_of(maps[3:4]).any()
+
+
 def test_actionable_errors():
     trace = hand_trace()
     with pytest.raises(ValueError, match="asynchronous.: False"):

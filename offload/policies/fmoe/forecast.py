@@ -31,10 +31,9 @@ RECENCY_BINS = len(GAP_EDGES) + 2  # the gap bins and "never"
 # at `_NEVER` (not used yet by the request); `_GAP_BIN` maps it to its gap bin.
 _NEVER = GAP_EDGES[-1] + 1
 _GAP_BIN = np.append(np.searchsorted(GAP_EDGES, np.arange(_NEVER), side="right"), RECENCY_BINS - 1)
-# `ReuseForecast`'s prior per bin (flat, gap-major): 0.6 for experts used at the last iteration (gap 0),
-# 0.2 for the rest.
-_GAP_BIN_SIZE = (len(SHARE_EDGES) + 1) * (len(P_EDGES) + 1)
-_REUSE_PRIOR = np.where(np.arange((len(GAP_EDGES) + 2) * _GAP_BIN_SIZE) < _GAP_BIN_SIZE, 0.6, 0.2)
+# The sticky feature's decay (`ReuseForecast(sticky=True)`): the request's long-run share of iterations that
+# used the expert, over about 1 / (1 - decay) iterations (its recent share forgets within about five).
+STICKY_DECAY = 0.97
 
 
 class Calibration:
@@ -139,7 +138,8 @@ class ReuseForecast:
     """P(an expert is needed within the next `horizon` iterations of the request), per expert `[L, J]`.
 
     Features per expert, from the request's own routing so far: iterations since its last use (temporal
-    locality) and the decayed share of iterations that used it, plus, when given, the probability a
+    locality) and the decayed share of iterations that used it (with `sticky`, also its long-run share:
+    the experts a request keeps returning to), plus, when given, the probability a
     matched expert map gives it for the current token (`hint`). A table of counts over the binned
     features is updated each iteration with the outcomes `horizon` iterations later; two more tables count
     the same outcomes split by whether the snapshot's own iteration used the expert. Once an expert's layer
@@ -147,12 +147,18 @@ class ReuseForecast:
     for the same window of iterations as every other expert (decision "forecast after a layer routes").
     """
 
-    def __init__(self, num_layers: int, num_experts: int, *, horizon: int = 2, decay: float = 0.8):
+    def __init__(
+        self, num_layers: int, num_experts: int, *, horizon: int = 2, decay: float = 0.8, sticky: bool = False
+    ):
         if horizon < 1:
             raise ValueError(f"the reuse horizon must be >= 1 iteration, got {horizon}")
         self.shape = (num_layers, num_experts)
-        self.horizon, self.decay = horizon, decay
-        table = (len(GAP_EDGES) + 2, len(SHARE_EDGES) + 1, len(P_EDGES) + 1)
+        self.horizon, self.decay, self.sticky = horizon, decay, sticky
+        sticky_bins = len(SHARE_EDGES) + 1 if sticky else 1
+        table = (len(GAP_EDGES) + 2, len(SHARE_EDGES) + 1, sticky_bins, len(P_EDGES) + 1)
+        # The prior per bin (flat, gap-major): 0.6 for experts used at the last iteration (gap 0), 0.2 else.
+        gap_size = int(np.prod(table[1:]))
+        self._prior = np.where(np.arange(int(np.prod(table))) < gap_size, 0.6, 0.2)
         self.reused = np.zeros(table)
         self.seen = np.zeros(table)
         # The same counts for the experts the snapshot's own iteration did not use and did use: what a layer
@@ -167,6 +173,7 @@ class ReuseForecast:
         self.iteration = 0
         self._since = np.full(self.shape, _NEVER, np.int64)  # iterations since the request used it (capped)
         self.share = np.zeros(self.shape)
+        self.long_share = np.zeros(self.shape)  # decayed by STICKY_DECAY, not yet bias-corrected
         self.pending: collections.deque[tuple[np.ndarray, list[np.ndarray]]] = collections.deque()
         self._prepare()
         self._score(None)
@@ -177,18 +184,32 @@ class ReuseForecast:
         each expert's bin without the hint (`_base` `[L, J]`: gap and share). A new hint then costs a search
         and a few takes: the reuse predictor refreshes the hint after every layer, on the engine thread."""
         # Laplace-smoothed; an unseen bin falls back to a weak prior of "recently used is likely reused".
-        self._table = (self.reused.ravel() + _REUSE_PRIOR) / (self.seen.ravel() + 1.0)
+        self._table = (self.reused.ravel() + self._prior) / (self.seen.ravel() + 1.0)
         self._table_missed = (self.reused_missed.ravel() + self._table) / (self.seen_missed.ravel() + 1.0)
         gap = _GAP_BIN.take(self._since)
         share = np.searchsorted(SHARE_EDGES, self.share)
         self.recency = gap  # [L, J] each expert's gap bin this iteration (`Calibration`'s recency)
-        self._base = (gap * (len(SHARE_EDGES) + 1) + share) * (len(P_EDGES) + 1)  # hint bin 0
+        sticky, sticky_used = self._sticky_bins()
+        _, shares, stickies, hints = self.seen.shape
+        self._base = ((gap * shares + share) * stickies + sticky) * hints  # hint bin 0
         # The bins the experts would have next iteration once used in this one (gap 0, the share counting
         # it): `_if_used`'s prior while the table of used experts has few counts.
         share_used = np.searchsorted(SHARE_EDGES, self.decay * self.share + (1 - self.decay))
-        self._base_used = share_used * (len(P_EDGES) + 1)
+        self._base_used = (share_used * stickies + sticky_used) * hints
         # `_if_used`'s counts, flat, its denominator's + 1 added once here rather than at every `_score`.
         self._reused_hit, self._seen_hit_1 = self.reused_hit.ravel(), self.seen_hit.ravel() + 1.0
+
+    def _sticky_bins(self) -> tuple[np.ndarray | int, np.ndarray | int]:
+        """Each expert's sticky bin now, and once used in this iteration (0 and 0 without the feature): its
+        long-run share of the request's iterations, bias-corrected for a short request."""
+        if not self.sticky:
+            return 0, 0
+        seen = 1.0 - STICKY_DECAY**self.iteration
+        now = self.long_share / seen if self.iteration else self.long_share
+        used = (STICKY_DECAY * self.long_share + (1 - STICKY_DECAY)) / (
+            1.0 - STICKY_DECAY ** (self.iteration + 1)
+        )
+        return np.searchsorted(SHARE_EDGES, now), np.searchsorted(SHARE_EDGES, used)
 
     def bins(self, hint: np.ndarray | None = None) -> np.ndarray:
         """Each expert's bin `[L, J]` (gap, share, hint probability): an index into the flattened tables."""
@@ -253,6 +274,9 @@ class ReuseForecast:
         self._since[used] = 0
         self.share *= self.decay
         self.share += (1 - self.decay) * used
+        if self.sticky:
+            self.long_share *= STICKY_DECAY
+            self.long_share += (1 - STICKY_DECAY) * used
         self.iteration += 1
         self._prepare()
 

@@ -38,11 +38,17 @@ class FMoEOptions:
         Decision "calibrated need".
       reuse_horizon: iterations ahead the reuse forecast looks (eviction "reuse"), or "auto": from the
         cache's size at `bind` (`auto_reuse_horizon`, 2 to 4; decision "reuse horizon").
+      sticky: the reuse forecast also bins each expert's long-run share of the request's iterations (a
+        request keeps coming back to its own experts), beside the recent share and the gap since last use.
+        Decision "sticky experts".
       reuse_predictor: a learned `Predictor` of kind "reuse" (or its path): from each MoE layer's router
         input, the chance each expert is used in the next iterations; it replaces the store's reuse hint
         (eviction "reuse" only; the engine then passes router inputs, `needs_hidden`). Paid for like a
         search (`pay_for_matching`). `FMoE.from_traces(reuse_predictor="train")` trains one at `bind`.
         Decision "reuse predictor".
+      offline_followers: `FMoE.from_traces` links each recorded map to the maps that followed it in its
+        request (`store_from_traces(followers=...)`), as the store learns online: the reuse hint knows what
+        follows from the first request on. Decision "offline followers".
       popularity: `[L, J]` tokens routed to each expert in earlier requests; eviction "reuse" also keeps an
         expert for its share of every token's routing. None (the default): the policy counts the tokens it
         serves (from the counts saved with a loaded store) and saves them with the store. False: no prior.
@@ -83,7 +89,9 @@ class FMoEOptions:
     eviction: Literal["reuse", "fmoe", "lfu", "lru"] = "reuse"
     calibrate: bool = True
     reuse_horizon: int | Literal["auto"] = "auto"
+    sticky: bool = False
     reuse_predictor: Any = None  # a `Predictor`, or the path of one
+    offline_followers: bool = False
     popularity: Any = None  # [L, J] counts, None, or False
     traj_target: Literal["band", "single"] = "band"
     asynchronous: bool = True

@@ -130,8 +130,10 @@ class FMoE(Policy):
             require_fields((it for t in traces for r in t.requests for it in r.iterations), ("hidden",))
             options["reuse_predictor"] = None
         if traces:
+            # Followers over the reuse horizon the forecast starts with (2 until `bind` resolves "auto").
+            links = 2 if options.get("offline_followers", False) else 0
             options["store"] = store_from_traces(
-                traces, capacity=store_capacity, prefetch_distance=prefetch_distance
+                traces, capacity=store_capacity, prefetch_distance=prefetch_distance, followers=links
             )
             options.setdefault("popularity", expert_usage(traces))
         policy = cls(store_capacity=store_capacity, **options)
@@ -226,7 +228,9 @@ class FMoE(Policy):
         self.popularity = Popularity(
             options.popularity, saved.get("popularity"), ctx.num_layers, ctx.num_experts, ctx.top_k
         )
-        self.forecast = ReuseForecast(ctx.num_layers, ctx.num_experts, horizon=self.reuse_horizon)
+        self.forecast = ReuseForecast(
+            ctx.num_layers, ctx.num_experts, horizon=self.reuse_horizon, sticky=options.sticky
+        )
         self.calibration.load(saved)
         self.next_calibration.load({k[len("next_") :]: v for k, v in saved.items() if k.startswith("next_")})
         self.forecast.load(saved)

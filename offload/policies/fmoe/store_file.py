@@ -6,6 +6,7 @@ write, before any serving) and `store_from_traces` (a store built from recorded 
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import tempfile
@@ -166,10 +167,14 @@ def _check_meta(path: str | os.PathLike, header: dict[str, Any], expected_meta: 
         )
 
 
-def store_from_traces(traces: Iterable[Any], *, capacity: int, prefetch_distance: int) -> ExpertMapStore:
+def store_from_traces(
+    traces: Iterable[Any], *, capacity: int, prefetch_distance: int, followers: int = 0
+) -> ExpertMapStore:
     """Offline mode: an expert-map store built from recorded routing traces (`RoutingTrace`s).
 
-    Every token of every iteration contributes its embedding and its expert map, in trace order. Routing
+    Every token of every iteration contributes its embedding and its expert map, in trace order; with
+    `followers` > 0 each map is also recorded as a follower of its request's previous `followers` tokens
+    (`ExpertMapStore.add_future`, what the policy links online: the reuse hint's source). Routing
     recorded elsewhere without embeddings (`RoutingTrace.from_external`, `embed_dim` 0) gives a store of
     zero embeddings, one column wide, as the policy keeps online: trajectory matching alone
     (`semantic=False`) uses it.
@@ -187,6 +192,7 @@ def store_from_traces(traces: Iterable[Any], *, capacity: int, prefetch_distance
     )
     for t, trace in enumerate(traces):
         for r, request in enumerate(trace.requests):
+            recent: collections.deque[int] = collections.deque(maxlen=max(followers, 1))
             for i, it in enumerate(request.iterations):
                 if it.probs is None:
                     raise ValueError(
@@ -200,7 +206,13 @@ def store_from_traces(traces: Iterable[Any], *, capacity: int, prefetch_distance
                             f"though the trace's embed_dim is {meta['embed_dim']}"
                         )
                     embeds = np.zeros((it.num_tokens, 1), np.float32)
-                store.add(embeds, it.probs)
+                slots = store.add(embeds, it.probs)
+                if followers:
+                    for slot, token_map in zip(slots.tolist(), it.probs, strict=True):
+                        if recent:
+                            later = np.repeat(token_map[None], len(recent), 0)
+                            store.add_future(np.fromiter(recent, np.int64), later)
+                        recent.append(slot)
     return store
 
 
