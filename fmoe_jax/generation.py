@@ -253,16 +253,8 @@ def _generation(
     start = time.perf_counter()
     layout = Layout(np.int32(0), key_start, active.copy(), t_pad)
     forced = _no_forcing if request.forced is None else request.forced.step
-    out, cache = engine.step(
-        tokens,
-        cache,
-        layout,
-        first_key,
-        sampling,
-        record_trace,
-        record_hidden,
-        forced=forced(0, t_pad, active),
-    )
+    prefill = (tokens, cache, layout, first_key, sampling, record_trace, record_hidden)
+    out, cache = engine.step(*prefill, forced=forced(0, t_pad, active))
     next_tokens = np.asarray(out.tokens)
     compile_s = engine.programs.compile_s - compiled
     stats.ttft_s = time.perf_counter() - start - compile_s
