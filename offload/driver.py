@@ -201,9 +201,18 @@ class Driver:
         there); a layer that needs nothing (or only host-computed experts) gets one `compute` with an empty
         chunk."""
         try:
+            parts = self.cache.parts(keys)
+            if len(parts) == 1 and len(parts[0][1]) <= parts[0][0].book.capacity:  # one chunk (the usual)
+                part, chunk = parts[0]
+                arrays = part.ensure(layer, chunk)
+                try:
+                    compute(layer, chunk, arrays, True)
+                finally:
+                    part.release(chunk)
+                return
             chunks = [
                 (part, chunk)
-                for part, share in self.cache.parts(keys)
+                for part, share in parts
                 for chunk in plan_chunks(share, part.book.capacity, part.book.__contains__)
             ]
             if not chunks:

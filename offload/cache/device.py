@@ -128,12 +128,13 @@ class DeviceExpertCache(BookView):
         return [(self, keys)] if keys else []
 
     # -- copies ----------------------------------------------------------------------------------------
-    def _start_copy(self, key: Key, *, prefetched: bool) -> None:
-        """Caller holds the lock and has made room. A copy that fails to start leaves the cache unchanged."""
+    def _start_copy(self, key: Key, *, prefetched: bool, pinned: bool = False) -> None:
+        """Caller holds the lock and has made room. A copy that fails to start leaves the cache unchanged.
+        `pinned`: the entry starts pinned (an on-demand load the caller waits for)."""
         handle = self.mover.start(key, urgent=not prefetched)
         if self.synchronous:
             self.mover.wait([handle])
-        self.book.add(key, prefetched=prefetched)
+        self.book.add(key, prefetched=prefetched, pinned=pinned)
         self.arrays[key] = handle
         if self.synchronous:
             self.book.mark_ready(key)
@@ -293,39 +294,58 @@ class DeviceExpertCache(BookView):
         if len(needed) > book.capacity:
             raise ValueError(f"{len(needed)} experts requested at once but the cache holds {book.capacity}")
         with self.lock:
-            self._poll()
-            hits, late, misses = book.classify(layer, needed)
+            if book.arriving:
+                self._poll()
+            hits, late, misses = book.classify(layer, needed, pin=True)
+            if not (late or misses):  # every one resident: nothing to wait for
+                return self._used(needed)
             pinned = hits + late
-            book.pin(pinned)
             if misses:
                 self.paused += 1
                 try:
-                    protect = set(needed)
-                    for key in misses:
-                        self.queued.discard(key)
-                        while book.free_slots <= 0 and not self._evict_one(protect=protect):
-                            self._wait_for_any_inflight()
-                        self._start_copy(key, prefetched=False)
-                        book.pin((key,))
-                        pinned.append(key)
+                    self._load(misses, needed)
+                    pinned += misses
                 except BaseException:
-                    self._give_back(pinned, True)
+                    self._give_back(pinned + [key for key in misses if key in book], True)
                     raise
-        if late or misses:
-            start = time.perf_counter()
-            try:
-                self._wait_ready(late + misses)
-            except BaseException:
-                self._give_back(pinned, bool(misses))
-                raise
-            self.timers["on_demand_wait"] += time.perf_counter() - start
+        waiting = late + misses
+        start = time.perf_counter()
+        try:
+            self.mover.wait([self.arrays[k] for k in waiting])
+        except BaseException:
+            self._give_back(pinned, bool(misses))
+            raise
+        self.timers["on_demand_wait"] += time.perf_counter() - start
         with self.lock:
+            for key in waiting:
+                book.mark_ready(key)
             if misses:
                 self.paused -= 1
-            book.record_uses(needed)
-            result, arrays = self.mover.result, self.arrays
-            out = {key: result(arrays[key]) for key in needed}
-            self._pump()
+            return self._used(needed)
+
+    def _load(self, misses: list[Key], needed: Sequence[Key]) -> None:
+        """Starts the on-demand loads of `misses` (pinned), evicting what it must but none of `needed`.
+        Caller holds the lock and has paused prefetching."""
+        book, queued = self.book, self.queued
+        protect, entries, capacity = set(needed), book.entries, book.capacity
+        if self.policy.evicts_least_recent:  # the victims the loop would take, at once (reversed: the loads
+            # take their slots in the loop's order)
+            for victim in reversed(book.least_recent(len(misses) - (capacity - len(entries)), protect)):
+                book.remove(victim)
+                del self.arrays[victim]
+        for key in misses:
+            queued.discard(key)
+            while len(entries) >= capacity and not self._evict_one(protect=protect):
+                self._wait_for_any_inflight()
+            self._start_copy(key, prefetched=False, pinned=True)
+
+    def _used(self, needed: Sequence[Key]) -> dict[Key, ExpertWeights]:
+        """Counts a use of each of `needed` (resident, pinned) and returns their arrays; starts what
+        prefetches may start now. Caller holds the lock."""
+        self.book.record_uses(needed)
+        result, arrays = self.mover.result, self.arrays
+        out = {key: result(arrays[key]) for key in needed}
+        self._pump()
         return out
 
     def _give_back(self, pinned: list[Key], paused: bool) -> None:
