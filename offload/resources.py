@@ -111,7 +111,8 @@ class SimulatedLink(Mover):
             self._commit_one()
 
     def start(self, key: Key, *, urgent: bool = False) -> Copy:
-        self._advance(self.clock)
+        if self.urgent or self.background:
+            self._advance(self.clock)
         copy = Copy(key, urgent, self.clock, self.chunks)
         (self.urgent if urgent else self.background).append(copy)
         return copy
@@ -142,7 +143,8 @@ class SimulatedLink(Mover):
         return max(self.free_at, self.clock) - self.clock + pieces * self.chunk_s
 
     def wait(self, handles: Sequence[Copy]) -> None:
-        self._advance(self.clock)
+        if self.urgent or self.background:
+            self._advance(self.clock)
         for handle in handles:  # the link's pieces in its order, until every handle's last has started
             while handle.done_s == math.inf:
                 if not self._commit_copy():

@@ -370,6 +370,7 @@ class _Step:
     new_tokens: np.ndarray  # [R] new tokens of each active row
     past_tokens: np.ndarray  # [R] tokens each active row had before this iteration
     routed: list[list[int]]  # [L][J] valid tokens routed to each expert
+    needed: list[tuple[int, ...]]  # [L] the experts the valid tokens chose, ascending (`Routed.needed`)
 
 
 class _Charges:
@@ -427,6 +428,7 @@ def _replay_batch(
                 step.ids[:, m],
                 None if step.probs is None else step.probs[:, m],
                 None if step.hidden is None else step.hidden[:, m],
+                step.needed[m],
             )
 
         def compute(m: int, chunk: list[Key], arrays: dict, is_last: bool, step=step, tokens=tokens) -> None:
@@ -489,6 +491,8 @@ def _layout(trace: RoutingTrace, i: int, policy: Policy, past: list[list[int]]) 
     # Valid tokens per layer and expert: one count over every layer (offset by layer) for the iteration.
     chosen = ids[valid.reshape(-1)] + (np.arange(layers, dtype=np.int32) * num_experts)[:, None]  # [n, L, k]
     routed = np.bincount(chosen.ravel(), minlength=layers * num_experts).reshape(layers, num_experts)
+    experts = np.nonzero(routed)[1].tolist()  # by layer, each layer's ascending
+    ends = np.cumsum(np.count_nonzero(routed, axis=1)).tolist()
     return _Step(
         valid=valid,
         ids=ids,
@@ -498,6 +502,7 @@ def _layout(trace: RoutingTrace, i: int, policy: Policy, past: list[list[int]]) 
         new_tokens=np.asarray(new_tokens),
         past_tokens=np.asarray(past_tokens),
         routed=routed.tolist(),
+        needed=[tuple(experts[a:b]) for a, b in zip([0, *ends[:-1]], ends, strict=True)],
     )
 
 

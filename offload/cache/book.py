@@ -174,10 +174,16 @@ class CacheBook:
         return entry
 
     def mark_ready(self, key: Key) -> None:
-        entry = self.entries[key]
-        entry.ready = True
-        self.arriving.pop(key, None)
-        self._can_evict[self._slot[key]] = not entry.pins
+        self.mark_all_ready((key,))
+
+    def mark_all_ready(self, keys: Iterable[Key]) -> None:
+        """The copies of `keys` (held) have landed."""
+        entries, arriving, slots, evictable = self.entries, self.arriving, self._slot, self._can_evict
+        for key in keys:
+            entry = entries[key]
+            entry.ready = True
+            arriving.pop(key, None)
+            evictable[slots[key]] = not entry.pins
 
     def _drop(self, key: Key) -> None:
         """Forgets a held expert's entry and frees its slot."""
@@ -192,7 +198,12 @@ class CacheBook:
         entry = self.entries[key]
         if entry.pins:
             raise RuntimeError(f"expert {key} is pinned and cannot be evicted")
-        self._drop(key)
+        del self.entries[key]  # as `_drop`, inline: an eviction per miss
+        self.arriving.pop(key, None)
+        del self.recency[key]
+        slot = self._slot.pop(key)
+        self._can_evict[slot] = False
+        self._free.append(slot)
         if entry.prefetched and not entry.used:
             self.stats.wasted_prefetches += 1
 
@@ -255,12 +266,15 @@ class CacheBook:
             if pin:
                 entry.pins += 1
                 evictable[slots[key]] = False
-        s = self.stats
-        s.hits += len(hits)
-        s.misses += len(late) + len(misses)
-        s.late_prefetches += len(late)
-        s.layer_hits[layer] = s.layer_hits.get(layer, 0) + len(hits)
-        s.layer_needed[layer] = s.layer_needed.get(layer, 0) + len(hits) + len(late) + len(misses)
+        s, n_hits, n_late = self.stats, len(hits), len(late)
+        n_missed = n_late + len(misses)
+        s.hits += n_hits
+        s.misses += n_missed
+        if n_late:
+            s.late_prefetches += n_late
+        layer_hits, layer_needed = s.layer_hits, s.layer_needed
+        layer_hits[layer] = layer_hits.get(layer, 0) + n_hits
+        layer_needed[layer] = layer_needed.get(layer, 0) + n_hits + n_missed
         return hits, late, misses
 
     def count_host(self, layer: int, keys: Iterable[Key]) -> None:

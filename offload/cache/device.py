@@ -47,6 +47,15 @@ class Mover:
     defaults here: a copy cannot be stopped, its handle is the expert's device arrays, no thread to stop,
     and no estimate of copy times (the hybrid planner needs one: wrap the mover in `TimedMover`)."""
 
+    # `result` returns the handle itself, so the cache hands out handles without calling it: True here and
+    # for a subclass that keeps this `result`, False for one that defines its own unless it says otherwise.
+    handle_is_result = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "result" in vars(cls) and "handle_is_result" not in vars(cls):
+            cls.handle_is_result = False
+
     def start(self, key: Key, *, urgent: bool = False) -> Any:
         """Begins copying expert `key` to the device; returns a handle. An urgent copy (an on-demand load)
         goes ahead of every prefetch chunk the link has not started."""
@@ -241,7 +250,8 @@ class DeviceExpertCache(BookView):
         """Starts queued prefetches while allowed. Caller holds the lock."""
         if self.paused:
             return
-        self._poll()
+        if self.book.arriving:
+            self._poll()
         if self.filling:  # only those still arriving
             entries = self.book.entries
             self.filling = {k for k in self.filling if k in entries and not entries[k].ready}
@@ -317,8 +327,7 @@ class DeviceExpertCache(BookView):
             raise
         self.timers["on_demand_wait"] += time.perf_counter() - start
         with self.lock:
-            for key in waiting:
-                book.mark_ready(key)
+            book.mark_all_ready(waiting)
             if misses:
                 self.paused -= 1
             return self._used(needed)
@@ -326,25 +335,36 @@ class DeviceExpertCache(BookView):
     def _load(self, misses: list[Key], needed: Sequence[Key]) -> None:
         """Starts the on-demand loads of `misses` (pinned), evicting what it must but none of `needed`.
         Caller holds the lock and has paused prefetching."""
-        book, queued = self.book, self.queued
+        book, queued, arrays = self.book, self.queued, self.arrays
         protect, entries, capacity = set(needed), book.entries, book.capacity
         if self.policy.evicts_least_recent:  # the victims the loop would take, at once (reversed: the loads
             # take their slots in the loop's order)
             for victim in reversed(book.least_recent(len(misses) - (capacity - len(entries)), protect)):
                 book.remove(victim)
-                del self.arrays[victim]
+                del arrays[victim]
+        start, add = self.mover.start, book.add
         for key in misses:
-            queued.discard(key)
+            if queued:
+                queued.discard(key)
             while len(entries) >= capacity and not self._evict_one(protect=protect):
                 self._wait_for_any_inflight()
-            self._start_copy(key, prefetched=False, pinned=True)
+            if self.synchronous:
+                self._start_copy(key, prefetched=False, pinned=True)
+            else:  # as `_start_copy`, inline: a call less per miss
+                handle = start(key, urgent=True)
+                add(key, prefetched=False, pinned=True)
+                arrays[key] = handle
 
     def _used(self, needed: Sequence[Key]) -> dict[Key, ExpertWeights]:
         """Counts a use of each of `needed` (resident, pinned) and returns their arrays; starts what
         prefetches may start now. Caller holds the lock."""
         self.book.record_uses(needed)
-        result, arrays = self.mover.result, self.arrays
-        out = {key: result(arrays[key]) for key in needed}
+        arrays = self.arrays
+        if self.mover.handle_is_result:
+            out = {key: arrays[key] for key in needed}
+        else:
+            result = self.mover.result
+            out = {key: result(arrays[key]) for key in needed}
         self._pump()
         return out
 
