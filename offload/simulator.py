@@ -412,12 +412,18 @@ def _replay_batch(
     num_iterations = max((len(r.iterations) for r in requests), default=0)
     # Tokens each request has before each of its iterations (its KV cache), summed once.
     past = [np.cumsum([0] + [it.num_tokens for it in r.iterations]).tolist() for r in requests]
+    # A batch of one request: its routing counted for every iteration at once.
+    counted = _Counted(requests[0], trace.meta) if rows == 1 and num_iterations else None
     start = link.clock
     ttft = [float("nan")] * rows
     decode_times: list[list[float]] = [[] for _ in range(rows)]
     driver.begin(rows)
     for i in range(num_iterations):
-        step = _layout(trace, i, driver.policy, past)
+        step = (
+            _layout(trace, i, driver.policy, past)
+            if counted is None
+            else counted.layout(i, driver.policy, past)
+        )
         began = link.clock
         tokens = int(step.valid.sum())
         attention_s = charges.costs.attention_s(step.new_tokens, step.past_tokens)
@@ -491,8 +497,6 @@ def _layout(trace: RoutingTrace, i: int, policy: Policy, past: list[list[int]]) 
     # Valid tokens per layer and expert: one count over every layer (offset by layer) for the iteration.
     chosen = ids[valid.reshape(-1)] + (np.arange(layers, dtype=np.int32) * num_experts)[:, None]  # [n, L, k]
     routed = np.bincount(chosen.ravel(), minlength=layers * num_experts).reshape(layers, num_experts)
-    experts = np.nonzero(routed)[1].tolist()  # by layer, each layer's ascending
-    ends = np.cumsum(np.count_nonzero(routed, axis=1)).tolist()
     return _Step(
         valid=valid,
         ids=ids,
@@ -502,8 +506,50 @@ def _layout(trace: RoutingTrace, i: int, policy: Policy, past: list[list[int]]) 
         new_tokens=np.asarray(new_tokens),
         past_tokens=np.asarray(past_tokens),
         routed=routed.tolist(),
-        needed=[tuple(experts[a:b]) for a, b in zip([0, *ends[:-1]], ends, strict=True)],
+        needed=_needed(routed),
     )
+
+
+def _needed(routed: np.ndarray) -> list[tuple[int, ...]]:
+    """Per row of `routed` (`[..., J]` valid tokens per expert, rows flattened in order), the experts with
+    any: ascending tuples (`Routed.needed`)."""
+    experts = np.nonzero(routed)[-1].tolist()  # row by row, each row's ascending
+    ends = np.cumsum(np.count_nonzero(routed, axis=-1).ravel()).tolist()
+    return [tuple(experts[a:b]) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+class _Counted:
+    """A batch of one request, laid out as `_layout` would, with its routing counted for every iteration at
+    once (one count over the request instead of one per iteration): no padding, every token valid."""
+
+    def __init__(self, request: Any, meta: dict[str, Any]):
+        self.request = request
+        layers, num_experts = meta["num_layers"], meta["num_experts"]
+        iterations = request.iterations
+        tokens = [it.num_tokens for it in iterations]
+        ids = np.concatenate([it.ids for it in iterations]).reshape(sum(tokens), layers, -1)  # [n, L, k]
+        first = np.repeat(np.arange(len(iterations)) * layers, tokens)[:, None] + np.arange(layers)  # [n, L]
+        chosen = first[:, :, None] * num_experts + ids
+        shape = (len(iterations), layers, num_experts)
+        routed = np.bincount(chosen.ravel(), minlength=np.prod(shape)).reshape(shape)
+        self.routed = routed.tolist()  # [I][L][J]
+        self.needed = _needed(routed)  # [I * L]
+        self.layers = layers
+
+    def layout(self, i: int, policy: Policy, past: list[list[int]]) -> _Step:
+        it = self.request.iterations[i]
+        t, layers = it.num_tokens, self.layers
+        return _Step(
+            valid=np.ones((1, t), bool),
+            ids=it.ids.astype(np.int32).reshape(t, layers, -1),
+            probs=it.probs.astype(np.float32).reshape(t, layers, -1) if policy.needs_probs else None,
+            embeds=it.embeds.astype(np.float32).reshape(t, -1) if policy.needs_semantic else None,
+            hidden=it.hidden.astype(np.float32).reshape(t, layers, -1) if policy.needs_hidden else None,
+            new_tokens=np.asarray([t]),
+            past_tokens=np.asarray([past[0][i]]),
+            routed=self.routed[i],
+            needed=self.needed[i * layers : (i + 1) * layers],
+        )
 
 
 # -- checks ---------------------------------------------------------------------------------------------
