@@ -342,23 +342,27 @@ class CacheBook:
         return out
 
     def _victim_of_arrays(self, keep_scores: KeepScores, protected: set[Key]) -> Key | None:
-        evictable, slots = self._evictable, self._slot
-        hidden = [slot for key in protected if (slot := slots.get(key)) is not None and evictable[slot]]
-        if hidden:  # protected experts that could otherwise go: left out of this choice only
-            evictable[hidden] = False
-            candidates = evictable.nonzero()[0]
-            evictable[hidden] = True
-        else:
-            candidates = evictable.nonzero()[0]
+        can_evict, slots = self._can_evict, self._slot
+        hidden = [slot for key in protected if (slot := slots.get(key)) is not None and can_evict[slot]]
+        for slot in hidden:  # protected experts that could otherwise go: left out of this choice only
+            can_evict[slot] = False
+        candidates = self._evictable.nonzero()[0]
+        for slot in hidden:
+            can_evict[slot] = True
         if not candidates.size:
             return None
         scores = keep_scores(self._slot_layer[candidates], self._slot_expert[candidates])
         if not isinstance(scores, np.ndarray) or scores.dtype != np.float64:
             scores = np.asarray(scores, np.float64)
-        low = scores.min()
+        first = int(scores.argmin())  # the first lowest, or the first NaN
+        low = scores[first]
         if low != low:  # a NaN: never below a number
             scores = np.where(np.isnan(scores), np.inf, scores)
-            low = scores.min()
-        lowest = candidates[scores == low].tolist()
-        slot = lowest[0] if len(lowest) == 1 else min(lowest, key=self._slot_use.__getitem__)
+            first = int(scores.argmin())
+            low = scores[first]
+        ties = scores == low
+        if ties.sum() == 1:
+            slot = int(candidates[first])
+        else:  # ties: the least recently used
+            slot = min(candidates[ties].tolist(), key=self._slot_use.__getitem__)
         return self._layer_of[slot], self._expert_of[slot]
