@@ -6,7 +6,9 @@ Measured on JAX's default device (a GPU where one is at hand; on the CPU the "li
 rates say nothing about a PCIe link, but every step runs):
 
 1. copies: one expert from `pinned_host` memory to the device, bench-s's (float32, as its checkpoint
-   ships) and each model preset's (bfloat16): whole (one `device_put` of its three matrices), per matrix
+   ships) and each model preset's (bfloat16): whole (one `device_put` of its three matrices), whole by a
+   compiled copy program (`offload/transfer.py`'s `copier`: `PROGRAM_COPIES` lists the platforms where it
+   beats `device_put`), per matrix
    (each landed before the next is issued: `ChunkedJaxMover`'s order) and in quarter-matrix chunks
    joined on the device. Achieved rate over the link's nominal rate is the preset's `link_efficiency`.
 2. an on-demand load issued behind two prefetches of the same size: its latency with `JaxMover` (the
@@ -85,6 +87,7 @@ def random_matrix(key, shape, dtype, sharding):
 def measure_copies(name, d, f, dtype, shardings, repeats, link_nominal):
     import jax
     import jax.numpy as jnp
+    from fmoe_jax.offload.transfer import copier
 
     pinned, device = shardings
     keys = jax.random.split(jax.random.key(hash(name) % 2**31), 3)
@@ -96,6 +99,11 @@ def measure_copies(name, d, f, dtype, shardings, repeats, link_nominal):
     def whole():
         jax.block_until_ready(jax.device_put(host, device))
 
+    by_program = copier(device, by_program=True)
+
+    def whole_program():
+        jax.block_until_ready(by_program(host))
+
     def per_matrix():
         for m in host:
             jax.block_until_ready(jax.device_put(m, device))
@@ -104,7 +112,9 @@ def measure_copies(name, d, f, dtype, shardings, repeats, link_nominal):
         jax.block_until_ready(join(jax.device_put(quarters, device)))
 
     row = dict(expert=name, dtype=str(jnp.dtype(dtype)), mb=nbytes / 1e6)
-    for label, fn in (("whole", whole), ("per_matrix", per_matrix), ("quarters_joined", chunked_joined)):
+    whole_program()  # compiles
+    labelled = ("whole", whole), ("whole_program", whole_program), ("per_matrix", per_matrix)
+    for label, fn in (*labelled, ("quarters_joined", chunked_joined)):
         seconds = timed(fn, repeats)
         row[f"{label}_ms"] = seconds * 1e3
         row[f"{label}_gbs"] = nbytes / seconds / 1e9

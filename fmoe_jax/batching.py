@@ -250,8 +250,8 @@ class ContinuousBatch:
 
     def warmup(self, passes: int = 2) -> float:
         """Compiles every program serving will run: `passes` busy periods in which `slots` requests of one
-        chunk of random tokens join and decode 3 tokens each (an offloaded model's full-cache fast path only
-        shows once its cache has filled, hence two). The expert policy learns nothing from them
+        chunk of random tokens join and decode 3 tokens each (an offloaded model's steps stop at no layer only
+        once its cache has filled, hence two). The expert policy learns nothing from them
         (`Engine.paused_learning`). Returns the seconds spent compiling."""
         if self.busy:
             raise RuntimeError("warm up before serving: requests are in the batch")

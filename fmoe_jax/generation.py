@@ -69,6 +69,12 @@ class GenerationStats:
     peak_cache_bytes: int = 0
     overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
     layer_hit_rate: list[float] = dataclasses.field(default_factory=list)
+    # The engine's host path, per step (prefill first, then each decode step): device programs it launched,
+    # host waits for device results (a read of routing or of the sampled tokens, the generation loop's
+    # included), and host seconds of the step outside those waits and outside waits for expert copies.
+    step_launches: list[int] = dataclasses.field(default_factory=list)
+    step_syncs: list[int] = dataclasses.field(default_factory=list)
+    step_host_s: list[float] = dataclasses.field(default_factory=list)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:

@@ -72,7 +72,7 @@ class ClampedSwiGLU:
 class BiasedExpertWeights:
     """An expert whose projections have biases, with the clamped SwiGLU they come with (gpt-oss):
     `down(act(x @ gate.T + gate_bias, x @ up.T + up_bias)) + down_bias`. Field names are the `Expert`'s
-    parameter names (the engine's fast path finds cached arrays by them); `activation` is static."""
+    parameter names (the offload engine finds cached arrays by them); `activation` is static."""
 
     gate: Matrix  # [F, D]
     up: Matrix  # [F, D]

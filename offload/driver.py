@@ -1,14 +1,14 @@
 """The iteration driver: the one place that orders the events of a decode iteration and keeps their
-statistics. The live engine (`fmoe_jax/engines/offload.py`, per-layer loop and full-cache fast path) and
+statistics. The live engine (`fmoe_jax/engines/step_loop.py`, one `LayerLoop` per step) and
 the trace-replay simulator (`offload/simulator.py`) both run every iteration through `Driver.iteration`, so
 what the policy and the cache see cannot differ between them.
 
-A caller supplies two functions: `route(layer)` (compute attention and the router of one MoE layer, or read
-them from a trace, and return the routing) and `compute(layer, chunk, arrays, is_last)` (run some of the
-layer's experts, or advance a simulated clock); for hybrid execution also `host(layer, keys)` (start the
-host's share of the layer: the engine dispatches it to the CPU, the simulator books the host's time) and a
-`HybridPlanner` (`offload/hybrid.py`) at construction. The driver does the rest, in this order (DESIGN.md,
-"One decode iteration"):
+A caller supplies a `LayerLoop`: `route(layer)` (compute attention and the router of one MoE layer, or
+read them from a trace, and return the routing), `compute(layer, chunk, arrays, is_last)` (run some of the
+layer's experts, or advance a simulated clock) and, for hybrid execution, `host(layer, keys)` (start the
+host's share of the layer: the engine dispatches it to the CPU, the simulator books the host's time; called
+only with a `HybridPlanner`, `offload/hybrid.py`, given at construction). The driver does the rest, in this
+order (DESIGN.md, "One decode iteration"):
 
     RequestStart                                    once per generate call / replayed batch (`begin`);
                                                     a cache with room for every expert queues those it
@@ -36,7 +36,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -57,9 +57,38 @@ class Routed(NamedTuple):
     needed: tuple[int, ...] | None = None
 
 
-Route = Callable[[int], Routed]
+class LayerLoop(Protocol):
+    """What `Driver.iteration` runs one iteration's MoE layers through, in the module docstring's order: the
+    live engine's step (`fmoe_jax/engines/step_loop.py`) or the simulator's replay (`offload/simulator.py`).
+    """
+
+    def route(self, layer: int) -> Routed:
+        """MoE layer `layer`'s routing on the host (computed, or read from a trace); once a layer."""
+
+    def compute(self, layer: int, chunk: list[Key], arrays: dict[Key, Any], is_last: bool) -> None:
+        """Runs (or books) the experts `chunk` of `layer` with their device arrays; `is_last`: the layer's
+        last chunk over all devices (`chunk` empty when the device has none)."""
+
+    def host(self, layer: int, keys: list[Key]) -> None:
+        """Starts the host's share `keys` of `layer` before its first `compute` (hybrid execution: called
+        only when the driver has a planner)."""
+
+
 Compute = Callable[[int, list[Key], dict[Key, Any], bool], Any]
-Host = Callable[[int, list[Key]], Any]
+
+
+def _no_host(layer: int, keys: list[Key]) -> None:
+    raise RuntimeError(f"MoE layer {layer}: experts {keys} were planned for the host, which this loop lacks")
+
+
+@dataclasses.dataclass(frozen=True)
+class Functions:
+    """A `LayerLoop` made of functions, for callers that keep nothing between layers (the simulator's
+    replay, tests)."""
+
+    route: Callable[[int], Routed]
+    compute: Compute
+    host: Callable[[int, list[Key]], Any] = _no_host
 
 
 @dataclasses.dataclass
@@ -116,10 +145,10 @@ class Driver:
 
     def fill_free_slots(self) -> None:
         """A cache with room for every expert never evicts, so the experts it lacks (none of the requests so
-        far needed them) cost only their copy: it is queued behind every prefetch. Once they land every
-        step can run the engine's full-cache fast path, instead of the per-layer loop until some routing
-        happens to need the last of them. A smaller cache is left to the policy, and so is every cache of a
-        policy that places experts itself (`Policy.fill_free_slots` off)."""
+        far needed them) cost only their copy: it is queued behind every prefetch. Once they land no step
+        stops at a layer for a miss, where otherwise steps would until some routing happened to need the last
+        of them. A smaller cache is left to the policy, and so is every cache of a policy that places experts
+        itself (`Policy.fill_free_slots` off)."""
         ctx = self.policy.ctx
         keys = [(layer, e) for layer in range(ctx.num_layers) for e in range(ctx.num_experts)]
         if self.cache.capacity < len(keys) or not self.policy.fill_free_slots:
@@ -128,25 +157,13 @@ class Driver:
         if lacking:
             self.cache.request_prefetch(lacking, replace=False)
 
-    def iteration(
-        self,
-        valid: np.ndarray,
-        embeds: np.ndarray | None,
-        route: Route,
-        compute: Compute,
-        host: Host | None = None,
-    ) -> None:
+    def iteration(self, valid: np.ndarray, embeds: np.ndarray | None, loop: LayerLoop) -> None:
         """Runs one iteration over the MoE layers (see the module docstring for the order).
 
         Args:
           valid: `[B, T]` bool, the iteration's valid tokens.
           embeds: `[N, H]` float32 semantic context, or None when the policy does not need it.
-          route: `route(layer)` -> `Routed`, called once per MoE layer in order.
-          compute: `compute(layer, chunk, arrays, is_last)`, called per chunk of the device's share of a
-            layer's needed experts with their device arrays (`chunk` empty and `is_last` True when the device
-            has none).
-          host: `host(layer, keys)` starts the host's share of a layer, before the device's first `compute`
-            (hybrid execution, with a planner; None: every expert on the device).
+          loop: the layers' routing and compute (`LayerLoop`).
         """
         policy = self.policy
         token_valid = valid.reshape(-1)
@@ -157,7 +174,7 @@ class Driver:
         self._tell(policy.on_iteration_start, start)
         cache, hears = self.cache, policy.hears_layers
         for layer in range(policy.ctx.num_layers):
-            routed = route(layer)
+            routed = loop.route(layer)
             needed = needed_experts(routed.ids, rows) if routed.needed is None else routed.needed
             keys = [(layer, e) for e in needed]
             # Protect before the policy hears of the routing: a prefetch it requests must not evict them.
@@ -173,13 +190,13 @@ class Driver:
                 )
                 self._tell(policy.on_layer_routed, event)
             try:
-                on_host = self.plan(layer, needed, routed.ids, token_valid) if host is not None else []
+                on_host = self.plan(layer, needed, routed.ids, token_valid)
                 if on_host:
-                    host(layer, on_host)
+                    loop.host(layer, on_host)
             except BaseException:
                 self.cache.protect(())  # as `serve` would have: a failed call leaves the cache usable
                 raise
-            self.serve(layer, [key for key in keys if key not in on_host] if on_host else keys, compute)
+            self.serve(layer, [key for key in keys if key not in on_host] if on_host else keys, loop.compute)
             if on_host and policy.host_fill:
                 fill = [(key, FILL_PRIORITY) for key in on_host if self.cache.entry(key) is None]
                 self.cache.request_prefetch(fill, replace=False, if_idle=policy.host_fill == "idle")

@@ -27,7 +27,7 @@ import numpy as np
 from .cache import DeviceExpertCache, Key
 from .config import OffloadConfig
 from .cost_model import CostModel, HardwarePreset, HostPreset, ModelPreset
-from .driver import Driver, Routed
+from .driver import Driver, Functions, Routed
 from .hybrid import HybridPlanner, ModelledHostCost
 from .policies import Policy, PolicyContext
 from .replay_steps import Counted, layout
@@ -432,7 +432,7 @@ def _replay_batch(
             routed = step.routed[m]
             host.start(link.clock, tokens, [routed[e] for _, e in keys])
 
-        driver.iteration(step.valid, step.embeds, route, compute, on_host if host is not None else None)
+        driver.iteration(step.valid, step.embeds, Functions(route, compute, on_host))
         active = step.valid.any(axis=1)
         link.compute(charges.head_s(int(active.sum())))
         for b in np.flatnonzero(active):

@@ -13,6 +13,7 @@ simulator plugs in a simulated link (`offload/resources.py`).
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 import weakref
@@ -24,16 +25,38 @@ from fmoe_jax.models.moe import ExpertWeights
 
 from .cache import Key, Mover
 
+# Platforms whose copies go through a compiled program by default (`copier`): measured by
+# `benchmarks/link_compute.py` ("copy call"); a platform not listed uses `jax.device_put` until measured.
+PROGRAM_COPIES = frozenset({"cpu"})
+
+
+def copier(device: jax.sharding.Sharding, by_program: bool | None = None) -> Callable[[Any], Any]:
+    """A function that copies a pytree of arrays to `device`, returning without waiting: `jax.device_put`, or
+    (`by_program`; None: as `PROGRAM_COPIES` says for the device's platform) a compiled program that does
+    the same copy, whose launch costs the host less than `device_put`'s dispatch on the CPU backend."""
+    if by_program is None:
+        by_program = next(iter(device.device_set)).platform in PROGRAM_COPIES
+    if not by_program:
+        return functools.partial(jax.device_put, device=device)
+    return jax.jit(functools.partial(jax.device_put, device=device))
+
 
 class JaxMover(Mover):
-    """Asynchronous `jax.device_put` of an expert's host arrays to a device sharding."""
+    """Asynchronous copies of an expert's host arrays to a device sharding, issued at once (`copier`)."""
 
-    def __init__(self, host: Callable[[Key], ExpertWeights], device: jax.sharding.Sharding):
+    def __init__(
+        self,
+        host: Callable[[Key], ExpertWeights],
+        device: jax.sharding.Sharding,
+        *,
+        by_program: bool | None = None,
+    ):
         self.host = host
         self.device = device
+        self._copy = copier(device, by_program)
 
     def start(self, key: Key, *, urgent: bool = False) -> ExpertWeights:
-        return jax.device_put(self.host(key), self.device)
+        return self._copy(self.host(key))
 
     def is_ready(self, handle: ExpertWeights) -> bool:
         return all(a.is_ready() for a in jax.tree.leaves(handle))  # quantized matrices hold two arrays
@@ -77,6 +100,7 @@ class _Link:
 
     def __init__(self, device: jax.sharding.Sharding):
         self.device = device
+        self._copy = copier(device)
         self.cv = threading.Condition()
         self.urgent: collections.deque[_Transfer] = collections.deque()  # on-demand loads, in order
         self.queued: collections.deque[_Transfer] = collections.deque()  # prefetches, in the order started
@@ -84,7 +108,7 @@ class _Link:
 
     def send(self, leaf: Any) -> jax.Array:
         """One chunk to the device, waiting until it has landed."""
-        return jax.block_until_ready(jax.device_put(leaf, self.device))
+        return jax.block_until_ready(self._copy(leaf))
 
     def close(self) -> None:
         with self.cv:

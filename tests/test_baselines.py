@@ -11,7 +11,7 @@ import pytest
 from fakes import RecordingCache, iteration_start, layer_routed, request_start
 from fmoe_jax.offload.cache import DeviceExpertCache, Mover
 from fmoe_jax.offload.config import OffloadConfig
-from fmoe_jax.offload.driver import Driver, Routed
+from fmoe_jax.offload.driver import Driver, Functions, Routed
 from fmoe_jax.offload.policies import FMoE, OnDemandLFU, OnDemandLRU, Policy, PolicyContext
 from fmoe_jax.offload.policies.mixtral_offload import MixtralOffload, layer_quotas
 from fmoe_jax.offload.policies.moe_infinity import ActivationMatrixCollection, MoEInfinity, eamc_from_traces
@@ -195,9 +195,8 @@ def replay(policy: Policy, iterations, *, num_layers: int, num_experts: int, cap
             if is_last and watch is not None:
                 watch(i, layer, cache)
 
-        driver.iteration(
-            np.ones((1, ids.shape[0]), bool), None, lambda m, ids=ids: Routed(ids[:, m]), compute
-        )
+        route = functools.partial(lambda m, ids: Routed(ids[:, m]), ids=ids)
+        driver.iteration(np.ones((1, ids.shape[0]), bool), None, Functions(route, compute))
     return cache.book.stats
 
 

@@ -234,7 +234,7 @@ def test_static_split_places_whole_layers_and_restores_them():
 
 def test_a_failing_host_call_leaves_the_cache_usable():
     from fmoe_jax.offload.cache import DeviceExpertCache
-    from fmoe_jax.offload.driver import Driver, Routed
+    from fmoe_jax.offload.driver import Driver, Functions, Routed
     from fmoe_jax.offload.policies import OnDemandLRU
     from fmoe_jax.offload.simulator import SimulatedLink
 
@@ -251,10 +251,11 @@ def test_a_failing_host_call_leaves_the_cache_usable():
 
     route = lambda layer: Routed(np.asarray([[1]], np.int32))  # noqa: E731
     with pytest.raises(RuntimeError, match="host backend gone"):
-        driver.iteration(np.ones((1, 1), bool), None, route, lambda *a: None, host)
+        driver.iteration(np.ones((1, 1), bool), None, Functions(route, lambda *a: None, host))
     assert cache.protected == set() and cache.serving is None
     assert cache.stats.host_computed == 1  # it was planned, and counted, before the call failed
-    driver.iteration(np.ones((1, 1), bool), None, route, lambda *a: None)  # copy-only afterwards: a miss
+    driver.planner = None  # copy-only afterwards: a miss
+    driver.iteration(np.ones((1, 1), bool), None, Functions(route, lambda *a: None))
     assert (cache.stats.misses, cache.stats.loads) == (2, 1)
 
 
@@ -469,8 +470,8 @@ def test_hybrid_execution_is_bit_identical_for_every_policy(policy, subjects):
     """Mixtral, budgets of one slot and 25 %, a batch of 3: every miss on the host, and the host taking the
     single-token experts while the device computes the rest of the same layers. Compared bit for bit with
     copy-only serving (which tests/test_lossless.py holds to resident serving). `resident` is left out: it
-    holds every expert, so nothing misses and its steps take the full-cache fast path, which hybrid
-    execution does not touch."""
+    holds every expert, so nothing misses and each of its steps is one launch, which hybrid execution does
+    not touch."""
     subject = subjects(("mixtral", "bfloat16"))
     host_computed = 0
     for slots in (1, quarter(subject)):

@@ -10,7 +10,7 @@ from fmoe_jax.models import model_identity
 from fmoe_jax.offload.cache import DeviceExpertCache, Mover
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.cost_model import HARDWARE, ModelPreset
-from fmoe_jax.offload.driver import Driver, Routed
+from fmoe_jax.offload.driver import Driver, Functions, Routed
 from fmoe_jax.offload.policies.base import PolicyContext
 from fmoe_jax.offload.policies.duoserve import DuoServe
 from fmoe_jax.offload.policies.promoe import ProMoE
@@ -269,7 +269,8 @@ def test_duoserve_prefill_ring_through_the_real_cache_wastes_nothing():
     cache = DeviceExpertCache(SyncMover(), capacity=3, expert_bytes=1, policy=policy, synchronous=True)
     policy.bind(context(layers=2, experts=4, top_k=1, capacity=3, model_id=""), cache)
     ids = np.arange(4, dtype=np.int32)[:, None]  # the 4 tokens route to experts 0..3
-    Driver(policy, cache).iteration(np.ones((1, 4), bool), None, lambda m: Routed(ids), lambda *_: None)
+    loop = Functions(lambda m: Routed(ids), lambda *_: None)
+    Driver(policy, cache).iteration(np.ones((1, 4), bool), None, loop)
     s = cache.book.stats
     assert s.wasted_prefetches == 0
     assert s.layer_hits == {0: 3, 1: 2}  # layer 0: the streamed three; layer 1: two streamed during layer 0

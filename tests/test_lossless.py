@@ -352,12 +352,12 @@ def test_linear_attention_model_at_one_slot_and_a_quarter(subjects):
 @pytest.mark.xfail(
     strict=True,
     reason="open bug: the tiny DeepSeek-V2-Lite (no q LoRA) in float32 decodes logits 1 ulp (6e-8) away from "
-    "the resident engine's when layers run as per-layer programs (one slot; with every expert preloaded the "
-    "fast path is identical). Cause found: the rotated keys the prefill caches already differ by 1 ulp, "
-    "because XLA:CPU fuses `x * cos + rotated * sin` as a multiply-add and contracts it to FMA differently "
-    "in the whole-model program and in the attention program (an optimization barrier does not stop it; "
-    "the cos/sin tables are equal). bf16, the dtype the model ships in, is identical. A fix turns this "
-    "into an XPASS, which fails: then drop it and KNOWN_DIFFERENT.",
+    "the resident engine's when the offload engine's step program stops at layers (one slot). Cause found "
+    "(per-layer programs, before the step program): the rotated keys the prefill caches already differ by 1 "
+    "ulp, because XLA:CPU fuses `x * cos + rotated * sin` as a multiply-add and contracts it to FMA "
+    "differently in the whole-model program and in the offload engine's (an optimization barrier does not "
+    "stop it; the cos/sin tables are equal). bf16, the dtype the model ships in, is identical. A fix turns "
+    "this into an XPASS, which fails: then drop it and KNOWN_DIFFERENT.",
 )
 def test_deepseek_v2_lite_float32_decode(subjects):
     prompts = [[20, 254, 157, 255, 91, 39], [3, 201, 83, 107, 235], [9, 57, 174]]  # found by hypothesis

@@ -104,7 +104,10 @@ else:
                     assert place(key) == index
                     assert {a.sharding.device_set.pop() for a in arrays} == {jax.devices()[index]}
             layer0 = model.module.layers[0].attn.q_proj.weight[...]
-            assert len(model.engine.layer_params[0][0].sharding.device_set) == DEVICES  # replicated dense
+            arguments = model.engine.arguments  # the step program's parameters
+            routed = {i for leaves in arguments.leaves.values() for i in leaves}
+            dense = [p for i, p in enumerate(arguments.params) if i not in routed]
+            assert all(len(p.sharding.device_set) == DEVICES for p in dense)  # replicated
             assert layer0.sharding.memory_kind == "device"
 
     def test_custom_placement_map_and_errors(hf_dirs):

@@ -137,14 +137,14 @@ def test_prefill_compiles_one_expert_program_whatever_the_routing(hf_dirs):
     for n in [2, 3, 5, 9, 14]:  # 8 experts, top-4: from four to all eight per layer (bucket 16)
         fj.generate(model, [rng.integers(3, 256, n).tolist()], max_new_tokens=2, stop_at_eos=False)
     traced = list(compiled)
-    assert len([k for k in traced if k.startswith("experts_finish_T16_")]) == 1, traced
+    assert len([k for k in traced if k.startswith("offload_step_T16_")]) == 1, traced
     assert len([k for k in traced if k.startswith("experts_partial_N16_")]) <= 1, traced
 
 
-def test_fast_path_whenever_every_expert_is_resident(hf_dirs):
+def test_one_launch_a_step_whenever_every_expert_is_resident(hf_dirs):
     """No preload: a cache with room for every expert copies in, from the first call on, the experts no
     routing has needed yet (behind any prefetch; one token routes to 2 of each layer's 8 here), each once;
-    from the next call every step is the whole-model program, tokens still the resident model's."""
+    from the next call every step is one launch and one host read, tokens still the resident model's."""
     path = hf_dirs["mixtral"]
     cfg = fj.load_model(path).config
     total = cfg.num_moe_layers * cfg.num_experts
@@ -157,7 +157,8 @@ def test_fast_path_whenever_every_expert_is_resident(hf_dirs):
     before = dict(model.engine.programs.compilations)
     second = fj.generate(model, [[9, 10, 11]], 4, stop_at_eos=False)
     new = {k for k, v in model.engine.programs.compilations.items() if v != before.get(k, 0)}
-    assert {k.split("_T")[0] for k in new} == {"whole_step"}  # the whole-model program, nothing per layer
+    assert {k.split("_T")[0] for k in new} <= {"offload_step"}  # a new prompt length at most
+    assert second.stats.step_launches == second.stats.step_syncs == [1] * 4
     assert second.stats.hit_rate == 1.0 and second.stats.bytes_to_device == 0
     assert second.tokens == fj.generate(resident, [[9, 10, 11]], 4, stop_at_eos=False).tokens
 
@@ -450,30 +451,37 @@ def test_cachebook_victims_agree_with_a_pass_over_every_entry():
 
 
 @pytest.mark.parametrize("policy", ["on_demand_lfu", "fmoe"])
-def test_full_cache_fast_path_equals_per_layer_loop(policy, hf_dirs):
-    """A preloaded full cache runs each step as one program; tokens, logits, every statistic, the policy's
-    view and the trace equal those of the per-layer loop on the same requests."""
+@pytest.mark.parametrize("budget", ["full", "partial"])
+def test_running_on_past_resident_layers_equals_the_per_layer_loop(policy, budget, hf_dirs):
+    """A launch runs on through every layer whose experts are resident, and the driver hears those layers
+    afterwards: tokens, logits, every statistic, the policy's view and the trace equal those of launches
+    that stop at every MoE layer (`OffloadEngine.optimistic` off), with a full cache (preloaded) and a
+    partial one (prefetching policy: its requests land between layers in both)."""
     path = hf_dirs["qwen2_moe"]
     cfg = fj.load_model(path).config
-    offload = OffloadConfig(policy=policy, cache_experts=cfg.num_moe_layers * cfg.num_experts, preload=True)
+    total = cfg.num_moe_layers * cfg.num_experts
+    slots = total if budget == "full" else total // 2
+    offload = OffloadConfig(
+        policy=policy,
+        cache_experts=slots,
+        preload=budget == "full",
+        transfer="synchronous",
+        policy_options={"asynchronous": False} if policy == "fmoe" else {},  # its matches, in order
+    )
     prompts = [[3, 14, 15, 92, 65], list(range(20, 44))]
     runs = {}
-    for fast in (True, False):
+    for optimistic in (True, False):
         with fj.load_model(path, offload=offload) as model:
-            engine = model.engine
-            calls = []
-            whole = engine._step_whole
-            if fast:
-                engine._step_whole = lambda *a, whole=whole, calls=calls: calls.append(1) or whole(*a)
-            else:  # the per-layer loop, always
-                engine._step_whole = lambda *a: None
-            outs = [fj.generate(model, prompts, 5, stop_at_eos=False, record_trace=True) for _ in range(2)]
-            runs[fast] = (outs, len(calls))
-    (fast_outs, fast_calls), (slow_outs, slow_calls) = runs[True], runs[False]
-    assert fast_calls == 2 * 5 and slow_calls == 0  # a prefill and 4 decode steps per call
-    reference = fj.generate(fj.load_model(path), prompts, 5, stop_at_eos=False)
-    for fast, slow in zip(fast_outs, slow_outs, strict=True):
+            model.engine.optimistic = optimistic
+            runs[optimistic] = [
+                fj.generate(model, prompts, 5, stop_at_eos=False, record_trace=True, return_logprobs=True)
+                for _ in range(2)
+            ]
+    reference = fj.generate(fj.load_model(path), prompts, 5, stop_at_eos=False, return_logprobs=True)
+    moe_layers = cfg.num_moe_layers
+    for fast, slow in zip(runs[True], runs[False], strict=True):
         assert fast.tokens == slow.tokens == reference.tokens
+        assert fast.logprobs == slow.logprobs == reference.logprobs
         for name in (
             "hits",
             "misses",
@@ -483,12 +491,51 @@ def test_full_cache_fast_path_equals_per_layer_loop(policy, hf_dirs):
             "layer_hit_rate",
         ):
             assert fast.stats[name] == slow.stats[name], name
+        timings = {k for k in fast.stats.extra if k.endswith(("_ms", "_s"))}
+        assert {k: v for k, v in fast.stats.extra.items() if k not in timings} == {
+            k: v for k, v in slow.stats.extra.items() if k not in timings
+        }
+        assert all(n == moe_layers + 1 for n in slow.stats.step_launches)  # a stop at every MoE layer
+        assert all(n <= moe_layers + 1 for n in fast.stats.step_launches)
         for a, b in zip(fast.trace.requests, slow.trace.requests, strict=True):
             for it_a, it_b in zip(a.iterations, b.iterations, strict=True):
                 np.testing.assert_array_equal(it_a.ids, it_b.ids)
-                np.testing.assert_allclose(it_a.probs, it_b.probs, atol=1e-6)
-                np.testing.assert_allclose(it_a.embeds, it_b.embeds, atol=1e-6)
-    assert fast_outs[1].stats.hit_rate == 1.0 and fast_outs[1].stats.bytes_to_device == 0
+                np.testing.assert_array_equal(it_a.probs, it_b.probs)
+                np.testing.assert_array_equal(it_a.embeds, it_b.embeds)
+    if budget == "full":
+        assert runs[True][1].stats.hit_rate == 1.0 and runs[True][1].stats.bytes_to_device == 0
+        assert runs[True][1].stats.step_launches == [1] * 5
+
+
+def test_a_resident_token_decodes_with_one_launch_at_a_partial_budget(hf_dirs):
+    """A one-token prompt whose prefill and first decode step route to fewer experts than the model has, at
+    a budget of exactly those: the second call finds them all resident (LRU kept them), and its decode step
+    is one launch and one host read (its token comes with it), no stop at any layer; in bfloat16, tokens and
+    log-probabilities stay the resident model's bit for bit."""
+    path = hf_dirs["mixtral"]
+    resident = fj.load_model(path, dtype="bfloat16")
+    cfg = resident.config
+    total = cfg.num_moe_layers * cfg.num_experts
+    for token in range(3, 40):  # a prompt whose two steps leave some expert unused (a partial budget)
+        reference = fj.generate(
+            resident, [[token]], 2, stop_at_eos=False, return_logprobs=True, record_trace=True
+        )
+        used = {
+            (m, int(e))
+            for it in reference.trace.requests[0].iterations
+            for m in range(cfg.num_moe_layers)
+            for e in np.asarray(it.ids)[:, m].ravel()
+        }
+        if len(used) < total:
+            break
+    assert len(used) < total
+    offload = OffloadConfig(policy="on_demand_lru", cache_experts=len(used))
+    with fj.load_model(path, offload=offload, dtype="bfloat16") as model:
+        fj.generate(model, [[token]], 2, stop_at_eos=False)
+        out = fj.generate(model, [[token]], 2, stop_at_eos=False, return_logprobs=True)
+    assert out.tokens == reference.tokens and out.logprobs == reference.logprobs
+    assert out.stats.hit_rate == 1.0 and out.stats.bytes_to_device == 0
+    assert out.stats.step_launches == [1, 1] and max(out.stats.step_syncs) <= 2
 
 
 # -- chunked copies from a transfer thread (`ChunkedJaxMover`) ------------------------------------------

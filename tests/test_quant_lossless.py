@@ -1,8 +1,8 @@
 """Offloading a quantized model is lossless too: with routed experts stored int8 or int4, generation under
 every policy, at one expert slot and at 25 % of the experts, is token-identical (log-probabilities and every
 MoE layer's router input bit-identical) to resident generation of the same quantized model. The quantized
-arrays travel through the offload engine's jitted per-layer steps and its full-cache fast path (the
-`resident` policy preloads every expert), as `ExpertWeights` of `QuantizedMatrix`es.
+arrays travel through the offload engine's step program, stopping at misses and running through a full
+cache (the `resident` policy preloads every expert), as `ExpertWeights` of `QuantizedMatrix`es.
 
 The models are `test_lossless.py`'s tiny random ones, in bfloat16 with groups of 8 inputs (the newer
 families' experts have 24 intermediate units). A family costs 20-35 s of compilation on a 2-core CPU,

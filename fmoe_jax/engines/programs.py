@@ -1,5 +1,5 @@
 """The jitted programs an engine runs, owned by the model that made them: the whole-model step (resident
-engine, and the offload engine's full-cache fast path) and the offload engine's per-layer steps.
+engine) and the offload engine's chunk programs (its step program is `engines/segment.py`).
 
 `Programs` makes every `jax.jit` of one model (so its executables are freed with the model), compiles each
 with exact bfloat16 rounding, and counts and times its compilations; `generate` reports that time as
@@ -23,10 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fmoe_jax.models import MoECausalLM, init_kv_cache
-from fmoe_jax.models.base import output_logits
+from fmoe_jax.models import init_kv_cache
 from fmoe_jax.models.layers import Layout, cache_shape
-from fmoe_jax.models.moe import Kernel, Routing, expert_parts
+from fmoe_jax.models.moe import Kernel, expert_parts
 
 from ..sampling import Sampling
 
@@ -153,13 +152,13 @@ class Recorded(NamedTuple):
     hidden: Any  # [B, T, L_moe, D] router inputs, or None
 
 
-def _per_row(layout: Layout) -> str:
+def per_row(layout: Layout) -> str:
     """A label's mark for a layout with a write index per row (continuous batching), traced apart."""
     return "_per_row" if np.ndim(layout.write_index) else ""
 
 
 def _whole_label(params, tokens, cache, layout, *_: Any) -> str:
-    return f"whole_step_T{tokens.shape[1]}_S{cache_shape(cache)[1]}_B{tokens.shape[0]}{_per_row(layout)}"
+    return f"whole_step_T{tokens.shape[1]}_S{cache_shape(cache)[1]}_B{tokens.shape[0]}{per_row(layout)}"
 
 
 # -- the whole model ---------------------------------------------------------------------------------------
@@ -234,67 +233,21 @@ def insert_row(programs: Programs) -> Callable:
     )
 
 
-# -- the offload engine's per-layer steps ------------------------------------------------------------------
-class LayerSteps(NamedTuple):
-    attention_and_router: Callable
-    dense_layer: Callable
-    experts_finish: Callable  # the layer's last chunk of experts, the shared expert, the residual
-    combine: Callable  # several devices: their assignment outputs summed, then as `experts_finish`
-    experts_partial: Callable  # an earlier chunk (or one device's share)
+# -- the offload engine's programs besides its step (`engines/segment.py`) ---------------------------------
+def experts_partial(programs: Programs, kernel: Kernel) -> Callable:
+    """`partial(z, routing, experts, slots, valid, acc)`: one chunk's assignment outputs added to `acc`
+    `[N, k, D]` float32 (other chunks' places are zero here): a layer's chunks before its last, or one
+    device's share of it."""
 
-
-def layer_steps(programs: Programs, graph: Graph, kernel: Kernel) -> LayerSteps:
-    def attention_and_router(state, x, kv, layout, rope):
-        """Also returns the router input as float32, for the host (`needs_hidden`, `record_hidden`): NumPy
-        reads a bfloat16 result ~6x slower than a float32 one (~12 us against 2 for `[1, D]` on CPU)."""
-        layer = graph.merge(state)
-        h, z, kv = layer.attention_block(x, rope, kv, layout)
-        z = z.reshape(-1, z.shape[-1])
-        return h, z, layer.route(z), kv, z.astype(jnp.float32)
-
-    def dense_layer(state, x, kv, layout, rope):
-        layer = graph.merge(state)
-        h, z, kv = layer.attention_block(x, rope, kv, layout)
-        return h + layer.dense_output(z).astype(h.dtype), kv
-
-    def experts_finish(state, h, z, routing, experts, slots, valid, acc):
-        layer = graph.merge(state)
-        parts = acc + expert_parts(z, routing, experts, slots, valid, kernel=kernel) if experts else acc
-        return h + layer.mix(z, parts).reshape(h.shape).astype(h.dtype)
-
-    def combine(state, h, z, partials):
-        """partials `[n, N, k, D]`: each assignment nonzero on one device only, so their sum is exact."""
-        layer = graph.merge(state)
-        return h + layer.mix(z, jnp.sum(partials, axis=0)).reshape(h.shape).astype(h.dtype)
-
-    def experts_partial(z, routing, experts, slots, valid, acc):
-        """Adds one chunk's assignment outputs to `acc` `[N, k, D]` float32 (other chunks' places are zero
-        here)."""
+    def partial(z, routing, experts, slots, valid, acc):
         return acc + expert_parts(z, routing, experts, slots, valid, kernel=kernel)
 
-    def make() -> LayerSteps:
-        return LayerSteps(
-            programs.jit(
-                attention_and_router,
-                lambda s, x, kv, layout, *_: f"attention_and_router_T{x.shape[1]}{_per_row(layout)}",
-                donate_argnums=2,
-            ),
-            programs.jit(
-                dense_layer,
-                lambda s, x, kv, layout, *_: f"dense_layer_T{x.shape[1]}{_per_row(layout)}",
-                donate_argnums=2,
-            ),
-            programs.jit(
-                experts_finish,
-                lambda s, h, z, r, experts, *_: f"experts_finish_T{h.shape[1]}_n{len(experts)}",
-            ),
-            programs.jit(combine, lambda s, h, *_: f"combine_T{h.shape[1]}"),
-            programs.jit(
-                experts_partial, lambda z, r, experts, *_: f"experts_partial_N{z.shape[0]}_n{len(experts)}"
-            ),
-        )
-
-    return programs.memo(("layer", graph, kernel), make)
+    return programs.memo(
+        ("experts_partial", kernel),
+        lambda: programs.jit(
+            partial, lambda z, r, experts, *_: f"experts_partial_N{z.shape[0]}_n{len(experts)}"
+        ),
+    )
 
 
 def add_parts(programs: Programs) -> Callable:
@@ -305,36 +258,6 @@ def add_parts(programs: Programs) -> Callable:
         return a + b
 
     return programs.memo("add_parts", lambda: programs.jit(add, lambda a, b: f"add_parts_N{a.shape[0]}"))
-
-
-def embed_step(programs: Programs, graph: Graph, cfg: Any) -> Callable:
-    def embed(state, tokens, layout):
-        x = graph.merge(state)(tokens)
-        return x, MoECausalLM.rope_for(cfg, layout, x.dtype)
-
-    return programs.memo(
-        ("embed", graph),
-        lambda: programs.jit(embed, lambda s, tokens, layout: f"embed_T{tokens.shape[1]}{_per_row(layout)}"),
-    )
-
-
-def head_step(programs: Programs, graph: Graph) -> Callable:
-    def head(state, x, key, sampling, all_positions=False):
-        norm, projection = graph.merge(state)
-        if all_positions:
-            return output_logits(norm, projection, x)
-        logits = output_logits(norm, projection, x[:, -1])
-        return sampling(logits, key), logits
-
-    return programs.memo(
-        ("head", graph),
-        lambda: programs.jit(
-            head,
-            lambda s, x, *_, all_positions=False: f"head_all{all_positions}_T{x.shape[1]}_B{x.shape[0]}",
-            static_argnums=3,
-            static_argnames="all_positions",
-        ),
-    )
 
 
 def chunk_width(n: int, capacity: int, num_experts: int, tokens: int) -> int:
@@ -352,6 +275,6 @@ def chunk_width(n: int, capacity: int, num_experts: int, tokens: int) -> int:
     return max(n, min(size, capacity))
 
 
-def no_parts(z: jax.Array, routing: Routing) -> jax.Array:
+def no_parts(n: int, k: int, d: int) -> jax.Array:
     """The empty assignment-output buffer `[N, k, D]` float32 a layer's chunks fill."""
-    return jnp.zeros((*routing.ids.shape, z.shape[-1]), jnp.float32)
+    return jnp.zeros((n, k, d), jnp.float32)

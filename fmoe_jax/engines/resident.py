@@ -7,6 +7,7 @@ offload engine (`engines/offload.py`); the programs are the model's own (`engine
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import jax
@@ -30,15 +31,21 @@ class ResidentEngine:
         self.graph, self.params = split(module)
         self._step = whole_step(self.programs, self.graph, kernel)
         self._forward = full_forward(self.programs, self.graph, kernel)
+        self._host_s: list[float] = []  # per step since `begin`: seconds to launch it
 
     def init_cache(self, batch: int, length: int) -> list[LayerKV]:
         return init_kv_cache(self.config, batch, length, self.module.dtype)
 
     def begin(self, batch: int) -> None:
-        """Nothing to count: a resident model has no expert cache."""
+        """A resident model has no expert cache: only its steps are counted."""
+        self._host_s = []
 
     def finish(self, stats: Any) -> None:
-        """Nothing to add: the offload statistics keep their resident values (hit rate 1, no copies)."""
+        """Each step was one launch and one read of its tokens (by the generation loop); the offload
+        statistics keep their resident values (hit rate 1, no copies)."""
+        stats.step_launches = [1] * len(self._host_s)
+        stats.step_syncs = [1] * len(self._host_s)
+        stats.step_host_s = list(self._host_s)
 
     def close(self) -> None:
         """Nothing runs in the background."""
@@ -60,9 +67,11 @@ class ResidentEngine:
     ) -> tuple[StepOutput, list[LayerKV]]:
         """Runs prefill (T > 1) or one decode step (T = 1) and samples the next token of each row (`requests`
         is for the offload engine's policy)."""
+        start = time.perf_counter()
         next_tokens, logits, cache, recorded = self._step(
             self.params, tokens, cache, layout, key, sampling, record, record and record_hidden
         )
+        self._host_s.append(time.perf_counter() - start)
         return StepOutput(next_tokens, logits, recorded), cache
 
     def forward(self, tokens: jax.Array) -> tuple[jax.Array, list]:

@@ -374,17 +374,14 @@ class DeviceExpertCache(BookView):
             self.book.unpin(pinned)
             self.paused -= paused
 
-    def pin_if_resident(self, keys: Sequence[Key]) -> dict[Key, ExpertWeights] | None:
-        """If every one of `keys` is resident and ready, pins them and returns their arrays (the engine's
-        full-cache fast path); else None and nothing changes. Counts nothing: the driver's `ensure` calls
-        do, once each layer's routing is known. Unpin with `release`."""
+    def ready_arrays(self) -> dict[Key, ExpertWeights]:
+        """The device arrays of every resident expert whose copy has landed: what the engine's step may use
+        without asking (`fmoe_jax/engines/step_loop.py`). Counts and pins nothing: the driver's `ensure`
+        calls count, once each layer's routing is known."""
         with self.lock:
             self._poll()
-            entries = self.book.entries
-            if not all(key in entries and entries[key].ready for key in keys):
-                return None
-            self.book.pin(keys)
-            return {key: self.mover.result(self.arrays[key]) for key in keys}
+            entries = self.book.entries.items()
+            return {key: self.mover.result(self.arrays[key]) for key, e in entries if e.ready}
 
     def _wait_for_any_inflight(self) -> None:
         """No evictable expert: every slot is pinned or arriving. Waits (lock held) for an unpinned arriving

@@ -84,7 +84,7 @@ class Policy:
     # Off by default (Fiddler and the static split keep their placement).
     host_fill: bool | str = False
     # A cache with room for every expert copies in those no request has needed yet (`Driver.fill_free_slots`),
-    # so that the engine's full-cache fast path takes over. Off for a policy that places experts itself and
+    # so that no step of the engine stops for a miss. Off for a policy that places experts itself and
     # computes the rest on the host (Fiddler, the static split).
     fill_free_slots = True
 
