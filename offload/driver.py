@@ -52,6 +52,9 @@ class Routed(NamedTuple):
     ids: np.ndarray  # [N, k] int32
     probs: np.ndarray | None = None  # [N, J] float32, when the policy needs it (or the caller records it)
     hidden: np.ndarray | None = None  # [N, D] float32 router input, likewise
+    # The distinct experts the valid tokens chose, ascending, when the caller has them at hand (the
+    # simulator works them out for every layer of an iteration at once); None: the driver does.
+    needed: tuple[int, ...] | None = None
 
 
 class LayerLoop(Protocol):
@@ -169,21 +172,23 @@ class Driver:
         semantic, probs = policy.needs_semantic, policy.needs_probs
         start = IterationStart(valid, embeds if semantic else None, self.requests)
         self._tell(policy.on_iteration_start, start)
+        cache, hears = self.cache, policy.hears_layers
         for layer in range(policy.ctx.num_layers):
             routed = loop.route(layer)
-            needed = needed_experts(routed.ids, rows)
+            needed = needed_experts(routed.ids, rows) if routed.needed is None else routed.needed
             keys = [(layer, e) for e in needed]
             # Protect before the policy hears of the routing: a prefetch it requests must not evict them.
-            self.cache.protect(keys, layer)
-            event = LayerRouted(
-                layer,
-                routed.ids,
-                valid,
-                needed,
-                probs=routed.probs if probs else None,
-                hidden=routed.hidden if policy.needs_hidden else None,
-            )
-            self._tell(policy.on_layer_routed, event)
+            cache.protect(keys, layer)
+            if hears:
+                event = LayerRouted(
+                    layer,
+                    routed.ids,
+                    valid,
+                    needed,
+                    probs=routed.probs if probs else None,
+                    hidden=routed.hidden if policy.needs_hidden else None,
+                )
+                self._tell(policy.on_layer_routed, event)
             try:
                 on_host = self.plan(layer, needed, routed.ids, token_valid)
                 if on_host:
@@ -218,9 +223,18 @@ class Driver:
         there); a layer that needs nothing (or only host-computed experts) gets one `compute` with an empty
         chunk."""
         try:
+            parts = self.cache.parts(keys)
+            if len(parts) == 1 and len(parts[0][1]) <= parts[0][0].book.capacity:  # one chunk (the usual)
+                part, chunk = parts[0]
+                arrays = part.ensure(layer, chunk)
+                try:
+                    compute(layer, chunk, arrays, True)
+                finally:
+                    part.release(chunk)
+                return
             chunks = [
                 (part, chunk)
-                for part, share in self.cache.parts(keys)
+                for part, share in parts
                 for chunk in plan_chunks(share, part.book.capacity, part.book.__contains__)
             ]
             if not chunks:

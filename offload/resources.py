@@ -68,14 +68,6 @@ class SimulatedLink(Mover):
         self.compute_s = 0.0
         self.busy_s = 0.0
 
-    def _next_start(self) -> tuple[float, collections.deque[Copy] | None]:
-        """When the link starts its next piece, and from which queue (urgent first if it is waiting)."""
-        queue = self.urgent or self.background
-        if not queue:
-            return math.inf, None
-        free_at, submitted = self.free_at, queue[0].submitted_s
-        return (submitted if submitted > free_at else free_at), queue  # max(free_at, submitted)
-
     def _commit_one(self) -> bool:
         """Starts the next piece (the caller checked its start time). False when there is none."""
         queue = self.urgent or self.background
@@ -112,17 +104,22 @@ class SimulatedLink(Mover):
 
     def _advance(self, until: float) -> None:
         """Commits every piece that starts before `until`."""
-        while self._next_start()[0] < until:
+        while queue := self.urgent or self.background:
+            free_at, submitted = self.free_at, queue[0].submitted_s
+            if (submitted if submitted > free_at else free_at) >= until:  # its start: the max
+                return
             self._commit_one()
 
     def start(self, key: Key, *, urgent: bool = False) -> Copy:
-        self._advance(self.clock)
+        if self.urgent or self.background:
+            self._advance(self.clock)
         copy = Copy(key, urgent, self.clock, self.chunks)
         (self.urgent if urgent else self.background).append(copy)
         return copy
 
     def is_ready(self, handle: Copy) -> bool:
-        self._advance(self.clock)
+        if handle.done_s == math.inf:  # else its last piece is committed: when it lands is known
+            self._advance(self.clock)
         return handle.done_s <= self.clock
 
     def landing_in(self, handle: Copy, ahead: int = 0) -> float:
@@ -146,12 +143,16 @@ class SimulatedLink(Mover):
         return max(self.free_at, self.clock) - self.clock + pieces * self.chunk_s
 
     def wait(self, handles: Sequence[Copy]) -> None:
-        self._advance(self.clock)
+        if self.urgent or self.background:
+            self._advance(self.clock)
         for handle in handles:  # the link's pieces in its order, until every handle's last has started
             while handle.done_s == math.inf:
                 if not self._commit_copy():
                     raise RuntimeError("waiting for a copy the link does not hold (cancelled?)")
-        until = max((h.done_s for h in handles), default=self.clock)
+        until = self.clock
+        for handle in handles:
+            if handle.done_s > until:
+                until = handle.done_s
         if until > self.clock:
             self.stall_s += until - self.clock
             self.clock = until

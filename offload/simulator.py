@@ -32,6 +32,7 @@ from .engine_model import EngineModel
 from .hybrid import HybridPlanner, ModelledHostCost
 from .policies import Policy, PolicyContext
 from .projection import fit_layers
+from .replay_steps import Counted, layout
 from .resources import Copy, SimulatedHost, SimulatedLink  # noqa: F401  (Copy: part of this module's API)
 from .trace import RoutingTrace
 
@@ -376,20 +377,6 @@ class Replay:
 
 
 # -- replay ---------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class _Step:
-    """One iteration of a batch in the live engine's layout: N = B * T rows, invalid rows zero."""
-
-    valid: np.ndarray  # [B, T] bool
-    ids: np.ndarray  # [N, L, k] int32
-    probs: np.ndarray | None  # [N, L, J] float32
-    embeds: np.ndarray | None  # [N, H] float32
-    hidden: np.ndarray | None  # [N, L, D] float32
-    new_tokens: np.ndarray  # [R] new tokens of each active row
-    past_tokens: np.ndarray  # [R] tokens each active row had before this iteration
-    routed: list[list[int]]  # [L][J] valid tokens routed to each expert
-
-
 class _Charges:
     """The cost model's seconds for the stages a replay charges again and again with the same arguments
     (a chunk of experts and their token counts, the shared expert, the LM head), each worked out once: the
@@ -429,12 +416,15 @@ def _replay_batch(
     num_iterations = max((len(r.iterations) for r in requests), default=0)
     # Tokens each request has before each of its iterations (its KV cache), summed once.
     past = [np.cumsum([0] + [it.num_tokens for it in r.iterations]).tolist() for r in requests]
+    # A batch of one request: its routing counted for every iteration at once.
+    counted = Counted(requests[0], trace.meta) if rows == 1 and num_iterations else None
     start, engine = link.clock, charges.engine
     ttft = [float("nan")] * rows
     decode_times: list[list[float]] = [[] for _ in range(rows)]
     driver.begin(rows)
+    policy = driver.policy
     for i in range(num_iterations):
-        step = _layout(trace, i, driver.policy, past)
+        step = layout(trace, i, policy, past) if counted is None else counted.layout(i, policy, past)
         began = link.clock
         tokens = int(step.valid.sum())
         attention_s = charges.costs.attention_s(step.new_tokens, step.past_tokens)
@@ -446,6 +436,7 @@ def _replay_batch(
                 step.ids[:, m],
                 None if step.probs is None else step.probs[:, m],
                 None if step.hidden is None else step.hidden[:, m],
+                step.needed[m],
             )
 
         def compute(m: int, chunk: list[Key], arrays: dict, is_last: bool, step=step, tokens=tokens) -> None:
@@ -473,54 +464,6 @@ def _replay_batch(
                 decode_times[b].append(link.clock - began)
     tpot = [float(np.mean(t)) if t else float("nan") for t in decode_times]
     return ttft, tpot
-
-
-def _layout(trace: RoutingTrace, i: int, policy: Policy, past: list[list[int]]) -> _Step:
-    """Iteration `i` of a batch as the engine lays it out: rows of the requests with an iteration `i`, left
-    padded to the longest of them; only the arrays the policy reads. `past[b][i]`: the tokens request `b`
-    has before its iteration `i`."""
-    requests = trace.requests
-    meta = trace.meta
-    rows = len(requests)
-    active = [b for b, r in enumerate(requests) if len(r.iterations) > i]
-    width = max(requests[b].iterations[i].num_tokens for b in active)  # T
-    layers, top_k, num_experts = meta["num_layers"], meta["top_k"], meta["num_experts"]
-    valid = np.zeros((rows, width), bool)
-    ids = np.zeros((rows, width, layers, top_k), np.int32)
-    probs = np.zeros((rows, width, layers, num_experts), np.float32) if policy.needs_probs else None
-    embeds = np.zeros((rows, width, meta["embed_dim"]), np.float32) if policy.needs_semantic else None
-    hidden = None
-    new_tokens, past_tokens = [], []
-    for b in active:
-        it = requests[b].iterations[i]
-        t = it.num_tokens
-        valid[b, width - t :] = True
-        ids[b, width - t :] = it.ids
-        if probs is not None:
-            probs[b, width - t :] = it.probs
-        if embeds is not None:
-            embeds[b, width - t :] = it.embeds
-        if policy.needs_hidden:
-            if hidden is None:
-                hidden = np.zeros((rows, width, layers, it.hidden.shape[-1]), np.float32)
-            hidden[b, width - t :] = it.hidden
-        new_tokens.append(t)
-        past_tokens.append(past[b][i])
-    n = rows * width
-    ids = ids.reshape(n, layers, top_k)
-    # Valid tokens per layer and expert: one count over every layer (offset by layer) for the iteration.
-    chosen = ids[valid.reshape(-1)] + (np.arange(layers, dtype=np.int32) * num_experts)[:, None]  # [n, L, k]
-    routed = np.bincount(chosen.ravel(), minlength=layers * num_experts).reshape(layers, num_experts)
-    return _Step(
-        valid=valid,
-        ids=ids,
-        probs=None if probs is None else probs.reshape(n, layers, num_experts),
-        embeds=None if embeds is None else embeds.reshape(n, -1),
-        hidden=None if hidden is None else hidden.reshape(n, layers, -1),
-        new_tokens=np.asarray(new_tokens),
-        past_tokens=np.asarray(past_tokens),
-        routed=routed.tolist(),
-    )
 
 
 # -- checks ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ Each (iteration, layer, expert) counts once, however many tokens route to it.
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import math
@@ -118,10 +119,15 @@ class CacheBook:
         self.stats = CacheStats()
         self._slot: dict[Key, int] = {}
         self._free = list(range(capacity - 1, -1, -1))  # slots not held (a stack)
-        self._slot_layer = np.zeros(capacity, np.int64)
-        self._slot_expert = np.zeros(capacity, np.int64)
+        # Per slot, written one element at a time through Python buffers (cheaper than NumPy scalar
+        # stores) and read as arrays through NumPy views of the same memory.
+        self._layer_of = array.array("q", bytes(8 * capacity))
+        self._expert_of = array.array("q", bytes(8 * capacity))
+        self._slot_layer = np.frombuffer(self._layer_of, np.int64)
+        self._slot_expert = np.frombuffer(self._expert_of, np.int64)
         self._slot_use = [0] * capacity  # its entry's last_use
-        self._evictable = np.zeros(capacity, bool)  # held, ready and unpinned
+        self._can_evict = bytearray(capacity)  # held, ready and unpinned: 1
+        self._evictable = np.frombuffer(self._can_evict, np.bool_)
 
     # -- state -----------------------------------------------------------------------------------------
     def __contains__(self, key: Key) -> bool:
@@ -143,19 +149,20 @@ class CacheBook:
         return self.clock
 
     # -- transitions -----------------------------------------------------------------------------------
-    def add(self, key: Key, *, prefetched: bool) -> Entry:
-        if key in self.entries:
+    def add(self, key: Key, *, prefetched: bool, pinned: bool = False) -> Entry:
+        """Holds a slot for `key`, whose copy has started (`pinned`: the caller waits for it, as `pin`)."""
+        entries = self.entries
+        if key in entries:
             raise KeyError(f"expert {key} is already cached")
-        if self.free_slots <= 0:
+        if len(entries) >= self.capacity:
             raise RuntimeError(f"cache full ({self.capacity} slots): evict before adding {key}")
         self.clock = now = self.clock + 1
-        entry = Entry(prefetched=prefetched, last_use=now, arrived=now)  # arrival counts as a use for LRU
-        self.entries[key] = entry
+        entry = Entry(False, prefetched, False, 1 if pinned else 0, now, now)  # arrival counts as a use (LRU)
+        entries[key] = entry
         self.arriving[key] = entry
         self.recency[key] = entry
         slot = self._slot[key] = self._free.pop()
-        self._slot_layer[slot] = key[0]
-        self._slot_expert[slot] = key[1]
+        self._layer_of[slot], self._expert_of[slot] = key
         self._slot_use[slot] = now
         s = self.stats
         s.loads += 1
@@ -167,10 +174,16 @@ class CacheBook:
         return entry
 
     def mark_ready(self, key: Key) -> None:
-        entry = self.entries[key]
-        entry.ready = True
-        self.arriving.pop(key, None)
-        self._evictable[self._slot[key]] = not entry.pins
+        self.mark_all_ready((key,))
+
+    def mark_all_ready(self, keys: Iterable[Key]) -> None:
+        """The copies of `keys` (held) have landed."""
+        entries, arriving, slots, evictable = self.entries, self.arriving, self._slot, self._can_evict
+        for key in keys:
+            entry = entries[key]
+            entry.ready = True
+            arriving.pop(key, None)
+            evictable[slots[key]] = not entry.pins
 
     def _drop(self, key: Key) -> None:
         """Forgets a held expert's entry and frees its slot."""
@@ -178,14 +191,19 @@ class CacheBook:
         self.arriving.pop(key, None)
         del self.recency[key]
         slot = self._slot.pop(key)
-        self._evictable[slot] = False
+        self._can_evict[slot] = False
         self._free.append(slot)
 
     def remove(self, key: Key) -> None:
         entry = self.entries[key]
         if entry.pins:
             raise RuntimeError(f"expert {key} is pinned and cannot be evicted")
-        self._drop(key)
+        del self.entries[key]  # as `_drop`, inline: an eviction per miss
+        self.arriving.pop(key, None)
+        del self.recency[key]
+        slot = self._slot.pop(key)
+        self._can_evict[slot] = False
+        self._free.append(slot)
         if entry.prefetched and not entry.used:
             self.stats.wasted_prefetches += 1
 
@@ -199,13 +217,13 @@ class CacheBook:
         self.stats.bytes_to_device -= unsent_bytes
 
     def pin(self, keys: Iterable[Key]) -> None:
-        entries, slots, evictable = self.entries, self._slot, self._evictable
+        entries, slots, evictable = self.entries, self._slot, self._can_evict
         for key in keys:
             entries[key].pins += 1
             evictable[slots[key]] = False
 
     def unpin(self, keys: Iterable[Key]) -> None:
-        entries, slots, evictable = self.entries, self._slot, self._evictable
+        entries, slots, evictable = self.entries, self._slot, self._can_evict
         for key in keys:
             entry = entries[key]
             entry.pins -= 1
@@ -229,23 +247,34 @@ class CacheBook:
             freq[key] = freq.get(key, 0) + 1
         self.clock = now
 
-    def classify(self, layer: int, needed: Iterable[Key]) -> tuple[list[Key], list[Key], list[Key]]:
-        """Splits a layer's needed experts into (hits, late prefetches, misses) and counts them."""
+    def classify(
+        self, layer: int, needed: Iterable[Key], *, pin: bool = False
+    ) -> tuple[list[Key], list[Key], list[Key]]:
+        """Splits a layer's needed experts into (hits, late prefetches, misses) and counts them; `pin`: pins
+        the hits and late prefetches too (as `pin`)."""
         hits, late, misses = [], [], []
+        get, slots, evictable = self.entries.get, self._slot, self._can_evict
         for key in needed:
-            entry = self.entries.get(key)
+            entry = get(key)
             if entry is None:
                 misses.append(key)
-            elif entry.ready:
+                continue
+            if entry.ready:
                 hits.append(key)
             else:
                 late.append(key)
-        s = self.stats
-        s.hits += len(hits)
-        s.misses += len(late) + len(misses)
-        s.late_prefetches += len(late)
-        s.layer_hits[layer] = s.layer_hits.get(layer, 0) + len(hits)
-        s.layer_needed[layer] = s.layer_needed.get(layer, 0) + len(hits) + len(late) + len(misses)
+            if pin:
+                entry.pins += 1
+                evictable[slots[key]] = False
+        s, n_hits, n_late = self.stats, len(hits), len(late)
+        n_missed = n_late + len(misses)
+        s.hits += n_hits
+        s.misses += n_missed
+        if n_late:
+            s.late_prefetches += n_late
+        layer_hits, layer_needed = s.layer_hits, s.layer_needed
+        layer_hits[layer] = layer_hits.get(layer, 0) + n_hits
+        layer_needed[layer] = layer_needed.get(layer, 0) + n_hits + n_missed
         return hits, late, misses
 
     def count_host(self, layer: int, keys: Iterable[Key]) -> None:
@@ -300,24 +329,40 @@ class CacheBook:
                 best, low = key, (math.inf if score != score else score)
         return best
 
+    def least_recent(self, n: int, protect: set[Key]) -> list[Key]:
+        """Up to `n` ready, unpinned experts outside `protect`, the least recently used first: the victims
+        `victim(least_recent=True)` would choose one after another while nothing else becomes evictable."""
+        out: list[Key] = []
+        if n > 0:
+            for key, entry in self.recency.items():
+                if entry.ready and not entry.pins and key not in protect:
+                    out.append(key)
+                    if len(out) == n:
+                        break
+        return out
+
     def _victim_of_arrays(self, keep_scores: KeepScores, protected: set[Key]) -> Key | None:
-        evictable, slots = self._evictable, self._slot
-        hidden = [slot for key in protected if (slot := slots.get(key)) is not None and evictable[slot]]
-        if hidden:  # protected experts that could otherwise go: left out of this choice only
-            evictable[hidden] = False
-            candidates = evictable.nonzero()[0]
-            evictable[hidden] = True
-        else:
-            candidates = evictable.nonzero()[0]
+        can_evict, slots = self._can_evict, self._slot
+        hidden = [slot for key in protected if (slot := slots.get(key)) is not None and can_evict[slot]]
+        for slot in hidden:  # protected experts that could otherwise go: left out of this choice only
+            can_evict[slot] = False
+        candidates = self._evictable.nonzero()[0]
+        for slot in hidden:
+            can_evict[slot] = True
         if not candidates.size:
             return None
         scores = keep_scores(self._slot_layer[candidates], self._slot_expert[candidates])
         if not isinstance(scores, np.ndarray) or scores.dtype != np.float64:
             scores = np.asarray(scores, np.float64)
-        low = scores.min()
+        first = int(scores.argmin())  # the first lowest, or the first NaN
+        low = scores[first]
         if low != low:  # a NaN: never below a number
             scores = np.where(np.isnan(scores), np.inf, scores)
-            low = scores.min()
-        lowest = candidates[scores == low].tolist()
-        slot = lowest[0] if len(lowest) == 1 else min(lowest, key=self._slot_use.__getitem__)
-        return int(self._slot_layer[slot]), int(self._slot_expert[slot])
+            first = int(scores.argmin())
+            low = scores[first]
+        ties = scores == low
+        if ties.sum() == 1:
+            slot = int(candidates[first])
+        else:  # ties: the least recently used
+            slot = min(candidates[ties].tolist(), key=self._slot_use.__getitem__)
+        return self._layer_of[slot], self._expert_of[slot]

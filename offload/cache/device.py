@@ -47,6 +47,15 @@ class Mover:
     defaults here: a copy cannot be stopped, its handle is the expert's device arrays, no thread to stop,
     and no estimate of copy times (the hybrid planner needs one: wrap the mover in `TimedMover`)."""
 
+    # `result` returns the handle itself, so the cache hands out handles without calling it: True here and
+    # for a subclass that keeps this `result`, False for one that defines its own unless it says otherwise.
+    handle_is_result = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "result" in vars(cls) and "handle_is_result" not in vars(cls):
+            cls.handle_is_result = False
+
     def start(self, key: Key, *, urgent: bool = False) -> Any:
         """Begins copying expert `key` to the device; returns a handle. An urgent copy (an on-demand load)
         goes ahead of every prefetch chunk the link has not started."""
@@ -128,12 +137,13 @@ class DeviceExpertCache(BookView):
         return [(self, keys)] if keys else []
 
     # -- copies ----------------------------------------------------------------------------------------
-    def _start_copy(self, key: Key, *, prefetched: bool) -> None:
-        """Caller holds the lock and has made room. A copy that fails to start leaves the cache unchanged."""
+    def _start_copy(self, key: Key, *, prefetched: bool, pinned: bool = False) -> None:
+        """Caller holds the lock and has made room. A copy that fails to start leaves the cache unchanged.
+        `pinned`: the entry starts pinned (an on-demand load the caller waits for)."""
         handle = self.mover.start(key, urgent=not prefetched)
         if self.synchronous:
             self.mover.wait([handle])
-        self.book.add(key, prefetched=prefetched)
+        self.book.add(key, prefetched=prefetched, pinned=pinned)
         self.arrays[key] = handle
         if self.synchronous:
             self.book.mark_ready(key)
@@ -240,7 +250,8 @@ class DeviceExpertCache(BookView):
         """Starts queued prefetches while allowed. Caller holds the lock."""
         if self.paused:
             return
-        self._poll()
+        if self.book.arriving:
+            self._poll()
         if self.filling:  # only those still arriving
             entries = self.book.entries
             self.filling = {k for k in self.filling if k in entries and not entries[k].ready}
@@ -293,39 +304,68 @@ class DeviceExpertCache(BookView):
         if len(needed) > book.capacity:
             raise ValueError(f"{len(needed)} experts requested at once but the cache holds {book.capacity}")
         with self.lock:
-            self._poll()
-            hits, late, misses = book.classify(layer, needed)
+            if book.arriving:
+                self._poll()
+            hits, late, misses = book.classify(layer, needed, pin=True)
+            if not (late or misses):  # every one resident: nothing to wait for
+                return self._used(needed)
             pinned = hits + late
-            book.pin(pinned)
             if misses:
                 self.paused += 1
                 try:
-                    protect = set(needed)
-                    for key in misses:
-                        self.queued.discard(key)
-                        while book.free_slots <= 0 and not self._evict_one(protect=protect):
-                            self._wait_for_any_inflight()
-                        self._start_copy(key, prefetched=False)
-                        book.pin((key,))
-                        pinned.append(key)
+                    self._load(misses, needed)
+                    pinned += misses
                 except BaseException:
-                    self._give_back(pinned, True)
+                    self._give_back(pinned + [key for key in misses if key in book], True)
                     raise
-        if late or misses:
-            start = time.perf_counter()
-            try:
-                self._wait_ready(late + misses)
-            except BaseException:
-                self._give_back(pinned, bool(misses))
-                raise
-            self.timers["on_demand_wait"] += time.perf_counter() - start
+        waiting = late + misses
+        start = time.perf_counter()
+        try:
+            self.mover.wait([self.arrays[k] for k in waiting])
+        except BaseException:
+            self._give_back(pinned, bool(misses))
+            raise
+        self.timers["on_demand_wait"] += time.perf_counter() - start
         with self.lock:
+            book.mark_all_ready(waiting)
             if misses:
                 self.paused -= 1
-            book.record_uses(needed)
-            result, arrays = self.mover.result, self.arrays
+            return self._used(needed)
+
+    def _load(self, misses: list[Key], needed: Sequence[Key]) -> None:
+        """Starts the on-demand loads of `misses` (pinned), evicting what it must but none of `needed`.
+        Caller holds the lock and has paused prefetching."""
+        book, queued, arrays = self.book, self.queued, self.arrays
+        protect, entries, capacity = set(needed), book.entries, book.capacity
+        if self.policy.evicts_least_recent:  # the victims the loop would take, at once (reversed: the loads
+            # take their slots in the loop's order)
+            for victim in reversed(book.least_recent(len(misses) - (capacity - len(entries)), protect)):
+                book.remove(victim)
+                del arrays[victim]
+        start, add = self.mover.start, book.add
+        for key in misses:
+            if queued:
+                queued.discard(key)
+            while len(entries) >= capacity and not self._evict_one(protect=protect):
+                self._wait_for_any_inflight()
+            if self.synchronous:
+                self._start_copy(key, prefetched=False, pinned=True)
+            else:  # as `_start_copy`, inline: a call less per miss
+                handle = start(key, urgent=True)
+                add(key, prefetched=False, pinned=True)
+                arrays[key] = handle
+
+    def _used(self, needed: Sequence[Key]) -> dict[Key, ExpertWeights]:
+        """Counts a use of each of `needed` (resident, pinned) and returns their arrays; starts what
+        prefetches may start now. Caller holds the lock."""
+        self.book.record_uses(needed)
+        arrays = self.arrays
+        if self.mover.handle_is_result:
+            out = {key: arrays[key] for key in needed}
+        else:
+            result = self.mover.result
             out = {key: result(arrays[key]) for key in needed}
-            self._pump()
+        self._pump()
         return out
 
     def _give_back(self, pinned: list[Key], paused: bool) -> None:

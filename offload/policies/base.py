@@ -151,11 +151,18 @@ class Policy:
     # is False unless it says otherwise (`__init_subclass__`).
     evicts_least_recent = True
 
+    # The policy acts on `LayerRouted` (it defines `on_layer_routed`), so the driver makes the event for it
+    # at every layer: False here (the base hook does nothing), True for a subclass that defines the hook
+    # (or inherits one) unless it says otherwise.
+    hears_layers = False
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         own = vars(cls)
         if ("keep_score" in own or "keep_scores" in own) and "evicts_least_recent" not in own:
             cls.evicts_least_recent = False
+        if "hears_layers" not in own:
+            cls.hears_layers = cls.on_layer_routed is not Policy.on_layer_routed
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         return True

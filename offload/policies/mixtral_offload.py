@@ -144,6 +144,12 @@ class MixtralOffload(Policy):
         """Minus the excess over quota of the expert's layer (the newcomer counted); ties: LRU."""
         return -float(self._excess(key[0], self._incoming))
 
+    def keep_scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """`keep_score` of many experts at once: the same floats, from one count of the layers' holdings."""
+        excess = np.asarray(self._held_per_layer()) - np.asarray(self.quota)
+        excess[self._incoming] += 1
+        return -excess[layers].astype(np.float64)
+
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         """A speculative expert replaces one of its own layer or of a layer over its quota (a prefetch
         started late, while another layer's experts arrive, must not take a slot of a layer at quota)."""

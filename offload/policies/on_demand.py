@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..cache import Entry, Key
 from .base import Policy
 
@@ -25,6 +27,12 @@ class OnDemandLFU(Policy):
 
     def keep_score(self, key: Key, entry: Entry) -> float:
         return float(self.cache.freq(key))
+
+    def keep_scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """`keep_score` of many experts at once (the same floats)."""
+        freq = self.cache.freq
+        pairs = zip(layers.tolist(), experts.tolist(), strict=True)
+        return np.fromiter((freq(key) for key in pairs), np.float64, len(layers))
 
 
 class Resident(Policy):
