@@ -175,24 +175,22 @@ def simulate(
         raise ValueError("simulate needs at least one routing trace")
     model = model if isinstance(model, ModelPreset) else ModelPreset.from_config(model)
     everything = fit_layers([*warmup, *traces], model.num_layers, layers)
+    costs = dict(model=model, hardware=hardware, host=host, matcher_s=matcher_s, policy_s=policy_s)
     replay = Replay(
         offload,
         meta=common_meta(everything),
-        model=model,
-        hardware=hardware,
-        host=host,
         router_weights=router_weights,
         check=everything,
         chunks=chunks,
         finish_started=finish_started,
-        matcher_s=matcher_s,
-        policy_s=policy_s,
+        **costs,
     )
+    split = len(everything) - len(traces)  # the warm-up's projected traces come first
     try:
-        for trace in everything[: len(everything) - len(traces)]:
+        for trace in everything[:split]:
             replay.run(trace)
         replay.reset_statistics()
-        for trace in everything[len(everything) - len(traces) :]:
+        for trace in everything[split:]:
             replay.run(trace)
     finally:
         result = replay.close()
