@@ -56,6 +56,11 @@ def parse_variant(spec: str) -> tuple[h.Variant, int | None]:
     return variant, settings.get("store_capacity")
 
 
+# `SimResult` fields added after saves that comparisons still read, with their default value: left out of a
+# fingerprint while at it (engine costs' launches and syncs count only on hardware that charges them).
+LATER_FIELDS = {"launches": 0, "syncs": 0}
+
+
 def fingerprint(result: Any) -> str:
     """A short hash of every field of a simulated replay's `SimResult` (per-request TTFT and TPOT, every
     count, the policy's stats), floats written exactly: replays share it only if they came out the same."""
@@ -63,7 +68,11 @@ def fingerprint(result: Any) -> str:
     def plain(value: Any) -> Any:  # NumPy values whole (an array's repr elides its middle)
         return value.tolist() if hasattr(value, "tolist") else repr(value)
 
-    fields = json.dumps(dataclasses.asdict(result), sort_keys=True, default=plain)  # floats as repr: exact
+    values = dataclasses.asdict(result)
+    for name, default in LATER_FIELDS.items():  # at their default, as replays saved before they existed
+        if values.get(name) == default:
+            del values[name]
+    fields = json.dumps(values, sort_keys=True, default=plain)  # floats as repr: exact
     return hashlib.sha256(fields.encode()).hexdigest()[:16]
 
 
