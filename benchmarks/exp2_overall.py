@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
                             fits_device=r.fits_device,
                         )
                     )
-                tables[f"{w.name}, simulated at {w.preset.name} sizes on {hw}"] = rows
+                tables[f"{w.name}, simulated at {w.sizes()} on {hw}"] = rows
                 tables[f"{w.name}, simulated on {hw}: fmoe against each"] = h.versus_fmoe(rows, "tpot_s")
                 gap = h.gap_closed({r["policy"]: r["tpot_s"] for r in rows})
                 if gap:
@@ -120,7 +120,7 @@ def plot(payload: dict, path) -> None:
         }
         for mode, by_policy in modes.items():
             where = h.mode_title(mode, backend)
-            group = model if mode == "live" else f"{model} (at {h.simulated_sizes(payload, model)} sizes)"
+            group = model if mode == "live" else f"{model} (at {h.simulated_sizes(payload, model)})"
             ref = "resident" if "resident" in by_policy else next(iter(by_policy))
             reference = by_policy[ref]["median_tpot_s"]
             hit, tpot = f"{where}: expert hit rate", f"{where}: TPOT / {ref}'s"

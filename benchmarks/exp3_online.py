@@ -215,7 +215,7 @@ def plot(payload: dict, path) -> None:
     cdfs = {}  # (panel title, x label) -> policy -> seconds
     for model, result in payload["models"].items():
         for mode, run in [*result["live"].items(), *result["sim"].items()]:
-            sizes = "" if mode == "live" else f" at {h.simulated_sizes(payload, model)} sizes"
+            sizes = "" if mode == "live" else f" at {h.simulated_sizes(payload, model)}"
             title = f"{h.mode_title(mode, backend)}\n{model}{sizes}"
             cdfs[(title, "end-to-end request latency (s)")] = run["latency"]
             if "ttft" in run:
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
                     extra = {"hit_rate": close()}
                 rows.append(latency_row(v.label, latency, sizes) | extra)
                 curves[v.label] = latency.tolist()
-            where = "live" if mode == "live" else f"simulated at {w.preset.name} sizes on {mode}"
+            where = "live" if mode == "live" else f"simulated at {w.sizes()} on {mode}"
             tables[f"{w.name}, {where}: end-to-end latency (s)"] = rows
             result["live" if mode == "live" else "sim"][mode] = dict(
                 time_scale=scale, single_request_s=service, rows=rows, latency=curves

@@ -61,7 +61,7 @@ def plot(payload: dict, path) -> None:
         sources = {"live": (result["live"], "tpot_ms", "ms")} if result["live"] else {}
         sources |= {hw: (rows, "median_tpot_s", "s") for hw, rows in result["sim"].items()}
         for mode, (rows, key, unit) in sources.items():
-            sizes = "" if mode == "live" else f" at {h.simulated_sizes(payload, model)} sizes"
+            sizes = "" if mode == "live" else f" at {h.simulated_sizes(payload, model)}"
             title = f"{h.mode_title(mode, backend)}\n{model}{sizes}"
             by_policy = {}
             for r in rows:
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 fits_device=r.fits_device,
                             )
                         )
-                caption = f"{w.name}, simulated at {w.preset.name} sizes on {hw}"
+                caption = f"{w.name}, simulated at {w.sizes()} on {hw}"
                 tables[f"{caption}: median TPOT (s)"] = pivot(rows, "median_tpot_s", gb)
                 tables[f"{caption}: hit rate"] = pivot(rows, "hit_rate", gb)
                 tables[f"{caption}: share of the best baseline's gap to the oracle fmoe closes"] = gaps(rows)

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows = [r for hw in args.hardware for r in sim_rows(w, hw, real)]
             result["sim"] = rows
             tables[
-                f"{w.name}, simulated at {w.preset.name} sizes: mean time per iteration, the matcher free or "
+                f"{w.name}, simulated at {w.sizes()}: mean time per iteration, the matcher free or "
                 "at this CPU's speed"
             ] = rows
         w.model.close()

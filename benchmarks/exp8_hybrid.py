@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
             for system in args.systems:
                 rows = [r for budget in args.budgets for r in run_setting(w, model, system, budget, copies)]
                 result[system] = rows
-                tables[f"{w.name}, simulated at {model.name} sizes on {system}"] = rows
+                tables[f"{w.name}, simulated at {w.sizes(model)} on {system}"] = rows
                 if model.name.startswith("Mixtral") and system.startswith("rtx_3090"):
                     goals += targets(rows, model.name, system)
         w.close()

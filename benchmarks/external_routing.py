@@ -153,8 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=h.RESULTS)
     args = parser.parse_args(argv)
     preset, hardware = MODELS[args.preset], HARDWARE[args.hardware]
-    rows = []
+    rows, layers = [], set()
     for name, (requests, shares) in routing_sets(args).items():
+        layers.add(requests[0].meta["num_layers"])
         base = None
         for label, policy, options in [*POLICIES, *([(KNOWN, KNOWN, {})] if shares is not None else [])]:
             start = time.perf_counter()
@@ -177,8 +178,9 @@ def main(argv: list[str] | None = None) -> dict:
                 f"LRU), hit {r['hit_rate']:.3f} ({time.perf_counter() - start:.0f} s)",
                 flush=True,
             )
+    sizes = ", ".join(h.sizes_phrase(preset, n) for n in sorted(layers))
     notes = [
-        f"simulated at {preset.name} sizes on {hardware.name}, cache {args.budget:.0%} of the experts, d = "
+        f"simulated at {sizes} on {hardware.name}, cache {args.budget:.0%} of the experts, d = "
         f"{args.prefetch_distance}, {args.max_inflight} copies in flight; each request replayed after the "
         f"{'others' if args.warm is None else f'first {args.warm} others'} through one policy and cache, "
         "TPOT the median over requests",

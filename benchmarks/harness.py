@@ -249,6 +249,27 @@ class Workload:
     def slots(self, budget: float) -> int:
         return max(1, round(budget * self.total_experts))
 
+    @property
+    def trace_layers(self) -> int:
+        """MoE layers in the workload's traces (the simulator replays these, not the preset's count)."""
+        if self.recorded:
+            return self.config.num_moe_layers
+        return (self.store or self.eval)[0].trace.meta["num_layers"]
+
+    def sizes(self, preset: Any = None) -> str:
+        """What "simulated at ..." says for this workload at `preset` (default its own): `sizes_phrase`."""
+        return sizes_phrase(preset or self.preset, self.trace_layers)
+
+
+def sizes_phrase(preset: Any, trace_layers: int) -> str:
+    """How a caption names the sizes a replay was charged at: "gpt-oss-20b sizes" when the traces have all
+    of the preset's MoE layers; "Mixtral-8x7B's per-layer sizes (8 of its 32 MoE layers)" when the replay
+    covers only the traces' layers, so that no reader takes it for the whole model (`offload/projection.py`
+    projects a trace onto all of them; the experiments here replay the traces as recorded)."""
+    if trace_layers == preset.num_layers:
+        return f"{preset.name} sizes"
+    return f"{preset.name}'s per-layer sizes ({trace_layers} of its {preset.num_layers} MoE layers)"
+
 
 def resolve_model(name: str, cache_dir: Path) -> Path:
     """A directory `load_model` reads; `random-tiny-mixtral` is a random checkpoint for development."""
@@ -785,11 +806,11 @@ def merged_results(
 
 
 def simulated_sizes(payload: dict[str, Any], model: str) -> str:
-    """The real model whose sizes the simulator charged for `model`'s traces, read from the table captions."""
+    """The sizes the simulator charged for `model`'s traces (`sizes_phrase`), read from the table captions."""
     for caption in payload.get("tables", {}):
-        if caption.startswith(f"{model}, simulated at ") and " sizes on " in caption:
-            return caption.split("simulated at ", 1)[1].split(" sizes on ", 1)[0]
-    return "preset"
+        if caption.startswith(f"{model}, simulated at ") and " sizes" in caption and " on " in caption:
+            return caption.split("simulated at ", 1)[1].split(" on ", 1)[0]
+    return "the preset's sizes"
 
 
 def settings_note(workload: Workload) -> str:
@@ -800,11 +821,11 @@ def settings_note(workload: Workload) -> str:
     a, cfg = workload.args, workload.config
     eams = "" if a.eam_capacity == a.store_capacity else f" (MoE-Infinity: {a.eam_capacity} EAMs)"
     sizes = ""
-    if workload.simulated_only:
+    if workload.trace_layers != workload.preset.num_layers:
         sizes = (
             f" (traces of {cfg.num_moe_layers} MoE layers replayed with the per-layer sizes of "
             f"{workload.preset.name}, which has {workload.preset.num_layers}: not projected onto its layer "
-            "count)"
+            "count, so a simulated time is that of those layers, not of the whole model)"
         )
     return (
         f"{workload.name}: {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}; "

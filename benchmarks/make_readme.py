@@ -202,8 +202,8 @@ def conclusion(results: Path = RESULTS) -> str:
     hardware = sorted({HARDWARE_NAMES.get(hw, hw) for r in reported(payload).values() for hw in r["sim"]})
     cache = float(payload["args"].get("budget", "nan"))
     text = [
-        f"**Conclusion** (computed from `results/*.json` by `make_readme`). Simulated at the sizes of "
-        f"{' and '.join(models)} on the {' and '.join(hardware)} presets with {cache:.0%} of the experts "
+        f"**Conclusion** (computed from `results/*.json` by `make_readme`). Simulated at "
+        f"{'; '.join(models)} on the {' and '.join(hardware)} presets with {cache:.0%} of the experts "
         f"cached (experiment 2), fMoE has the lowest median TPOT of every policy but the oracle in {wins} of "
         f"{settings} settings: {_relative(vs_lru, 'on-demand LRU')} and "
         f"{_relative(vs_pred, 'the fastest other predictive policy, ' + ' / '.join(sorted(pred_names)))}."
@@ -558,6 +558,16 @@ HYBRID_BEGIN = "<!-- exp8_hybrid: written by `python -m benchmarks.make_readme` 
 HYBRID_END = "<!-- end exp8_hybrid -->"
 
 
+def _routing_at(payload: dict, model: str) -> str:
+    """exp8's "NAME at PRESET" as its captions say it: "NAME's routing at PRESET's per-layer sizes (8 of its
+    32 MoE layers)" (`harness.sizes_phrase`)."""
+    name, preset = model.split(" at ", 1)
+    start = f"{name}, simulated at {preset}"
+    captions = [c for c in payload["tables"] if c.startswith(start)]
+    sizes = captions[0].split("simulated at ", 1)[1].split(" on ", 1)[0] if captions else f"{preset} sizes"
+    return f"{name}'s routing at {sizes}"
+
+
 def hybrid_summary(results: Path = RESULTS) -> str:
     """Experiment 8 at Mixtral-8x7B sizes on the RTX 3090 systems: median TPOT per variant and budget; at
     25 % the TTFT, the host's share of the needed experts, the host's and the link's busy shares; and the
@@ -581,7 +591,7 @@ def hybrid_summary(results: Path = RESULTS) -> str:
             head = [f"TPOT ms, {100 * b:g} %" for b in budgets]
             head += [f"{col}, {100 * at:g} %" for col in ("TTFT ms", "host share", "host busy", "link busy")]
             out += [
-                f"Simulated, {model.split(' at ')[0]}'s routing at {model.split(' at ')[1]} sizes, "
+                f"Simulated, {_routing_at(payload, model)}, "
                 f"{system.replace('+', ' + ')} (`cost_model.HARDWARE`, `HOSTS`):",
                 "",
                 "| variant | " + " | ".join(head) + " |",

@@ -275,7 +275,7 @@ def sim_part(args) -> list[dict]:
                     rows.append(
                         dict(
                             model=w.name,
-                            sizes=preset.name,
+                            sizes=w.sizes(preset),
                             hardware=hw,
                             host=args.sim_host if execution == "hybrid" else None,
                             precision=kind,
@@ -346,7 +346,7 @@ def notes(payload: dict) -> list[str]:
     for r in sim:
         if r["precision"] == "int4" and r["policy"] in ("fmoe", "fmoe+hybrid"):
             out.append(
-                f"{r['model']} at {r['sizes']} sizes on {r['hardware']}: int4 {r['policy']} TPOT "
+                f"{r['model']} at {r['sizes']} on {r['hardware']}: int4 {r['policy']} TPOT "
                 f"{r['tpot_vs_bf16']:.2f}x bf16 {r['policy']}'s (target for fmoe: <= 0.35x)"
             )
     return out

@@ -137,7 +137,7 @@ def settings_note(w: Any) -> str:
         f"{a.warmup} also replayed first; {len(w.eval)} of the {total} {w.part} requests replayed "
         f"({steps:,} decode steps, each request a batch of one; TTFT means nothing here); "
         f"cache {w.slots(a.budget)} of {w.total_experts} experts ({a.budget:.0%}), "
-        f"d = {a.prefetch_distance}, store capacity {a.store_capacity}; simulated at {w.preset.name} sizes "
+        f"d = {a.prefetch_distance}, store capacity {a.store_capacity}; simulated at {w.sizes()} "
         f"({w.preset.expert_bytes / 2**20:.1f} MiB per expert), all {meta['num_layers']} of its "
         f"{w.preset.num_layers} MoE layers; fmoe matches on routing alone (semantic=False, no reuse "
         "predictor); mixtral_offload runs without its speculative gate (no router inputs), ProMoE and "

@@ -106,7 +106,9 @@ def test_exp2_runs_live_and_simulated(hf_dirs, tmp_path):
     assert merged["models"]["mixtral"] == payload["models"]["mixtral"]
     added = merged["models"]["mixtral@qwen3_next"]
     assert added["live"] == {} and list(added["sim"]["h100_sxm"]) == ["on_demand_lru"]
-    assert "mixtral@qwen3_next, simulated at Qwen3-Next-80B-A3B sizes on h100_sxm" in merged["tables"]
+    # Two traced layers replayed at a 48-layer preset: the caption says so, not "at Qwen3-Next sizes".
+    caption = "mixtral@qwen3_next, simulated at Qwen3-Next-80B-A3B's per-layer sizes (2 of its 48 MoE layers)"
+    assert f"{caption} on h100_sxm" in merged["tables"]
     assert any("traces of 2 MoE layers" in n and "which has 48" in n for n in merged["notes"])
     assert sum(n.startswith("mixtral:") for n in merged["notes"]) == 1
 
@@ -247,7 +249,10 @@ def test_main_readme_hybrid_table_is_written_from_the_results(tmp_path):
     payload = {
         "command": "python -m benchmarks.exp8_hybrid --quick",
         "models": {"m at Mixtral-8x7B": {"rtx_3090+desktop_ddr5": rows}, "m at Phi": {"rtx_3090+x": rows}},
-        "tables": {"Targets (issue 17)": [dict(goal, met=False)]},
+        "tables": {
+            "Targets (issue 17)": [dict(goal, met=False)],
+            "m, simulated at Mixtral-8x7B's per-layer sizes (8 of its 32 MoE layers) on rtx_3090+x": rows,
+        },
     }
     (tmp_path / "exp8_hybrid.json").write_text(json.dumps(payload))
     readme = tmp_path / "README.md"
@@ -256,6 +261,7 @@ def test_main_readme_hybrid_table_is_written_from_the_results(tmp_path):
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith(f"{make_readme.HYBRID_END}\nrest\n")
     assert "stale" not in text and text.count("| variant |") == 1  # Mixtral sizes only
+    assert "m's routing at Mixtral-8x7B's per-layer sizes (8 of its 32 MoE layers)" in text
     assert "| variant | TPOT ms, 25 % | TPOT ms, 50 % | TTFT ms, 25 % |" in text
     assert "| fmoe+hybrid | 25.0 | 50.0 | 900 | 0.50 | 0.75 | 0.25 |" in text
     assert "fmoe+hybrid / fiddler TPOT = 0.900 (target <= 0.85): **not met**" in text
@@ -571,3 +577,17 @@ def test_rerun_runs_each_experiment_with_its_recorded_command_and_stops_at_a_fai
     with pytest.raises(SystemExit, match="t1 failed"):
         rerun.run_all([("s1", [])], [("t1", []), ("t2", [])])
     assert calls == ["s1", "t1"]  # t2 never ran
+
+
+def test_captions_say_how_many_of_the_presets_layers_a_replay_covers():
+    """A trace of fewer MoE layers than the preset it is charged at is not "at Mixtral-8x7B sizes": the
+    caption names the layers replayed; a trace with all of them keeps the short form."""
+    from benchmarks.harness import simulated_sizes, sizes_phrase
+
+    from fmoe_jax.offload.cost_model import GPT_OSS_20B, MODELS
+
+    mixtral = MODELS["mixtral"]
+    assert sizes_phrase(mixtral, 8) == "Mixtral-8x7B's per-layer sizes (8 of its 32 MoE layers)"
+    assert sizes_phrase(GPT_OSS_20B, 24) == "gpt-oss-20b sizes"
+    payload = {"tables": {f"m, simulated at {sizes_phrase(mixtral, 8)} on rtx_3090": []}}
+    assert simulated_sizes(payload, "m") == sizes_phrase(mixtral, 8)
