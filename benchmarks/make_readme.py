@@ -256,6 +256,9 @@ def conclusion(results: Path = RESULTS) -> str:
         runs = [results / f"offload_overhead_h200_resting{tail}.json" for tail in ("", "_rerun", "_third")]
         live = [json.loads(run.read_text()) for run in runs if run.exists()]
         text.append(_device_sentence(json.loads(link.read_text()), live))
+    replayed = results / "live_replay.json"
+    if replayed.exists():
+        text.append(_live_replay_sentence(json.loads(replayed.read_text())))
     hybrid = results / "exp8_hybrid.json"
     if hybrid.exists():
         text.append(_hybrid_sentence(json.loads(hybrid.read_text())))
@@ -413,6 +416,32 @@ def _device_sentence(link: dict, live: list[dict]) -> str:
             )
         )
     return text
+
+
+def _live_replay_sentence(payload: dict) -> str:
+    """`live_replay`: real routing decoded live beside the simulator's prediction for the same requests."""
+    m, rows = payload["model"], payload["rows"]
+    where = "this machine's CPU" if payload["machine"]["backend"] == "cpu" else payload["hardware"]
+    ratios = ", ".join(
+        f"{r['sim_vs_live']:.2f} ({r['policy']}" + ("" if r["mode"] == "copy" else f", {r['mode']}") + ")"
+        for r in rows
+    )
+    hits = ", ".join(f"{r['policy']} {r['live_hit_rate']:.2f} / {r['sim_hit_rate']:.2f}" for r in rows)
+    budgets = sorted({r["budget"] for r in rows})
+    text = (
+        f"Live against simulated (`live_replay`, on {where}): {len(payload['requests'])} evaluation requests "
+        f"of gpt-oss-20b's real routing, {payload['steps']} decode steps each, forced onto a random-weight "
+        f"gpt-oss-20b of {m['layers']} MoE layers (hidden {m['hidden']}, {m['experts']} experts) with "
+        f"{'/'.join(f'{100 * b:g}' for b in budgets)} % of its experts cached: simulated TPOT, "
+        f"charging this machine's measured engine costs, over live TPOT: {ratios}; hit rates live / "
+        f"simulated: {hits} (fmoe's live choices follow the timings it measures)"
+    )
+    if payload["machine"]["backend"] == "cpu":
+        text += (
+            ". The GPU presets charge no engine costs until `gpu_check` measures them on a GPU, so their "
+            "simulated times leave the engine's host work out"
+        )
+    return text + "."
 
 
 def _external_sentence(payload: dict) -> str:

@@ -591,3 +591,24 @@ def test_captions_say_how_many_of_the_presets_layers_a_replay_covers():
     assert sizes_phrase(GPT_OSS_20B, 24) == "gpt-oss-20b sizes"
     payload = {"tables": {f"m, simulated at {sizes_phrase(mixtral, 8)} on rtx_3090": []}}
     assert simulated_sizes(payload, "m") == sizes_phrase(mixtral, 8)
+
+
+def test_readme_reports_live_replay_beside_the_simulator():
+    """The live-against-simulated sentence follows `live_replay`'s saved rows: change a ratio, it changes."""
+    from benchmarks.make_readme import _live_replay_sentence
+
+    def payload(ratio):
+        row = dict(policy="on_demand_lru", budget=0.25, mode="copy", live_hit_rate=0.5, sim_hit_rate=0.5)
+        return {
+            "model": dict(layers=24, hidden=704, experts="bf16"),
+            "rows": [dict(row, sim_vs_live=ratio), dict(row, policy="fmoe", mode="hybrid", sim_vs_live=1.2)],
+            "machine": {"backend": "cpu"},
+            "hardware": "2-core VM",
+            "requests": ["a", "b"],
+            "steps": 32,
+        }
+
+    text = _live_replay_sentence(payload(0.95))
+    assert "over live TPOT: 0.95 (on_demand_lru), 1.20 (fmoe, hybrid)" in text
+    assert "2 evaluation requests" in text and "24 MoE layers" in text and "GPU presets" in text
+    assert "0.80 (on_demand_lru)" in _live_replay_sentence(payload(0.8))
