@@ -132,8 +132,9 @@ def test_readme_reports_the_routing_gap_and_leaves_validation_out_of_the_counts(
 
     name = f"{real_routing.NAME}@bf16"
     models = {name: {"sim": {"rtx_3090": rows(6.0)}}}
-    models[f"{name} (validation)"] = {"sim": {"h100_sxm": rows(7.0)}}
+    models[f"{name} (validation)"] = {"sim": {"h100_sxm": rows(7.0), "rtx_3090": rows(9.0)}}
     text = _routing_sentence({"models": models})
+    assert f"below every baseline's at 1 of 1 on {name}, 1 of 2 on {name} (validation)" in text
     assert f"{name}: 50 % on the rtx_3090 preset (best baseline fiddler)" in text
     assert f"{name} (validation): 25 % on the h100_sxm preset" in text
     assert list(reported({"models": models})) == [name]
