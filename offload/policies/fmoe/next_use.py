@@ -65,6 +65,11 @@ def log_popularity(counts: np.ndarray | None, shape: tuple[int, int], top_k: int
 def request_features(used: np.ndarray, popularity: np.ndarray) -> np.ndarray:
     """`[T, L, J, F]` what the forecast knows of each expert as each iteration of a request starts (`used`
     `[T, L, J]` bool: the experts each iteration used)."""
+    return feature_matrix(*request_parts(used, popularity))
+
+
+def request_parts(used: np.ndarray, popularity: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`request_features`' arguments of `feature_matrix`, each `[T, L, J, ...]`."""
     steps = used.shape[0]
     cumulative = np.concatenate([np.zeros((1, *used.shape[1:])), np.cumsum(used, axis=0)])  # uses in [0, t)
     t = np.arange(steps)
@@ -83,7 +88,9 @@ def request_features(used: np.ndarray, popularity: np.ndarray) -> np.ndarray:
         since = np.where(since < _CAP, since + 1, since)
         since[used[step]] = 0
     share = cumulative[t] / np.maximum(t, 1)[:, None, None]
-    return feature_matrix(_GAP_BIN.take(gap), windows, share, t[:, None, None], popularity[None])
+    position = np.broadcast_to(t[:, None, None], used.shape)
+    popularity = np.broadcast_to(popularity, used.shape)
+    return _GAP_BIN.take(gap), windows, share, position, popularity
 
 
 def reused_within(used: np.ndarray, horizon: int) -> np.ndarray:
@@ -139,13 +146,13 @@ def fit_next_use(
     xs: dict[str, list[np.ndarray]] = {head: [] for head in HEADS}
     ys: dict[str, list[np.ndarray]] = {head: [] for head in HEADS}
     for used in long_enough:
-        x = request_features(used, popularity)[: used.shape[0] - horizon].reshape(-1, NUM_FEATURES)
+        flat = [part.reshape(-1, *part.shape[3:]) for part in request_parts(used, popularity)]
         y = reused_within(used, horizon).ravel()
         now = used[: used.shape[0] - horizon].ravel()
         for head, mask in (("pending", None), ("used", now), ("missed", ~now)):
             index = np.arange(len(y)) if mask is None else np.flatnonzero(mask)
             pick = rng.choice(index, min(rows, len(index)), replace=False) if len(index) else index
-            xs[head].append(x[pick])
+            xs[head].append(feature_matrix(*(part[pick] for part in flat)))
             ys[head].append(y[pick])
     return np.stack([fit_logistic(np.concatenate(xs[h]), np.concatenate(ys[h])) for h in HEADS], axis=1)
 
@@ -211,6 +218,11 @@ class NextUseTraining:
         self.requests = used_sets(traces)
         self.popularity = log_popularity(counts, self.shape, int(meta["top_k"]))
         self._weights: dict[int, np.ndarray] = {}
+
+    def __deepcopy__(self, memo: dict) -> NextUseTraining:
+        # What the traces teach is shared, not copied: copies of a policy built once from the traces (the
+        # experiments' fresh copy per run) then fit each horizon once between them.
+        return self
 
     def forecast(self, horizon: int) -> LearnedReuseForecast:
         if horizon not in self._weights:
