@@ -101,3 +101,17 @@ def test_from_traces_fits_the_forecast_for_the_caches_horizon():
     plain = FMoE.from_traces([], learned_reuse=True, **options)
     simulate(replayed, OffloadConfig(policy=plain, cache_experts=8), model=MIXTRAL_8X7B, hardware=RTX_3090)
     assert not isinstance(plain.forecast, LearnedReuseForecast)
+
+
+def test_counted_eviction_rows_lie_between_lru_and_belady():
+    """`benchmarks.next_use_eviction`: Belady's misses are the fewest any rule can have, so every forecast's
+    share of the LRU-to-Belady gap is at most 1, and LRU's and Belady's are 0 and 1 by definition."""
+    from benchmarks.next_use_eviction import rows_for
+
+    rng = np.random.default_rng(3)
+    store, requests = sticky_requests(6, 30, rng), sticky_requests(2, 30, rng)
+    rows = rows_for(store, requests, np.zeros((2, 6)), [0.5], top_k=2)
+    closed = {r["rule"]: r["gap_closed"] for r in rows}
+    assert closed["lru"] == 0.0 and closed["belady"] == 1.0
+    assert {"table (h 3)", "learned h 1", "learned h 2", "learned h 4"} <= set(closed)
+    assert max(closed.values()) <= 1.0
