@@ -44,6 +44,7 @@ BENCHMARKS = [
     ("offload_overhead", "offloaded decoding against resident; the policy's share of TPOT"),
     ("matcher_overhead", "expert-map matcher latency by store size"),
     ("reuse_forecast", "how well each reuse forecast fMoE could use predicts the next tokens' experts"),
+    ("next_use_eviction", "eviction by each reuse forecast alone on gpt-oss-20b's routing, counted"),
     ("foresight", "fMoE's share of the gap to the oracle, beside oracles limited to n tokens of foresight"),
     (
         "external_routing",

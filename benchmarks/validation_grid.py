@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     for k, r in point.items()
                 )
                 print(f"{workload.name} {hardware} {budget:g}: {cells}", flush=True)
-        workload.model.close()
+        if workload.model is not None:  # routing recorded elsewhere has no model to close
+            workload.model.close()
     summary = {
         label: {
             "geomean_vs_baseline": geometric_mean([r["vs_baseline"] for r in rows if r["variant"] == label]),

@@ -49,6 +49,10 @@ class FMoEOptions:
       offline_followers: `FMoE.from_traces` links each recorded map to the maps that followed it in its
         request (`store_from_traces(followers=...)`), as the store learns online: the reuse hint knows what
         follows from the first request on. Decision "offline followers".
+      learned_reuse: `FMoE.from_traces` fits logistic models of reuse within the horizon on the traces
+        (finer gap, windows of recent uses, position, popularity; `next_use.py`) and the reuse forecast
+        scores by them instead of its online tables (eviction "reuse" only; no traces: the tables).
+        Decision "learned reuse".
       popularity: `[L, J]` tokens routed to each expert in earlier requests; eviction "reuse" also keeps an
         expert for its share of every token's routing. None (the default): the policy counts the tokens it
         serves (from the counts saved with a loaded store) and saves them with the store. False: no prior.
@@ -92,6 +96,7 @@ class FMoEOptions:
     sticky: bool = False
     reuse_predictor: Any = None  # a `Predictor`, or the path of one
     offline_followers: bool = False
+    learned_reuse: bool = False
     popularity: Any = None  # [L, J] counts, None, or False
     traj_target: Literal["band", "single"] = "band"
     asynchronous: bool = True
@@ -128,6 +133,8 @@ class FMoEOptions:
             raise ValueError(f"reuse_horizon must be an int >= 1 or 'auto', got {horizon!r}")
         if self.reuse_predictor is not None and self.eviction != "reuse":
             raise ValueError(f"a reuse_predictor serves eviction 'reuse' only, not {self.eviction!r}")
+        if self.learned_reuse and self.eviction != "reuse":
+            raise ValueError(f"learned_reuse serves eviction 'reuse' only, not {self.eviction!r}")
         if self.popularity is not None and self.popularity is not False:
             object.__setattr__(self, "popularity", np.asarray(self.popularity, np.float64))
         if self.store_path is not None:

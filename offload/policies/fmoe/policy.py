@@ -34,6 +34,7 @@ from .followers import FollowerLinks
 from .forecast import Calibration, ReuseForecast
 from .guides import Guides
 from .matcher import Context, Matcher, make_matcher
+from .next_use import NextUseTraining
 from .options import FMoEOptions
 from .select import SortedMaps
 from .skips import SearchSkips
@@ -71,6 +72,7 @@ class FMoE(Policy):
         # by horizon (a policy bound again beside a cache of another size trains again).
         self._reuse_traces: list | None = None
         self._trained_reuse: dict[int, Predictor] = {}
+        self._next_use: NextUseTraining | None = None  # `from_traces(learned_reuse=True)`: fits at `bind`
         self.calibration = Calibration()
         # P(needed at the next token's layer j | the reuse hint's p, its layer, recency): the next token's
         # guess.
@@ -137,6 +139,8 @@ class FMoE(Policy):
             )
             options.setdefault("popularity", expert_usage(traces))
         policy = cls(store_capacity=store_capacity, **options)
+        if options.get("learned_reuse") and traces:
+            policy._next_use = NextUseTraining(traces, options["popularity"])
         if train and traces:
             policy._reuse_traces = list(traces)
             policy._wants_hidden = True
@@ -228,9 +232,12 @@ class FMoE(Policy):
         self.popularity = Popularity(
             options.popularity, saved.get("popularity"), ctx.num_layers, ctx.num_experts, ctx.top_k
         )
-        self.forecast = ReuseForecast(
-            ctx.num_layers, ctx.num_experts, horizon=self.reuse_horizon, sticky=options.sticky
-        )
+        if self._next_use is None:
+            self.forecast = ReuseForecast(
+                ctx.num_layers, ctx.num_experts, horizon=self.reuse_horizon, sticky=options.sticky
+            )
+        else:
+            self.forecast = self._next_use.forecast(self.reuse_horizon)
         self.calibration.load(saved)
         self.next_calibration.load({k[len("next_") :]: v for k, v in saved.items() if k.startswith("next_")})
         self.forecast.load(saved)
