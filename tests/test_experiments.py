@@ -582,9 +582,9 @@ def test_rerun_runs_each_experiment_with_its_recorded_command_and_stops_at_a_fai
 def test_captions_say_how_many_of_the_presets_layers_a_replay_covers():
     """A trace of fewer MoE layers than the preset it is charged at is not "at Mixtral-8x7B sizes": the
     caption names the layers replayed; a trace with all of them keeps the short form."""
-    from benchmarks.harness import simulated_sizes, sizes_phrase
-
     from fmoe_jax.offload.cost_model import GPT_OSS_20B, MODELS
+
+    from benchmarks.harness import simulated_sizes, sizes_phrase
 
     mixtral = MODELS["mixtral"]
     assert sizes_phrase(mixtral, 8) == "Mixtral-8x7B's per-layer sizes (8 of its 32 MoE layers)"
