@@ -247,7 +247,7 @@ def test_live_fmoe_wants_maps_copied_out_only_when_a_paid_context_can_use_them(c
     if not records:  # resting: the last iterations came without maps, and did no work
         assert matches[-1] == matches[-3] and stats["unrecorded_iterations"] >= 2
         # What they left out is counted as unpaid work: the searches the credit refused, then whole
-        # iterations of bookkeeping (resting, `test_live_fmoe_rests_while_copies_cost_less_than_its_bookkeeping`).
+        # iterations of bookkeeping (resting: `test_live_fmoe_rests_while_copies_cost_less_than_its_...`).
         assert stats["unpaid_trajectory"] >= 2 * 3 and stats["unpaid_bookkeeping"] >= 2
     else:
         # Each iteration: the semantic search and two trajectory searches (the third layer rests after a
