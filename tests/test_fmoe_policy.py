@@ -282,12 +282,13 @@ def test_live_fmoe_rests_while_copies_cost_less_than_its_bookkeeping():
         cache.book.add(key, prefetched=False)
         cache.book.mark_ready(key)
     layers, experts = np.array([0, 1, 2]), np.array([0, 1, 2])
-    assert np.array_equal(policy.keep_scores(layers, experts), np.zeros(3))  # ties: LRU
+    assert policy.evicts_least_recent  # the cache takes the least recently used, or scores every one alike:
+    assert np.array_equal(policy.keep_scores(layers, experts), np.zeros(3))
     assert policy.admit_prefetch((3, 3), 1.0, (0, 0))
     assert policy.forecast.iteration == COST_WARMUP  # the iterations it followed
     policy.budget.credit = 1.0  # the credit covers the bookkeeping: fmoe wakes, its features start over
     assert decode(policy, 1) == [False] and policy.forecast.iteration == 1
-    assert policy.keep_scores(layers, experts).any()
+    assert policy.keep_scores(layers, experts).any() and not policy.evicts_least_recent
     simulated, _ = bound_policy(one_map_store(), copy_s=1e-9, layer_s=1e-3, matcher_s=0.0)
     assert not any(decode(simulated, 2 + COST_WARMUP)) and "bookkeeping_ms" not in simulated.stats()
 

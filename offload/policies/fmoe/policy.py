@@ -53,6 +53,7 @@ class FMoE(Policy):
     # Hybrid execution: an expert the host computed is copied to the cache when the link is idle, never in
     # a prediction's way. Decision "host fill".
     host_fill = "idle"
+    _resting = False  # live, a decode iteration whose bookkeeping went unpaid (`_rest`)
 
     def __init__(self, options: FMoEOptions | None = None, /, **overrides: Any):
         options = FMoEOptions(**overrides) if options is None else dataclasses.replace(options, **overrides)
@@ -241,7 +242,7 @@ class FMoE(Policy):
         self._followers = FollowerLinks(self.reuse_horizon)  # matcher: what the store learns
         self._requests: tuple[int, ...] | None = None  # the current iteration's rows' requests
         self._prefix_dots = PrefixDots()  # matcher: an iteration's trajectory searches, layer after layer
-        self._resting = False  # this decode iteration's bookkeeping went unpaid (`_rest`)
+        self._resting = False
         self._rest_needed = 0  # experts the layers routed while resting (the credit's deposit at the end)
         self._spent = 0.0  # host seconds of this iteration's event handlers so far
 
@@ -332,13 +333,12 @@ class FMoE(Policy):
         keep score ties). Live only, where copies cost less than the bookkeeping (a CPU); waiting
         prefetches are dropped as rest begins. Decision "pay for bookkeeping"."""
         if not self._resting:
-            self._resting = True
+            self._resting = True  # from here on `evicts_least_recent`
             self.cache.drop_prefetches(before=self.ctx.num_layers)
         self._iteration += 1
         self._rest_needed = 0
-        self._wants_hidden = False
-        if not self._wants_maps:
-            self.counts["unrecorded_iterations"] += 1
+        self._wants_hidden = self._wants_maps = False  # nothing to copy out (the first paid iteration too)
+        self.counts["unrecorded_iterations"] += 1
 
     def _wake(self) -> None:
         """The first iteration fmoe pays for after resting: the request's routing features start over (they
@@ -412,12 +412,11 @@ class FMoE(Policy):
         self.budget.record_engine("reuse", start)
 
     def on_iteration_end(self) -> None:
-        updates = self.learn or self.options.eviction == "reuse"
         if self._resting:
             ctx = self.ctx
             self.budget.deposit(self._rest_needed, self.cache.stats, ctx.num_layers * ctx.top_k)
-            self._plan_recording(updates)
             return
+        updates = self.learn or self.options.eviction == "reuse"
         start = time.perf_counter()
         self.guides.observe()
         self.forecast.end_iteration(self.guides.used)
@@ -538,6 +537,11 @@ class FMoE(Policy):
             self.scores[kind].extend(scores.tolist())
 
     # -- eviction and admission (`Eviction`, `Admission`) ---------------------------------------------------
+    @property
+    def evicts_least_recent(self) -> bool:
+        """While resting, eviction is LRU: the cache takes the least recently used without scoring."""
+        return self._resting
+
     def keep_score(self, key: Key, entry: Entry) -> float:
         return float(entry.last_use) if self._resting else self.evictor.keep_score(key, entry)
 
