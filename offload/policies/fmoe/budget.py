@@ -1,9 +1,9 @@
 """fMoE's search budget (`pay_for_matching`): prediction pays for its own host time. Each routed layer adds
 to a credit the link time that layer's misses could have cost; each search, store update, reuse prediction,
-next-token guess or live decode iteration of bookkeeping (the policy's event handlers) spends its measured host
-time from it, and work the credit cannot pay is left out (counted as `unpaid_<kind>`). Where copies are nearly
-free (a CPU) the matcher and then the bookkeeping rest, and fmoe serves as LRU; where a copy costs more than a
-search, every search is paid. Decisions "pay for matching" and "pay for bookkeeping".
+next-token guess or live decode iteration of bookkeeping (the policy's event handlers) spends its measured
+host time from it, and work the credit cannot pay is left out (counted as `unpaid_<kind>`). Where copies are
+nearly free (a CPU) the matcher and then the bookkeeping rest, and fmoe serves as LRU; where a copy costs more
+than a search, every search is paid. Decisions "pay for matching" and "pay for bookkeeping".
 """
 
 from __future__ import annotations
