@@ -246,12 +246,51 @@ def test_live_fmoe_wants_maps_copied_out_only_when_a_paid_context_can_use_them(c
     assert wanted[-1] == (records, records)
     if not records:  # resting: the last iterations came without maps, and did no work
         assert matches[-1] == matches[-3] and stats["unrecorded_iterations"] >= 2
-        # What they left out is counted as unpaid work, as when the credit refuses a context.
-        assert stats["unpaid_semantic"] >= 2 and stats["unpaid_trajectory"] >= 2 * 3
+        # What they left out is counted as unpaid work: the searches the credit refused, then whole
+        # iterations of bookkeeping (resting: `test_live_fmoe_rests_while_copies_cost_less_than_its_...`).
+        assert stats["unpaid_trajectory"] >= 2 * 3 and stats["unpaid_bookkeeping"] >= 2
     else:
         # Each iteration: the semantic search and two trajectory searches (the third layer rests after a
         # repeat, `_resting`).
         assert "unrecorded_iterations" not in stats and matches[-1] == matches[-2] + 3
+
+
+def test_live_fmoe_rests_while_copies_cost_less_than_its_bookkeeping():
+    """Live, once its event handlers' host time per decode iteration is measured, fmoe pays it from the same
+    credit as its searches: where copies are next to free it rests through the iterations (no forecast, no
+    guide, no search), evicts the least recently used expert (every keep score ties) and drops the waiting
+    prefetches as rest begins; when the credit covers its bookkeeping again it wakes, its request's routing
+    features started over. In the simulator (handlers unpriced) it never rests."""
+
+    def decode(policy, iterations):
+        valid = np.ones((1, 1), bool)
+        rested = []
+        for _ in range(iterations):
+            iteration_start(policy, np.ones((1, 3), np.float32), valid)
+            for layer in range(4):
+                layer_routed(policy, layer, np.full((1, 4), 0.25, np.float32), np.array([[layer]]), valid)
+            policy.on_iteration_end()
+            rested.append(policy._resting)
+        return rested
+
+    policy, cache = bound_policy(one_map_store(), copy_s=1e-9, layer_s=1e-3)
+    rested = decode(policy, 2 + COST_WARMUP)
+    assert rested == [False] * COST_WARMUP + [True, True]  # priced after COST_WARMUP iterations
+    assert policy.stats()["unpaid_bookkeeping"] == 2 and policy.stats()["bookkeeping_ms"] > 0
+    assert ([], {"drop_before": 4}) in cache.requests  # rest began: nothing waits
+    for key in [(0, 0), (1, 1), (2, 2)]:
+        cache.book.add(key, prefetched=False)
+        cache.book.mark_ready(key)
+    layers, experts = np.array([0, 1, 2]), np.array([0, 1, 2])
+    assert policy.evicts_least_recent  # the cache takes the least recently used, or scores every one alike:
+    assert np.array_equal(policy.keep_scores(layers, experts), np.zeros(3))
+    assert policy.admit_prefetch((3, 3), 1.0, (0, 0))
+    assert policy.forecast.iteration == COST_WARMUP  # the iterations it followed
+    policy.budget.credit = 1.0  # the credit covers the bookkeeping: fmoe wakes, its features start over
+    assert decode(policy, 1) == [False] and policy.forecast.iteration == 1
+    assert policy.keep_scores(layers, experts).any() and not policy.evicts_least_recent
+    simulated, _ = bound_policy(one_map_store(), copy_s=1e-9, layer_s=1e-3, matcher_s=0.0)
+    assert not any(decode(simulated, 2 + COST_WARMUP)) and "bookkeeping_ms" not in simulated.stats()
 
 
 def test_slow_first_contexts_do_not_price_the_matcher_out(monkeypatch):
@@ -810,7 +849,9 @@ def test_the_next_tokens_first_layers_are_guessed_late_in_the_iteration_and_lear
         store = ExpertMapStore(capacity=4, num_layers=4, num_experts=4, embed_dim=3, prefetch_distance=2)
         # What followed the maps most like a token's: `hint`, whatever the token (the policy's reuse hint).
         store.future_of = lambda maps, neighbours=1: np.repeat(hint[None], len(maps), axis=0)
-        return bound_policy(store, semantic=False, **options)
+        # The simulator's free matcher: no host time is measured, so a loaded machine cannot price the
+        # guesses (or the bookkeeping, `FMoE._rest`) out part way through.
+        return bound_policy(store, semantic=False, matcher_s=0.0, **options)
 
     def token(policy, cache, loads_at_2=False):
         """A decode iteration routing every layer to expert 3; the guesses after layer 2 and at its end."""

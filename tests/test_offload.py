@@ -395,7 +395,7 @@ def test_only_the_base_eviction_order_is_declared_least_recent():
 
     assert POLICIES["on_demand_lru"].evicts_least_recent and Declared.evicts_least_recent
     assert not ByFrequency.evicts_least_recent
-    assert not any(POLICIES[name].evicts_least_recent for name in ("on_demand_lfu", "fmoe", "fiddler"))
+    assert not any(POLICIES[name]().evicts_least_recent for name in ("on_demand_lfu", "fmoe", "fiddler"))
 
 
 def test_cachebook_victims_agree_with_a_pass_over_every_entry():

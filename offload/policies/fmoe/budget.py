@@ -1,8 +1,9 @@
 """fMoE's search budget (`pay_for_matching`): prediction pays for its own host time. Each routed layer adds
-to a credit the link time that layer's misses could have cost; each search, store update, reuse prediction
-or next-token guess spends its measured host time from it, and work the credit cannot pay is left out
-(counted as `unpaid_<kind>`). Where copies are nearly free (a CPU) the matcher rests and fmoe serves from its
-cache and eviction; where a copy costs more than a search, every search is paid. Decision "pay for matching".
+to a credit the link time that layer's misses could have cost; each search, store update, reuse prediction,
+next-token guess or live decode iteration of bookkeeping (the policy's event handlers) spends its measured
+host time from it, and work the credit cannot pay is left out (counted as `unpaid_<kind>`). Where copies are
+nearly free (a CPU) the matcher and then the bookkeeping rest, and fmoe serves as LRU; where a copy costs more
+than a search, every search is paid. Decisions "pay for matching" and "pay for bookkeeping".
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from ...cache import CacheStats
 COST_SAMPLES, COST_WARMUP = 15, 5
 
 CONTEXT_KINDS = ("semantic", "trajectory", "update")  # the matcher's work
-ENGINE_KINDS = ("reuse", "next_token")  # the engine thread's: the reuse predictor, the next-token guess
+# The engine thread's: the reuse predictor, the next-token guess, and a decode iteration's event handlers
+# (fmoe's bookkeeping: guides, forecast, admission; left out, fmoe rests through the iteration).
+ENGINE_KINDS = ("reuse", "next_token", "bookkeeping")
 
 
 class SearchBudget:
@@ -117,6 +120,11 @@ class SearchBudget:
         if not self.simulated:
             self._record(kind, time.perf_counter() - start)
 
+    def record_spent(self, kind: str, seconds: float) -> None:
+        """Engine-thread work of `kind` that took `seconds`; live only."""
+        if not self.simulated:
+            self._record(kind, seconds)
+
     def _record(self, kind: str, seconds: float) -> None:
         spent = self._spent[kind]
         spent.append(seconds)
@@ -136,7 +144,8 @@ class SearchBudget:
 
     def stats(self) -> dict[str, Any]:
         out = {}
-        for kind, name in (("reuse", "reuse_predictor_ms"), ("next_token", "next_token_ms")):
+        for kind in ENGINE_KINDS:  # host time per piece of work
+            name = "reuse_predictor_ms" if kind == "reuse" else f"{kind}_ms"
             if self.prices[kind] is not None:
                 out[name] = 1e3 * self.prices[kind]
         for kind in CONTEXT_KINDS:  # host time per context

@@ -78,8 +78,9 @@ class FMoEOptions:
       skip_confirmed: in decode, skip the trajectory search after a layer whose routing the last match
         foresaw exactly, where such a confirmation is rare by chance (`CONFIRMATION_BITS`; band targets
         only). Decision "skip confirmed searches".
-      pay_for_matching: search (and update the store) only while the link time the work could save covers
-        the host time it takes (`SearchBudget`). Decision "pay for matching".
+      pay_for_matching: search (and update the store, and live, keep the per-layer bookkeeping) only while the
+        link time the work could save covers the host time it takes (`SearchBudget`). Decisions "pay for
+        matching" and "pay for bookkeeping".
       next_token: in decode, guess the next token's first d layers, which no search of that token guides,
         from the reuse hint (eviction "reuse", copy-only execution). Decision "next-token guess".
       resting: which searches rest after repeated matches: "settle" (every later one of the iteration

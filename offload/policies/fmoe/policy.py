@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -39,7 +38,7 @@ from .options import FMoEOptions
 from .select import SortedMaps
 from .skips import SearchSkips
 from .store import ExpertMapStore, PrefixDots
-from .store_file import store_from_traces
+from .store_file import open_store, store_from_traces
 
 # The reuse hint averages what followed this many of the stored maps most like the last token's, weighted by
 # similarity (`ExpertMapStore.future_of`): one map's followers is a noisy forecast.
@@ -55,6 +54,7 @@ class FMoE(Policy):
     # Hybrid execution: an expert the host computed is copied to the cache when the link is idle, never in
     # a prediction's way. Decision "host fill".
     host_fill = "idle"
+    _resting = False  # live, a decode iteration whose bookkeeping went unpaid (`_rest`)
 
     def __init__(self, options: FMoEOptions | None = None, /, **overrides: Any):
         options = FMoEOptions(**overrides) if options is None else dataclasses.replace(options, **overrides)
@@ -161,12 +161,12 @@ class FMoE(Policy):
             copy_s=lambda: self.admission.copy_s,
             simulated_s=ctx.matcher_s,
         )
-        self.meta = {"model": ctx.model_id}
+        self.meta = {"model": ctx.model_id}  # what a saved store belongs to
         self._check_predictor()
         # Routing without embeddings (a trace from elsewhere, semantic=False) has width 0: the store then
         # keeps one zero column, which its redundancy rule ignores like any other zero embedding.
         self._embed_dim = ctx.embed_dim or 1
-        self._open_store()
+        self.store = open_store(self.store, self.store_path, ctx, options.store_capacity, self._embed_dim)
         self._bind_forecasts()
         self._begin_state()
         clocked = ctx.clock is not None and (ctx.matcher_s or 0.0) > 0
@@ -194,36 +194,6 @@ class FMoE(Policy):
             input_dim=ctx.embed_dim or None,
             source="fmoe's reuse predictor",
         )
-
-    def _open_store(self) -> None:
-        """The store: given, loaded from `store_path`, or new; refuses one of another shape, and a location
-        `close` could not save to (now, not after serving)."""
-        ctx, path = self.ctx, self.store_path
-        if path:
-            ExpertMapStore.check_writable(path)
-        if self.store is None and path and os.path.exists(path):
-            self.store = ExpertMapStore.load(
-                path, self._expected_meta(), capacity=self.options.store_capacity
-            )
-        if self.store is None:
-            self.store = ExpertMapStore(
-                capacity=self.options.store_capacity,
-                num_layers=ctx.num_layers,
-                num_experts=ctx.num_experts,
-                embed_dim=self._embed_dim,
-                prefetch_distance=min(ctx.prefetch_distance, ctx.num_layers),
-            )
-        store = self.store
-        if (store.num_layers, store.num_experts, store.embed_dim) != (
-            ctx.num_layers,
-            ctx.num_experts,
-            self._embed_dim,
-        ):
-            raise ValueError(
-                f"expert-map store has L={store.num_layers}, J={store.num_experts}, "
-                f"H={store.embed_dim}; the model needs L={ctx.num_layers}, J={ctx.num_experts}, "
-                f"H={self._embed_dim}"
-            )
 
     def _bind_forecasts(self) -> None:
         """Popularity, the reuse forecast, the calibrations (what an earlier run learned, saved with the
@@ -279,6 +249,9 @@ class FMoE(Policy):
         self._followers = FollowerLinks(self.reuse_horizon)  # matcher: what the store learns
         self._requests: tuple[int, ...] | None = None  # the current iteration's rows' requests
         self._prefix_dots = PrefixDots()  # matcher: an iteration's trajectory searches, layer after layer
+        self._resting = False
+        self._rest_needed = 0  # experts the layers routed while resting (the credit's deposit at the end)
+        self._spent = 0.0  # host seconds of this iteration's event handlers so far
 
     def _train_reuse(self, horizon: int) -> Predictor:
         """The reuse predictor of `from_traces(reuse_predictor="train")` for `horizon` (the one the forecast
@@ -288,16 +261,6 @@ class FMoE(Policy):
 
             self._trained_reuse[horizon] = train_reuse(self._reuse_traces, horizon=horizon, progress=False)
         return self._trained_reuse[horizon]
-
-    def _expected_meta(self) -> dict[str, Any]:
-        ctx = self.ctx
-        return {
-            "model": ctx.model_id,
-            "num_layers": ctx.num_layers,
-            "num_experts": ctx.num_experts,
-            "embed_dim": self._embed_dim,
-            "prefetch_distance": min(ctx.prefetch_distance, ctx.num_layers),
-        }
 
     def close(self) -> None:
         """Stops the matcher (after the contexts it has) and saves the store when `store_path` is set."""
@@ -335,9 +298,15 @@ class FMoE(Policy):
         self.guides.start_request()
 
     def on_iteration_start(self, event: IterationStart) -> None:
+        start = time.perf_counter()
         self.matcher.catch_up()
         valid = event.valid
         rows, tokens = valid.shape
+        if tokens == 1 and not self.budget.pay("bookkeeping"):
+            self._rest()
+            return
+        if self._resting:
+            self._wake()
         self._valid = valid.reshape(-1)
         self._active = (None, None)  # (the valid mask, the rows it leaves active), for `on_layer_routed`
         self._last = np.where(valid.any(1), tokens - 1, -1) + np.arange(rows) * tokens  # each row's last
@@ -363,8 +332,38 @@ class FMoE(Policy):
         recorded = event.embeds is not None
         if self.options.semantic and n_valid and self.budget.affords("semantic", recorded):
             self.matcher.publish(Context("semantic", data=self._embeds, iteration=self._iteration))
+        self._spent = time.perf_counter() - start
+
+    def _rest(self) -> None:
+        """A decode iteration the credit cannot pay fmoe's own bookkeeping for (its event handlers' measured
+        host time, `SearchBudget`): no search, forecast or guide follows it, and eviction is LRU (every
+        keep score ties). Live only, where copies cost less than the bookkeeping (a CPU); waiting
+        prefetches are dropped as rest begins. Decision "pay for bookkeeping"."""
+        if not self._resting:
+            self._resting = True  # from here on `evicts_least_recent`
+            self.cache.drop_prefetches(before=self.ctx.num_layers)
+        self._iteration += 1
+        self._rest_needed = 0
+        self._wants_hidden = self._wants_maps = False  # nothing to copy out (the first paid iteration too)
+        self.counts["unrecorded_iterations"] += 1
+
+    def _wake(self) -> None:
+        """The first iteration fmoe pays for after resting: the request's routing features start over (they
+        would skip the tokens it rested through)."""
+        self._resting = False
+        self.forecast.start_request()
+        self.guides.start_request()
+        self._hint = None
 
     def on_layer_routed(self, event: LayerRouted) -> None:
+        if self._resting:
+            self._rest_needed += len(event.needed)
+            return
+        start = time.perf_counter()
+        self._routed(event)
+        self._spent += time.perf_counter() - start
+
+    def _routed(self, event: LayerRouted) -> None:
         layer, valid, ctx = event.layer, event.valid, self.ctx
         self.matcher.catch_up()
         if self.admission.measuring:
@@ -420,10 +419,15 @@ class FMoE(Policy):
         self.budget.record_engine("reuse", start)
 
     def on_iteration_end(self) -> None:
+        if self._resting:
+            ctx = self.ctx
+            self.budget.deposit(self._rest_needed, self.cache.stats, ctx.num_layers * ctx.top_k)
+            return
+        updates = self.learn or self.options.eviction == "reuse"
+        start = time.perf_counter()
         self.guides.observe()
         self.forecast.end_iteration(self.guides.used)
         self.popularity.end_iteration(self.guides.used, self._valid.size)
-        updates = self.learn or self.options.eviction == "reuse"
         if self._embeds.shape[0] and updates and self.budget.affords("update", self._recording):
             context = Context("update", data=self._embeds, extra=self._maps[self._valid])
             context.rows, context.requests = self._token_rows, self._requests
@@ -432,16 +436,18 @@ class FMoE(Policy):
         self._plan_recording(updates)
         if self._guesses_next():
             self._guess_next(self._hint)
+        if self._decoding:
+            self.budget.record_spent("bookkeeping", self._spent + time.perf_counter() - start)
 
     def _plan_recording(self, updates: bool) -> None:
         """Live, whether the next iteration's embeddings and router probabilities are copied out of the
-        device (`SearchBudget.wants_maps`)."""
+        device (`SearchBudget.wants_maps`): not for an iteration fmoe will rest through."""
         kinds = ["update"] if updates else []
         kinds += ["trajectory"] if self.options.trajectory else []
         kinds += ["semantic"] if self.options.semantic else []
         record = self.budget.wants_maps(kinds)
         if record is not None:
-            self._wants_maps = record
+            self._wants_maps = record and self.budget.covers("bookkeeping")
 
     # -- the next token ------------------------------------------------------------------------------------
     def _guesses_next(self) -> bool:
@@ -538,14 +544,21 @@ class FMoE(Policy):
             self.scores[kind].extend(scores.tolist())
 
     # -- eviction and admission (`Eviction`, `Admission`) ---------------------------------------------------
+    @property
+    def evicts_least_recent(self) -> bool:
+        """While resting, eviction is LRU: the cache takes the least recently used without scoring."""
+        return self._resting
+
     def keep_score(self, key: Key, entry: Entry) -> float:
-        return self.evictor.keep_score(key, entry)
+        return float(entry.last_use) if self._resting else self.evictor.keep_score(key, entry)
 
     def keep_scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        if self._resting:  # every score ties: the cache takes the least recently used
+            return np.zeros(len(layers))
         return self.evictor.keep_scores(layers, experts)
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
-        return self.evictor.admit_prefetch(key, victim)
+        return self._resting or self.evictor.admit_prefetch(key, victim)
 
     def threshold(self, layer: int | np.ndarray, current: int) -> float | np.ndarray:
         """`Admission.threshold`: the need probability a prefetch for `layer` must have, deciding after

@@ -1,7 +1,7 @@
 """The expert-map store's files and its offline construction: `save` / `load` (one .npz with a JSON header,
 written atomically, refused when built for another model), `check_writable` (refuses a path `save` could not
-write, before any serving) and `store_from_traces` (a store built from recorded routing: offline mode).
-`ExpertMapStore.save`, `.load` and `.check_writable` call these.
+write, before any serving), `open_store` (the fmoe policy's store at `bind`) and `store_from_traces` (a store
+built from recorded routing: offline mode). `ExpertMapStore.save`, `.load` and `.check_writable` call these.
 """
 
 from __future__ import annotations
@@ -165,6 +165,37 @@ def _check_meta(path: str | os.PathLike, header: dict[str, Any], expected_meta: 
             f"({'; '.join(mismatched)}). Point the store path elsewhere or delete the file to start "
             f"an empty store."
         )
+
+
+def open_store(
+    store: ExpertMapStore | None, path: str | None, ctx: Any, capacity: int, embed_dim: int
+) -> ExpertMapStore:
+    """The fmoe policy's store for the model of `ctx` (a `PolicyContext`): `store` as given, else loaded from
+    `path`, else new with `capacity` maps. Refuses one of another shape, and a `path` the policy's `close`
+    could not save to (now, not after serving)."""
+    from .store import ExpertMapStore
+
+    distance = min(ctx.prefetch_distance, ctx.num_layers)
+    if path:
+        ExpertMapStore.check_writable(path)
+    if store is None and path and os.path.exists(path):
+        shape = dict(num_layers=ctx.num_layers, num_experts=ctx.num_experts, embed_dim=embed_dim)
+        meta = {"model": ctx.model_id, **shape, "prefetch_distance": distance}
+        store = ExpertMapStore.load(path, meta, capacity=capacity)
+    if store is None:
+        store = ExpertMapStore(
+            capacity=capacity,
+            num_layers=ctx.num_layers,
+            num_experts=ctx.num_experts,
+            embed_dim=embed_dim,
+            prefetch_distance=distance,
+        )
+    if (store.num_layers, store.num_experts, store.embed_dim) != (ctx.num_layers, ctx.num_experts, embed_dim):
+        raise ValueError(
+            f"expert-map store has L={store.num_layers}, J={store.num_experts}, H={store.embed_dim}; the "
+            f"model needs L={ctx.num_layers}, J={ctx.num_experts}, H={embed_dim}"
+        )
+    return store
 
 
 def store_from_traces(
