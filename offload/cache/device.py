@@ -339,21 +339,28 @@ class DeviceExpertCache(BookView):
         protect, entries, capacity = set(needed), book.entries, book.capacity
         if self.policy.evicts_least_recent:  # the victims the loop would take, at once (reversed: the loads
             # take their slots in the loop's order)
-            for victim in reversed(book.least_recent(len(misses) - (capacity - len(entries)), protect)):
-                book.remove(victim)
+            victims = book.least_recent(len(misses) - (capacity - len(entries)), protect)
+            book.remove_all(reversed(victims))
+            for victim in victims:
                 del arrays[victim]
-        start, add = self.mover.start, book.add
-        for key in misses:
-            if queued:
-                queued.discard(key)
-            while len(entries) >= capacity and not self._evict_one(protect=protect):
-                self._wait_for_any_inflight()
-            if self.synchronous:
+        if queued:
+            queued.difference_update(misses)
+        if self.synchronous or len(entries) + len(misses) > capacity:
+            for key in misses:
+                while len(entries) >= capacity and not self._evict_one(protect=protect):
+                    self._wait_for_any_inflight()
                 self._start_copy(key, prefetched=False, pinned=True)
-            else:  # as `_start_copy`, inline: a call less per miss
-                handle = start(key, urgent=True)
-                add(key, prefetched=False, pinned=True)
-                arrays[key] = handle
+            return
+        # Room for every miss: each copy starts, then the book holds them all (those started, should one
+        # fail to start).
+        start, handles = self.mover.start, []
+        try:
+            for key in misses:
+                handles.append(start(key, urgent=True))
+        finally:
+            started = misses[: len(handles)]
+            book.add_all(started, prefetched=False, pinned=True)
+            arrays.update(zip(started, handles))
 
     def _used(self, needed: Sequence[Key]) -> dict[Key, ExpertWeights]:
         """Counts a use of each of `needed` (resident, pinned) and returns their arrays; starts what
