@@ -102,7 +102,9 @@ def _needed(routed: np.ndarray) -> dict[str, list[tuple[int, ...]]]:
     counts = routed[where].tolist()
     ends = np.cumsum(np.count_nonzero(routed, axis=-1).ravel()).tolist()
     bounds = list(zip([0, *ends[:-1]], ends, strict=True))
-    return dict(needed=[tuple(experts[a:b]) for a, b in bounds], counts=[tuple(counts[a:b]) for a, b in bounds])
+    return dict(
+        needed=[tuple(experts[a:b]) for a, b in bounds], counts=[tuple(counts[a:b]) for a, b in bounds]
+    )
 
 
 class Counted:

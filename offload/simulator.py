@@ -444,17 +444,17 @@ def _replay_batch(
                 step.needed[m],
             )
 
-        def compute(m: int, chunk: list[Key], arrays: dict, is_last: bool, step=step, shared_s=shared_s) -> None:
+        def compute(m: int, chunk: list[Key], arrays: dict, last: bool, step=step, shared=shared_s) -> None:
             if engine_active:
                 engine.runs(chunk)
             link.compute(charges.experts_s(step.chunk_tokens(m, chunk)))
-            if is_last:
+            if last:
                 if engine_active:
                     link.compute(engine.layer_done())
                 if host is not None:
                     host.join(link)
-                if shared_s:
-                    link.compute(shared_s)
+                if shared:
+                    link.compute(shared)
 
         def on_host(m: int, keys: list[Key], step=step, tokens=tokens) -> None:
             engine.runs(keys)

@@ -115,7 +115,7 @@ class CacheBook:
         # counted as in flight without visiting every resident expert.
         self.arriving: dict[Key, Entry] = {}
         self.recency: collections.OrderedDict[Key, Entry] = collections.OrderedDict()  # by last use
-        self.freq: dict[Key, int] = {}
+        self.freq: collections.defaultdict[Key, int] = collections.defaultdict(int)  # read it with `get`
         self.clock = 0
         self.stats = CacheStats()
         self._free = list(range(capacity - 1, -1, -1))  # slots not held (a stack)
@@ -159,22 +159,26 @@ class CacheBook:
         entries, capacity = self.entries, self.capacity
         arriving, recency, free = self.arriving, self.recency, self._free
         layer_of, expert_of, uses = self._layer_of, self._expert_of, self._slot_use
-        now, pins, s, expert_bytes = self.clock, 1 if pinned else 0, self.stats, self.expert_bytes
-        for key in keys:
-            if key in entries:
-                raise KeyError(f"expert {key} is already cached")
-            if len(entries) >= capacity:
-                raise RuntimeError(f"cache full ({capacity} slots): evict before adding {key}")
-            now += 1
-            self.clock = now
-            slot = free.pop()
-            entry = Entry(False, prefetched, False, pins, now, now, slot)  # arrival counts as a use (LRU)
-            entries[key] = arriving[key] = recency[key] = entry
-            layer_of[slot], expert_of[slot] = key
-            uses[slot] = now
-            s.loads += 1  # counted per key: an `add` that raises leaves those before it counted
-            s.bytes_to_device += expert_bytes
-            s.prefetches += prefetched
+        now, pins, added = self.clock, 1 if pinned else 0, 0
+        try:
+            for key in keys:
+                if key in entries:
+                    raise KeyError(f"expert {key} is already cached")
+                if len(entries) >= capacity:
+                    raise RuntimeError(f"cache full ({capacity} slots): evict before adding {key}")
+                self.clock = now = now + 1
+                slot = free.pop()
+                entry = Entry(False, prefetched, False, pins, now, now, slot)  # arrival counts as a use (LRU)
+                entries[key] = arriving[key] = recency[key] = entry
+                layer_of[slot], expert_of[slot] = key
+                uses[slot] = now
+                added += 1
+        finally:  # those added counted, should one fail (the peak: the last, as held only grows here)
+            s, expert_bytes = self.stats, self.expert_bytes
+            s.loads += added
+            s.bytes_to_device += added * expert_bytes
+            if prefetched:
+                s.prefetches += added
             held = len(entries) * expert_bytes
             if held > s.peak_bytes:
                 s.peak_bytes = held
@@ -257,7 +261,7 @@ class CacheBook:
             entry.last_use = now
             recency.move_to_end(key)
             uses[entry.slot] = now
-            freq[key] = freq.get(key, 0) + 1
+            freq[key] += 1
         self.clock = now
 
     def classify(

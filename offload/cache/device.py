@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from fmoe_jax.models.moe import ExpertWeights
 
 
+NOTHING: frozenset[Key] = frozenset()  # no experts protected
+
+
 class EvictionPolicy(Protocol):
     """What the cache asks its policy (`offload.policies.Policy` declares all three)."""
 
@@ -122,7 +125,8 @@ class DeviceExpertCache(BookView):
         self.filling: set[Key] = set()  # background fills on the link (`request_prefetch`)
         self.order = 0
         self.paused = 0  # on-demand loads pending
-        self.protected: set[Key] = set()  # the current layer's needs: prefetches must not evict them
+        # The current layer's needs: prefetches must not evict them.
+        self.protected: set[Key] | frozenset[Key] = NOTHING
         self.serving: int | None = None  # the layer between its routing and the end of its compute
         self.timers = {"prefetch_issue": 0.0, "on_demand_wait": 0.0}
 
@@ -290,7 +294,7 @@ class DeviceExpertCache(BookView):
         dropped (its misses load on demand; a prefetch landing first would pass a miss off as a hit).
         Replaces the last set; `protect(())` ends it."""
         with self.lock:
-            self.protected = set(keys)
+            self.protected = set(keys) if keys else NOTHING
             self.serving = layer
 
     # -- the engine's side -----------------------------------------------------------------------------
@@ -309,21 +313,21 @@ class DeviceExpertCache(BookView):
             hits, late, misses = book.classify(layer, needed, pin=True)
             if not (late or misses):  # every one resident: nothing to wait for
                 return self._used(needed)
-            pinned = hits + late
             if misses:
                 self.paused += 1
                 try:
                     self._load(misses, needed)
-                    pinned += misses
                 except BaseException:
-                    self._give_back(pinned + [key for key in misses if key in book], True)
+                    self._give_back(hits + late + [key for key in misses if key in book], True)
                     raise
-        waiting = late + misses
+            waiting = late + misses if late else misses
+            arrays = self.arrays
+            handles = [arrays[k] for k in waiting]
         start = time.perf_counter()
         try:
-            self.mover.wait([self.arrays[k] for k in waiting])
+            self.mover.wait(handles)
         except BaseException:
-            self._give_back(pinned, bool(misses))
+            self._give_back(hits + waiting, bool(misses))
             raise
         self.timers["on_demand_wait"] += time.perf_counter() - start
         with self.lock:
@@ -360,7 +364,7 @@ class DeviceExpertCache(BookView):
         finally:
             started = misses[: len(handles)]
             book.add_all(started, prefetched=False, pinned=True)
-            arrays.update(zip(started, handles))
+            arrays.update(zip(started, handles, strict=True))
 
     def _used(self, needed: Sequence[Key]) -> dict[Key, ExpertWeights]:
         """Counts a use of each of `needed` (resident, pinned) and returns their arrays; starts what
