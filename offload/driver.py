@@ -172,7 +172,7 @@ class Driver:
         semantic, probs = policy.needs_semantic, policy.needs_probs
         start = IterationStart(valid, embeds if semantic else None, self.requests)
         self._tell(policy.on_iteration_start, start)
-        cache, hears = self.cache, policy.hears_layers
+        cache, hears, planner = self.cache, policy.hears_layers, self.planner
         for layer in range(policy.ctx.num_layers):
             routed = loop.route(layer)
             needed = needed_experts(routed.ids, rows) if routed.needed is None else routed.needed
@@ -189,18 +189,25 @@ class Driver:
                     hidden=routed.hidden if policy.needs_hidden else None,
                 )
                 self._tell(policy.on_layer_routed, event)
-            try:
-                on_host = self.plan(layer, needed, routed.ids, token_valid)
-                if on_host:
-                    loop.host(layer, on_host)
-            except BaseException:
-                self.cache.protect(())  # as `serve` would have: a failed call leaves the cache usable
-                raise
+            on_host = self._host_share(layer, needed, routed.ids, token_valid, loop) if planner else None
             self.serve(layer, [key for key in keys if key not in on_host] if on_host else keys, loop.compute)
             if on_host and policy.host_fill:
                 fill = [(key, FILL_PRIORITY) for key in on_host if self.cache.entry(key) is None]
                 self.cache.request_prefetch(fill, replace=False, if_idle=policy.host_fill == "idle")
         self._tell(policy.on_iteration_end)
+
+    def _host_share(
+        self, layer: int, needed: tuple[int, ...], ids: np.ndarray, valid: np.ndarray, loop: LayerLoop
+    ) -> list[Key]:
+        """Plans the layer's host share (`plan`) and starts it (`LayerLoop.host`)."""
+        try:
+            on_host = self.plan(layer, needed, ids, valid)
+            if on_host:
+                loop.host(layer, on_host)
+        except BaseException:
+            self.cache.protect(())  # as `serve` would have: a failed call leaves the cache usable
+            raise
+        return on_host
 
     def plan(self, layer: int, needed: tuple[int, ...], ids: np.ndarray, valid: np.ndarray) -> list[Key]:
         """The needed experts the host computes (none without a planner), counted as `host_computed` in the

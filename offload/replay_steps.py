@@ -26,8 +26,23 @@ class Step:
     hidden: np.ndarray | None  # [N, L, D] float32
     new_tokens: np.ndarray  # [R] new tokens of each active row
     past_tokens: np.ndarray  # [R] tokens each active row had before this iteration
-    routed: list[list[int]]  # [L][J] valid tokens routed to each expert
+    routed: np.ndarray  # [L, J] valid tokens routed to each expert
     needed: list[tuple[int, ...]]  # [L] the experts the valid tokens chose, ascending (`Routed.needed`)
+    counts: list[tuple[int, ...]]  # [L] the valid tokens routed to each of `needed`, in its order
+
+    def tokens(self, layer: int, keys: list[Any]) -> tuple[int, ...]:
+        """The valid tokens routed to each expert of `keys` (`(layer, expert)`, some of `layer`'s needed
+        experts), in their order."""
+        row = self.routed[layer]
+        return tuple([int(row[e]) for _, e in keys])
+
+    def chunk_tokens(self, layer: int, chunk: list[Any]) -> tuple[int, ...]:
+        """`tokens` of a chunk the cost model charges as one kernel (`CostModel.experts_s`, a function of the
+        chunk's size and its token total): a chunk of all the layer's needed experts (the usual) takes the
+        counts worked out once, in `needed`'s order; the same size and total in any order."""
+        if len(chunk) == len(self.needed[layer]):
+            return self.counts[layer]
+        return self.tokens(layer, chunk)
 
 
 def layout(trace: RoutingTrace, i: int, policy: Policy, past: list[list[int]]) -> Step:
@@ -74,17 +89,22 @@ def layout(trace: RoutingTrace, i: int, policy: Policy, past: list[list[int]]) -
         hidden=None if hidden is None else hidden.reshape(n, layers, -1),
         new_tokens=np.asarray(new_tokens),
         past_tokens=np.asarray(past_tokens),
-        routed=routed.tolist(),
-        needed=_needed(routed),
+        routed=routed,
+        **_needed(routed),
     )
 
 
-def _needed(routed: np.ndarray) -> list[tuple[int, ...]]:
+def _needed(routed: np.ndarray) -> dict[str, list[tuple[int, ...]]]:
     """Per row of `routed` (`[..., J]` valid tokens per expert, rows flattened in order), the experts with
-    any: ascending tuples (`Routed.needed`)."""
-    experts = np.nonzero(routed)[-1].tolist()  # row by row, each row's ascending
+    any, ascending (`needed`: `Routed.needed`), and their token counts in that order (`counts`)."""
+    where = np.nonzero(routed)
+    experts = where[-1].tolist()  # row by row, each row's ascending
+    counts = routed[where].tolist()
     ends = np.cumsum(np.count_nonzero(routed, axis=-1).ravel()).tolist()
-    return [tuple(experts[a:b]) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    bounds = list(zip([0, *ends[:-1]], ends, strict=True))
+    return dict(
+        needed=[tuple(experts[a:b]) for a, b in bounds], counts=[tuple(counts[a:b]) for a, b in bounds]
+    )
 
 
 class Counted:
@@ -101,8 +121,9 @@ class Counted:
         chosen = first[:, :, None] * num_experts + ids
         shape = (len(iterations), layers, num_experts)
         routed = np.bincount(chosen.ravel(), minlength=np.prod(shape)).reshape(shape)
-        self.routed = routed.tolist()  # [I][L][J]
-        self.needed = _needed(routed)  # [I * L]
+        self.routed = routed  # [I, L, J]
+        found = _needed(routed)
+        self.needed, self.counts = found["needed"], found["counts"]  # [I * L] each
         self.layers = layers
 
     def layout(self, i: int, policy: Policy, past: list[list[int]]) -> Step:
@@ -118,4 +139,5 @@ class Counted:
             past_tokens=np.asarray([past[0][i]]),
             routed=self.routed[i],
             needed=self.needed[i * layers : (i + 1) * layers],
+            counts=self.counts[i * layers : (i + 1) * layers],
         )

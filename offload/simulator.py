@@ -421,36 +421,44 @@ def _replay_batch(
     decode_times: list[list[float]] = [[] for _ in range(rows)]
     driver.begin(rows)
     policy = driver.policy
+    # Charges that are 0.0 on this preset (no engine costs, no shared expert) are left out: adding 0.0 to the
+    # clock changes no bit of it.
+    engine_active = engine.active
     for i in range(num_iterations):
         step = layout(trace, i, policy, past) if counted is None else counted.layout(i, policy, past)
         began = link.clock
         tokens = int(step.valid.sum())
-        attention_s = charges.costs.attention_s(step.new_tokens, step.past_tokens)
+        route_s = charges.costs.attention_s(step.new_tokens, step.past_tokens) + engine.layer_s
         link.compute(engine.step_started())
+        shared_s = charges.shared_s(tokens)
+        ids = step.ids.transpose(1, 0, 2)  # [L, N, k]: a layer's rows without a strided index each time
 
-        def route(m: int, step=step, attention_s=attention_s) -> Routed:
-            link.compute(attention_s + engine.routed())
+        def route(m: int, step=step, route_s=route_s, ids=ids) -> Routed:
+            if engine_active:
+                engine.routed()  # what it returns, `layer_s`, is in `route_s`
+            link.compute(route_s)
             return Routed(
-                step.ids[:, m],
+                ids[m],
                 None if step.probs is None else step.probs[:, m],
                 None if step.hidden is None else step.hidden[:, m],
                 step.needed[m],
             )
 
-        def compute(m: int, chunk: list[Key], arrays: dict, is_last: bool, step=step, tokens=tokens) -> None:
-            routed = step.routed[m]
-            engine.runs(chunk)
-            link.compute(charges.experts_s(tuple([routed[e] for _, e in chunk])))
-            if is_last:
-                link.compute(engine.layer_done())
+        def compute(m: int, chunk: list[Key], arrays: dict, last: bool, step=step, shared=shared_s) -> None:
+            if engine_active:
+                engine.runs(chunk)
+            link.compute(charges.experts_s(step.chunk_tokens(m, chunk)))
+            if last:
+                if engine_active:
+                    link.compute(engine.layer_done())
                 if host is not None:
                     host.join(link)
-                link.compute(charges.shared_s(tokens))
+                if shared:
+                    link.compute(shared)
 
         def on_host(m: int, keys: list[Key], step=step, tokens=tokens) -> None:
-            routed = step.routed[m]
             engine.runs(keys)
-            host.start(link.clock, tokens, [routed[e] for _, e in keys])
+            host.start(link.clock, tokens, list(step.tokens(m, keys)))
 
         driver.iteration(step.valid, step.embeds, Functions(route, compute, on_host))
         active = step.valid.any(axis=1)

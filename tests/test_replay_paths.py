@@ -51,7 +51,9 @@ def test_a_one_request_batch_is_laid_out_as_the_padded_layout_does():
             a, b = getattr(fast, name), getattr(general, name)
             assert a.dtype == b.dtype and a.shape == b.shape, name
             np.testing.assert_array_equal(a, b, err_msg=name)
-        assert fast.routed == general.routed
+        np.testing.assert_array_equal(fast.routed, general.routed)
+        assert fast.counts == general.counts
+        assert general.counts == [general.tokens(m, [(m, e) for e in general.needed[m]]) for m in range(3)]
         rows = general.valid.reshape(-1)
         assert fast.needed == general.needed
         assert general.needed == [needed_experts(general.ids[:, m], rows) for m in range(3)]

@@ -20,7 +20,7 @@ import array
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -37,6 +37,7 @@ class Entry:
     pins: int = 0  # > 0 while a layer computes with it, or waits for it
     last_use: int = 0  # logical clock of the last use (LRU)
     arrived: int = 0  # logical clock of arrival
+    slot: int = -1  # where the book's per-slot arrays describe it (the book's own bookkeeping)
 
 
 @dataclasses.dataclass
@@ -114,10 +115,9 @@ class CacheBook:
         # counted as in flight without visiting every resident expert.
         self.arriving: dict[Key, Entry] = {}
         self.recency: collections.OrderedDict[Key, Entry] = collections.OrderedDict()  # by last use
-        self.freq: dict[Key, int] = {}
+        self.freq: collections.defaultdict[Key, int] = collections.defaultdict(int)  # read it with `get`
         self.clock = 0
         self.stats = CacheStats()
-        self._slot: dict[Key, int] = {}
         self._free = list(range(capacity - 1, -1, -1))  # slots not held (a stack)
         # Per slot, written one element at a time through Python buffers (cheaper than NumPy scalar
         # stores) and read as arrays through NumPy views of the same memory.
@@ -151,61 +151,77 @@ class CacheBook:
     # -- transitions -----------------------------------------------------------------------------------
     def add(self, key: Key, *, prefetched: bool, pinned: bool = False) -> Entry:
         """Holds a slot for `key`, whose copy has started (`pinned`: the caller waits for it, as `pin`)."""
-        entries = self.entries
-        if key in entries:
-            raise KeyError(f"expert {key} is already cached")
-        if len(entries) >= self.capacity:
-            raise RuntimeError(f"cache full ({self.capacity} slots): evict before adding {key}")
-        self.clock = now = self.clock + 1
-        entry = Entry(False, prefetched, False, 1 if pinned else 0, now, now)  # arrival counts as a use (LRU)
-        entries[key] = entry
-        self.arriving[key] = entry
-        self.recency[key] = entry
-        slot = self._slot[key] = self._free.pop()
-        self._layer_of[slot], self._expert_of[slot] = key
-        self._slot_use[slot] = now
-        s = self.stats
-        s.loads += 1
-        s.bytes_to_device += self.expert_bytes
-        s.prefetches += prefetched
-        held = len(self.entries) * self.expert_bytes
-        if held > s.peak_bytes:
-            s.peak_bytes = held
-        return entry
+        self.add_all((key,), prefetched=prefetched, pinned=pinned)
+        return self.entries[key]
+
+    def add_all(self, keys: Sequence[Key], *, prefetched: bool, pinned: bool = False) -> None:
+        """`add` of each of `keys` in order (an iteration's on-demand loads at once)."""
+        entries, capacity = self.entries, self.capacity
+        arriving, recency, free = self.arriving, self.recency, self._free
+        layer_of, expert_of, uses = self._layer_of, self._expert_of, self._slot_use
+        now, pins, added = self.clock, 1 if pinned else 0, 0
+        try:
+            for key in keys:
+                if key in entries:
+                    raise KeyError(f"expert {key} is already cached")
+                if len(entries) >= capacity:
+                    raise RuntimeError(f"cache full ({capacity} slots): evict before adding {key}")
+                self.clock = now = now + 1
+                slot = free.pop()
+                entry = Entry(False, prefetched, False, pins, now, now, slot)  # arrival counts as a use (LRU)
+                entries[key] = arriving[key] = recency[key] = entry
+                layer_of[slot], expert_of[slot] = key
+                uses[slot] = now
+                added += 1
+        finally:  # those added counted, should one fail (the peak: the last, as held only grows here)
+            s, expert_bytes = self.stats, self.expert_bytes
+            s.loads += added
+            s.bytes_to_device += added * expert_bytes
+            if prefetched:
+                s.prefetches += added
+            held = len(entries) * expert_bytes
+            if held > s.peak_bytes:
+                s.peak_bytes = held
 
     def mark_ready(self, key: Key) -> None:
         self.mark_all_ready((key,))
 
     def mark_all_ready(self, keys: Iterable[Key]) -> None:
         """The copies of `keys` (held) have landed."""
-        entries, arriving, slots, evictable = self.entries, self.arriving, self._slot, self._can_evict
+        entries, arriving, evictable = self.entries, self.arriving, self._can_evict
         for key in keys:
             entry = entries[key]
             entry.ready = True
             arriving.pop(key, None)
-            evictable[slots[key]] = not entry.pins
+            evictable[entry.slot] = not entry.pins
 
     def _drop(self, key: Key) -> None:
         """Forgets a held expert's entry and frees its slot."""
-        del self.entries[key]
+        slot = self.entries.pop(key).slot
         self.arriving.pop(key, None)
         del self.recency[key]
-        slot = self._slot.pop(key)
         self._can_evict[slot] = False
         self._free.append(slot)
 
     def remove(self, key: Key) -> None:
-        entry = self.entries[key]
-        if entry.pins:
-            raise RuntimeError(f"expert {key} is pinned and cannot be evicted")
-        del self.entries[key]  # as `_drop`, inline: an eviction per miss
-        self.arriving.pop(key, None)
-        del self.recency[key]
-        slot = self._slot.pop(key)
-        self._can_evict[slot] = False
-        self._free.append(slot)
-        if entry.prefetched and not entry.used:
-            self.stats.wasted_prefetches += 1
+        self.remove_all((key,))
+
+    def remove_all(self, keys: Iterable[Key]) -> None:
+        """Evicts each of `keys` (held, unpinned) in order."""
+        entries, arriving, recency = self.entries, self.arriving, self.recency
+        can_evict, free, stats = self._can_evict, self._free, self.stats
+        for key in keys:
+            entry = entries[key]
+            if entry.pins:
+                raise RuntimeError(f"expert {key} is pinned and cannot be evicted")
+            del entries[key]  # as `_drop`, inline: an eviction per miss
+            arriving.pop(key, None)
+            del recency[key]
+            slot = entry.slot
+            can_evict[slot] = False
+            free.append(slot)
+            if entry.prefetched and not entry.used:
+                stats.wasted_prefetches += 1
 
     def cancel(self, key: Key, unsent_bytes: int) -> None:
         """A prefetch stopped before it landed: its slot is free again and its unsent bytes uncounted."""
@@ -217,18 +233,19 @@ class CacheBook:
         self.stats.bytes_to_device -= unsent_bytes
 
     def pin(self, keys: Iterable[Key]) -> None:
-        entries, slots, evictable = self.entries, self._slot, self._can_evict
+        entries, evictable = self.entries, self._can_evict
         for key in keys:
-            entries[key].pins += 1
-            evictable[slots[key]] = False
+            entry = entries[key]
+            entry.pins += 1
+            evictable[entry.slot] = False
 
     def unpin(self, keys: Iterable[Key]) -> None:
-        entries, slots, evictable = self.entries, self._slot, self._can_evict
+        evictable, entries = self._can_evict, self.entries
         for key in keys:
             entry = entries[key]
             entry.pins -= 1
             if not entry.pins and entry.ready:
-                evictable[slots[key]] = True
+                evictable[entry.slot] = True
 
     def record_use(self, key: Key) -> None:
         self.record_uses((key,))
@@ -236,15 +253,15 @@ class CacheBook:
     def record_uses(self, keys: Iterable[Key]) -> None:
         """A use of each of `keys` (held), in order: each the most recent so far."""
         entries, recency, freq = self.entries, self.recency, self.freq
-        slots, uses, now = self._slot, self._slot_use, self.clock
+        uses, now = self._slot_use, self.clock
         for key in keys:
             entry = entries[key]
             entry.used = True
             now += 1
             entry.last_use = now
             recency.move_to_end(key)
-            uses[slots[key]] = now
-            freq[key] = freq.get(key, 0) + 1
+            uses[entry.slot] = now
+            freq[key] += 1
         self.clock = now
 
     def classify(
@@ -253,7 +270,7 @@ class CacheBook:
         """Splits a layer's needed experts into (hits, late prefetches, misses) and counts them; `pin`: pins
         the hits and late prefetches too (as `pin`)."""
         hits, late, misses = [], [], []
-        get, slots, evictable = self.entries.get, self._slot, self._can_evict
+        get, evictable = self.entries.get, self._can_evict
         for key in needed:
             entry = get(key)
             if entry is None:
@@ -265,7 +282,7 @@ class CacheBook:
                 late.append(key)
             if pin:
                 entry.pins += 1
-                evictable[slots[key]] = False
+                evictable[entry.slot] = False
         s, n_hits, n_late = self.stats, len(hits), len(late)
         n_missed = n_late + len(misses)
         s.hits += n_hits
@@ -342,8 +359,8 @@ class CacheBook:
         return out
 
     def _victim_of_arrays(self, keep_scores: KeepScores, protected: set[Key]) -> Key | None:
-        can_evict, slots = self._can_evict, self._slot
-        hidden = [slot for key in protected if (slot := slots.get(key)) is not None and can_evict[slot]]
+        can_evict, get = self._can_evict, self.entries.get
+        hidden = [e.slot for key in protected if (e := get(key)) is not None and can_evict[e.slot]]
         for slot in hidden:  # protected experts that could otherwise go: left out of this choice only
             can_evict[slot] = False
         candidates = self._evictable.nonzero()[0]

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from fmoe_jax.models.moe import ExpertWeights
 
 
+NOTHING: frozenset[Key] = frozenset()  # no experts protected
+
+
 class EvictionPolicy(Protocol):
     """What the cache asks its policy (`offload.policies.Policy` declares all three)."""
 
@@ -122,7 +125,8 @@ class DeviceExpertCache(BookView):
         self.filling: set[Key] = set()  # background fills on the link (`request_prefetch`)
         self.order = 0
         self.paused = 0  # on-demand loads pending
-        self.protected: set[Key] = set()  # the current layer's needs: prefetches must not evict them
+        # The current layer's needs: prefetches must not evict them.
+        self.protected: set[Key] | frozenset[Key] = NOTHING
         self.serving: int | None = None  # the layer between its routing and the end of its compute
         self.timers = {"prefetch_issue": 0.0, "on_demand_wait": 0.0}
 
@@ -290,7 +294,7 @@ class DeviceExpertCache(BookView):
         dropped (its misses load on demand; a prefetch landing first would pass a miss off as a hit).
         Replaces the last set; `protect(())` ends it."""
         with self.lock:
-            self.protected = set(keys)
+            self.protected = set(keys) if keys else NOTHING
             self.serving = layer
 
     # -- the engine's side -----------------------------------------------------------------------------
@@ -309,21 +313,21 @@ class DeviceExpertCache(BookView):
             hits, late, misses = book.classify(layer, needed, pin=True)
             if not (late or misses):  # every one resident: nothing to wait for
                 return self._used(needed)
-            pinned = hits + late
             if misses:
                 self.paused += 1
                 try:
                     self._load(misses, needed)
-                    pinned += misses
                 except BaseException:
-                    self._give_back(pinned + [key for key in misses if key in book], True)
+                    self._give_back(hits + late + [key for key in misses if key in book], True)
                     raise
-        waiting = late + misses
+            waiting = late + misses if late else misses
+            arrays = self.arrays
+            handles = [arrays[k] for k in waiting]
         start = time.perf_counter()
         try:
-            self.mover.wait([self.arrays[k] for k in waiting])
+            self.mover.wait(handles)
         except BaseException:
-            self._give_back(pinned, bool(misses))
+            self._give_back(hits + waiting, bool(misses))
             raise
         self.timers["on_demand_wait"] += time.perf_counter() - start
         with self.lock:
@@ -339,21 +343,28 @@ class DeviceExpertCache(BookView):
         protect, entries, capacity = set(needed), book.entries, book.capacity
         if self.policy.evicts_least_recent:  # the victims the loop would take, at once (reversed: the loads
             # take their slots in the loop's order)
-            for victim in reversed(book.least_recent(len(misses) - (capacity - len(entries)), protect)):
-                book.remove(victim)
+            victims = book.least_recent(len(misses) - (capacity - len(entries)), protect)
+            book.remove_all(reversed(victims))
+            for victim in victims:
                 del arrays[victim]
-        start, add = self.mover.start, book.add
-        for key in misses:
-            if queued:
-                queued.discard(key)
-            while len(entries) >= capacity and not self._evict_one(protect=protect):
-                self._wait_for_any_inflight()
-            if self.synchronous:
+        if queued:
+            queued.difference_update(misses)
+        if self.synchronous or len(entries) + len(misses) > capacity:
+            for key in misses:
+                while len(entries) >= capacity and not self._evict_one(protect=protect):
+                    self._wait_for_any_inflight()
                 self._start_copy(key, prefetched=False, pinned=True)
-            else:  # as `_start_copy`, inline: a call less per miss
-                handle = start(key, urgent=True)
-                add(key, prefetched=False, pinned=True)
-                arrays[key] = handle
+            return
+        # Room for every miss: each copy starts, then the book holds them all (those started, should one
+        # fail to start).
+        start, handles = self.mover.start, []
+        try:
+            for key in misses:
+                handles.append(start(key, urgent=True))
+        finally:
+            started = misses[: len(handles)]
+            book.add_all(started, prefetched=False, pinned=True)
+            arrays.update(zip(started, handles, strict=True))
 
     def _used(self, needed: Sequence[Key]) -> dict[Key, ExpertWeights]:
         """Counts a use of each of `needed` (resident, pinned) and returns their arrays; starts what

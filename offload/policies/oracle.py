@@ -266,9 +266,13 @@ class Oracle(Policy):
         """`keep_score` of many experts at once: the same floats, from the next uses kept per expert."""
         if self._synced != self._now:
             self._sync()
-        upcoming = np.where(self._next <= self._until, self._next, np.inf)
-        for key in self._at_routing:
-            if not self._served(key):
+        upcoming = self._next  # beyond the horizon, never again
+        if self._until != math.inf:
+            upcoming = np.where(upcoming <= self._until, upcoming, np.inf)
+        now = [key for key in self._at_routing if not self._served(key)]
+        if now:
+            upcoming = upcoming.copy() if upcoming is self._next else upcoming
+            for key in now:
                 upcoming[key] = float(self._now)
         return -upcoming[layers, experts]
 
