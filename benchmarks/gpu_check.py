@@ -56,7 +56,7 @@ def link_section(smoke: bool) -> dict:
 def overhead_section(smoke: bool, link: dict | None) -> dict:
     """offload_overhead's rows on bench-s (random weights), and the Must-show ratios."""
     import fmoe_jax as fj
-    from benchmarks.offload_overhead import measure
+    from benchmarks.offload_overhead import measure_in_turn
     from fmoe_jax.engines.offload import OffloadEngine
     from fmoe_jax.testing import PRESETS
 
@@ -64,8 +64,6 @@ def overhead_section(smoke: bool, link: dict | None) -> dict:
     new_tokens, repeats = (4, 1) if smoke else (32, 2)
     resident = fj.random_model(hf, None)
     prompt = np.random.default_rng(0).integers(3, hf["vocab_size"], 16 if smoke else 128).tolist()
-    rows = {"resident": measure(resident, prompt, new_tokens, repeats)}
-    resident.close()
     cfg = resident.config
     total = cfg.num_moe_layers * cfg.num_experts
     slots = max(1, round(0.25 * total))
@@ -76,13 +74,15 @@ def overhead_section(smoke: bool, link: dict | None) -> dict:
         "on_demand_lru 25%": fj.OffloadConfig(policy="on_demand_lru", cache_experts=slots),
         "fmoe 25%": fj.OffloadConfig(policy="fmoe", cache_experts=slots, prefetch_distance=1),
     }
+    models = {"resident": resident}
     for label, offload in configs.items():
         engine = OffloadEngine(base.module, offload, programs=base.engine.programs)
-        model = dataclasses.replace(base, engine=engine, offload=offload)
-        try:
-            rows[label] = measure(model, prompt, new_tokens, repeats)
-        finally:
-            engine.close()
+        models[label] = dataclasses.replace(base, engine=engine, offload=offload)
+    try:  # the rows take turns, one generation each per round (`measure_in_turn`)
+        rows = measure_in_turn(models, prompt, new_tokens, repeats)
+    finally:
+        for model in models.values():
+            model.close()
     res, warm = rows["resident"]["tpot_ms"], rows["warm (cache = all)"]["tpot_ms"]
     lru, fmoe = rows["on_demand_lru 25%"], rows["fmoe 25%"]
     ratios = dict(warm_vs_resident=warm / res, fmoe_vs_lru=fmoe["tpot_ms"] / lru["tpot_ms"])

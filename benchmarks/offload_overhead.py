@@ -11,7 +11,8 @@ the critical path, target <= 2 % of TPOT for fmoe). The engine's host path per d
 programs launched and host waits for device results (at most MoE layers + 2), and the host time per MoE
 layer outside those waits and outside copy waits (on a CPU backend a launch runs its program before it
 returns, so there this includes the compute). Timings are medians over decode steps of `--repeats`
-generations after a warm-up generation; the machine's load average is recorded before and after.
+generations after a warm-up generation, the rows taking turns (one generation each per round) so that a
+change in the machine's speed falls on every row alike; the load average is recorded before and after.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,15 +31,32 @@ STEP_FIELDS = ("step_launches", "step_syncs", "step_host_s")
 
 
 def measure(model, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+    """One model's row: `measure_in_turn` of it alone."""
+    return measure_in_turn({"": model}, prompt, new_tokens, repeats)[""]
+
+
+def measure_in_turn(models: dict[str, Any], prompt: list[int], new_tokens: int, repeats: int) -> dict:
+    """Every model's row. Each is warmed up (compiled, its cache filled), then the timed generations go round
+    the models `repeats` times, so that drift in the machine's speed (other jobs, clocks) falls on all alike
+    and the ratios between rows compare like with like."""
     import fmoe_jax as fj
 
-    fj.generate(model, [prompt], max_new_tokens=new_tokens, stop_at_eos=False)  # compile, warm the cache
-    steps, ttft, runs = [], [], []
+    def run(model):
+        return fj.generate(model, [prompt], max_new_tokens=new_tokens, stop_at_eos=False).stats
+
+    for model in models.values():
+        run(model)  # compile, warm the cache
+    runs: dict[str, list] = {label: [] for label in models}
     for _ in range(repeats):
-        out = fj.generate(model, [prompt], max_new_tokens=new_tokens, stop_at_eos=False)
-        steps.extend(out.stats.decode_step_s)
-        ttft.append(out.stats.ttft_s)
-        runs.append(out.stats)
+        for label, model in models.items():
+            runs[label].append(run(model))
+    return {label: summary(models[label], stats) for label, stats in runs.items()}
+
+
+def summary(model, runs: list) -> dict:
+    """A row from one model's timed generations (`GenerationStats`)."""
+    steps = [t for r in runs for t in r.decode_step_s]
+    ttft = [r.ttft_s for r in runs]
     s = runs[-1]
     tokens = sum(len(r.decode_step_s) + 1 for r in runs)
     overhead = {k: sum(r.overhead_s.get(k, 0.0) for r in runs) / tokens * 1e3 for k in s.overhead_s}
@@ -77,6 +96,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import fmoe_jax as fj
+    from fmoe_jax.engines.offload import OffloadEngine
     from fmoe_jax.testing import ensure_checkpoint
 
     path = args.model or args.checkpoint or ensure_checkpoint("bench-s")
@@ -87,8 +107,6 @@ def main() -> None:
     prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, args.prompt_len).tolist()
     total = cfg.num_moe_layers * cfg.num_experts
     slots = max(1, round(args.budget * total))
-    rows = {"resident engine": measure(resident, prompt, args.new_tokens, args.repeats)}
-    del resident
     configs = {
         "offload, cache = all (warm)": fj.OffloadConfig(policy="on_demand_lru", cache_experts=total),
         f"on_demand_lru, {args.budget:.0%}": fj.OffloadConfig(policy="on_demand_lru", cache_experts=slots),
@@ -100,9 +118,18 @@ def main() -> None:
                 configs[f"{policy}, {args.budget:.0%}"], transfer=transfer
             )
 
+    # One copy of the weights (experts in pinned host memory) under one engine per configuration.
+    base = fj.load_model(path, offload=fj.OffloadConfig(cache_experts=1))
+    base.close()
+    models = {"resident engine": resident}
     for label, offload in configs.items():
-        with fj.load_model(path, offload=offload) as model:
-            rows[label] = measure(model, prompt, args.new_tokens, args.repeats)
+        engine = OffloadEngine(base.module, offload, programs=base.engine.programs)
+        models[label] = dataclasses.replace(base, engine=engine, offload=offload)
+    try:
+        rows = measure_in_turn(models, prompt, args.new_tokens, args.repeats)
+    finally:
+        for model in models.values():
+            model.close()
     base = rows["resident engine"]["tpot_ms"]
     warm = rows["offload, cache = all (warm)"]["tpot_ms"]
     table = []
