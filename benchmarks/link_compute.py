@@ -249,13 +249,28 @@ def measure_latency(pinned, device, repeats, link_nominal, sizes_mb=(0.25, 1, 4,
         src = random_matrix(jax.random.key(int(mb * 4)), (n,), jnp.bfloat16, pinned)
         seconds = timed(lambda src=src: jax.block_until_ready(jax.device_put(src, device)), repeats)
         rows.append(dict(mb=n * 2 / 1e6, ms=seconds * 1e3, gbs=n * 2 / seconds / 1e9))
-    size = np.array([r["mb"] * 1e6 for r in rows])
-    secs = np.array([r["ms"] / 1e3 for r in rows])
-    slope, intercept = np.polyfit(size, secs, 1)
-    fit = dict(latency_ms=float(intercept * 1e3), rate_gbs=float(1 / slope / 1e9))
+    fit = fit_link([r["mb"] * 1e6 for r in rows], [r["ms"] / 1e3 for r in rows])
     if link_nominal:
-        fit["link_efficiency"] = float(1 / slope / link_nominal)
+        fit["link_efficiency"] = float(fit["rate_gbs"] * 1e9 / link_nominal)
     return dict(sizes=rows, fit=fit)
+
+
+def fit_link(nbytes, seconds) -> dict:
+    """`seconds = latency + bytes / rate` by least squares, with a latency >= 0 and a rate > 0.
+
+    A negative intercept refits the line through the origin. When noise swamps the sizes' differences (small
+    copies on a CPU, where a copy is a memcpy), the slope comes out <= 0 and the rate is not resolved: the fit
+    then gives the largest copy's bytes over its whole time (a lower bound on the rate), the smallest copy's
+    time as the latency (an upper bound), and says `resolved: False`."""
+    size, secs = np.asarray(nbytes, float), np.asarray(seconds, float)
+    slope, intercept = np.polyfit(size, secs, 1)
+    resolved = bool(slope > 0)
+    if not resolved:
+        big = int(np.argmax(size))
+        slope, intercept = secs[big] / size[big], float(secs.min())
+    elif intercept < 0:
+        slope, intercept = float(size @ secs / (size @ size)), 0.0
+    return dict(latency_ms=float(intercept * 1e3), rate_gbs=float(1 / slope / 1e9), resolved=resolved)
 
 
 # -- 4. one decoder layer at real size ---------------------------------------------------------------------

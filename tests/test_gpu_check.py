@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import gpu_check
 
 
@@ -21,3 +23,17 @@ def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
     }
     assert all(r["live_tpot_ms"] > 0 and r["sim_tpot_ms"] > 0 for r in replay)
     assert "| live_replay |" in (tmp_path / "gpu_check_cpu_smoke.md").read_text()
+
+
+def test_link_fit_recovers_a_line_and_bounds_an_unresolved_rate():
+    from benchmarks.link_compute import fit_link
+
+    size = [1e6, 4e6, 16e6]
+    exact = fit_link(size, [3e-4 + s / 50e9 for s in size])
+    assert exact["resolved"] and abs(exact["rate_gbs"] - 50) < 1e-6 and abs(exact["latency_ms"] - 0.3) < 1e-9
+    noisy = fit_link(size, [5e-4, 4e-4, 4.5e-4])  # larger copies no slower: noise, no slope
+    assert not noisy["resolved"]
+    assert noisy["rate_gbs"] == pytest.approx(16e6 / 4.5e-4 / 1e9)
+    assert noisy["latency_ms"] == pytest.approx(0.4)
+    origin = fit_link(size, [1e-4, 5e-4, 2.1e-3])  # intercept below zero: a line through the origin
+    assert origin["resolved"] and origin["latency_ms"] == 0.0 and origin["rate_gbs"] > 0
