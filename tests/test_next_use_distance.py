@@ -47,12 +47,16 @@ def test_a_requests_own_experts_are_kept_and_the_next_layers_before_the_last():
     assert keep[share > 0.5].mean() > keep[share < 0.2].mean()
     # The same chance one layer step away is kept over one a whole iteration away.
     forecast.chance[:] = 0.3
+    forecast.scores = np.zeros((3, 6))
     keep = forecast.keep_scores(np.array([0, 6, 12]), np.zeros((3, 6)), current=0)
     assert keep[1] > keep[2] > keep[0]
     # A guide's need raises the chance of its layer's expert.
     need = np.zeros((3, 6))
     need[0, 0] = 0.9
     assert forecast.keep_scores(np.array([0]), need, 0)[0] > keep[0]
+    # So does the reuse forecast's own score (the store's hint), where it beats the table's chance.
+    forecast.scores[0, 0] = 0.9
+    assert forecast.keep_scores(np.array([0]), np.zeros((3, 6)), 0)[0] > keep[0]
 
 
 def test_bad_inputs_are_refused_with_their_values():

@@ -38,11 +38,15 @@ PRIOR = 4.0  # pseudo-observations of the base rate (top_k / J) in every cell
 _FLOOR = 1e-3  # the least chance of use: an expected distance stays finite
 
 
-def cells(gap: np.ndarray, last8: np.ndarray, last32: np.ndarray, share: np.ndarray) -> np.ndarray:
-    """Each expert's table cell from its features (arrays of one shape)."""
-    w32 = np.searchsorted(W32_EDGES, last32, side="right")
+_W32_BIN = np.searchsorted(W32_EDGES, np.arange(33), side="right")
+
+
+def cells(gap: np.ndarray | int, last8: np.ndarray, last32: np.ndarray, share: np.ndarray) -> np.ndarray:
+    """Each expert's table cell from its features (arrays of one shape; `gap` may be a number)."""
     share_bin = np.searchsorted(SHARE_EDGES, share, side="right")
-    return ((_GAP_BIN.take(gap) * _SIZES[1] + last8) * _SIZES[2] + w32) * _SIZES[3] + share_bin
+    return ((_GAP_BIN.take(gap) * _SIZES[1] + last8) * _SIZES[2] + _W32_BIN.take(last32)) * _SIZES[
+        3
+    ] + share_bin
 
 
 def request_cells(used: np.ndarray) -> np.ndarray:
@@ -91,10 +95,10 @@ class DistanceForecast(ReuseForecast):
     def start_request(self) -> None:
         shape = self.shape
         self._gap = np.full(shape, _NEVER, np.int64)
-        self._ring = np.zeros((32, *shape), bool)  # the last 32 iterations' uses
+        self._ring = np.zeros((32, *shape), np.int64)  # the last 32 iterations' uses
         self._last8 = np.zeros(shape, np.int64)
         self._last32 = np.zeros(shape, np.int64)
-        self._uses = np.zeros(shape)
+        self._uses = np.zeros(shape, np.int64)
         self._step = 0
         self._begin()
         super().start_request()
@@ -103,36 +107,37 @@ class DistanceForecast(ReuseForecast):
         return (self.counts[0] + PRIOR * self.base_rate) / (self.counts[1] + PRIOR)
 
     def _begin(self) -> None:
-        """Each expert's cell and chance for the iteration about to start."""
-        share = self._uses / max(self._step, 1)
-        self._cells = cells(self._gap, self._last8, self._last32, share)
-        self._rate = self._rates()
-        self.chance = self._rate.take(self._cells)
+        """Each expert's cell and chance for the iteration about to start, and its chance at the next one
+        if this one uses it or not (`mark_used` copies them in as its layer routes)."""
+        step, gap = self._step, self._gap
+        leaving8 = self._ring[(step - 8) % 32] if step >= 8 else 0  # the iteration leaving the window
+        leaving32 = self._ring[step % 32] if step >= 32 else 0
+        last8, last32 = self._last8 - leaving8, self._last32 - leaving32
+        rate = self._rates()
+        self._cells = cells(gap, self._last8, self._last32, self._uses / max(step, 1))
+        self.chance = rate.take(self._cells)
+        self._if_missed_chance = rate.take(
+            cells(np.where(gap < _CAP, gap + 1, gap), last8, last32, self._uses / (step + 1))
+        )
+        self._if_used_chance = rate.take(cells(0, last8 + 1, last32 + 1, (self._uses + 1) / (step + 1)))
 
     def mark_used(self, layer: int, experts: np.ndarray) -> None:
         """Layer `layer` has routed: its experts' chance becomes the next iteration's."""
         super().mark_used(layer, experts)
-        used = np.zeros(self.shape[1], bool)
-        used[experts] = True
-        step = self._step
-        gap = np.where(used, 0, np.where(self._gap[layer] < _CAP, self._gap[layer] + 1, self._gap[layer]))
-        leaving8 = self._ring[(step - 8) % 32, layer] if step >= 8 else 0
-        leaving32 = self._ring[step % 32, layer] if step >= 32 else 0
-        last8 = self._last8[layer] + used - leaving8
-        last32 = self._last32[layer] + used - leaving32
-        share = (self._uses[layer] + used) / (step + 1)
-        self.chance[layer] = self._rate.take(cells(gap, last8, last32, share))
+        self.chance[layer] = self._if_missed_chance[layer]
+        self.chance[layer, experts] = self._if_used_chance[layer, experts]
 
     def end_iteration(self, used: np.ndarray) -> None:
         used = np.asarray(used, bool)
-        self.counts[0] += np.bincount(self._cells.ravel(), used.ravel().astype(np.float64), minlength=CELLS)
-        self.counts[1] += np.bincount(self._cells.ravel(), minlength=CELLS)
-        step = self._step
+        both = np.bincount((self._cells + CELLS * used).ravel(), minlength=2 * CELLS)  # missed, used
+        self.counts[0] += both[CELLS:]
+        self.counts[1] += both[:CELLS] + both[CELLS:]
+        step, slot = self._step, self._step % 32
         if step >= 8:
             self._last8 -= self._ring[(step - 8) % 32]
         if step >= 32:
-            self._last32 -= self._ring[step % 32]
-        self._ring[step % 32] = used
+            self._last32 -= self._ring[slot]
+        self._ring[slot] = used
         self._last8 += used
         self._last32 += used
         self._uses += used
