@@ -14,6 +14,7 @@ import numpy as np
 
 from ...cache import CacheView, Entry, Key
 from ...predictors import Predictor
+from .distance import DistanceForecast
 from .forecast import ReuseForecast
 from .guides import Guides
 from .select import keep_priority
@@ -118,6 +119,8 @@ class Eviction:
       forecast: the reuse forecast of the next iterations.
       popularity: the experts' popularity.
       price: what a wrong prefetch of a layer's expert costs, in need probability (`Admission.price`).
+      distance: ranks the victims by expected next-use distance instead (`reuse_distance`); admission
+        still compares keep scores.
     """
 
     def __init__(
@@ -128,9 +131,11 @@ class Eviction:
         forecast: ReuseForecast,
         popularity: Popularity,
         price: Callable[[int], float],
+        distance: DistanceForecast | None = None,
     ):
         self.rule, self.cache, self.guides = rule, cache, guides
         self.forecast, self.popularity, self.price = forecast, popularity, price
+        self.distance = distance
 
     def keep_score(self, key: Key, entry: Entry) -> float:
         """ "reuse": the probability the expert is needed soon: later in this iteration (its need probability,
@@ -152,6 +157,8 @@ class Eviction:
             keys = zip(layers.tolist(), experts.tolist(), strict=True)
             return np.array([self.keep_score(key, self.cache.entry(key)) for key in keys], np.float64)
         flat = layers * self.guides.need.shape[1] + experts  # layer * J + expert
+        if self.distance is not None:
+            return self.distance.keep_scores(flat, self.guides.need, self.guides.current)
         now = self.guides.need.take(flat)  # at each layer's next routing: this iteration's, or the next's
         later = 1.0 - self.forecast.scores.take(flat)
         unlikely = self.popularity.unlikely

@@ -28,12 +28,13 @@ from ..base import Policy, PolicyContext
 from ..fiddler import expert_usage
 from .admission import Admission
 from .budget import SearchBudget
+from .distance import DistanceForecast, fit_counts
 from .eviction import Eviction, Popularity, PredictedReuse, auto_reuse_horizon
 from .followers import FollowerLinks
 from .forecast import Calibration, ReuseForecast
 from .guides import Guides
 from .matcher import Context, Matcher, make_matcher
-from .next_use import NextUseTraining
+from .next_use import NextUseTraining, used_sets
 from .options import FMoEOptions
 from .select import SortedMaps
 from .skips import SearchSkips
@@ -73,6 +74,7 @@ class FMoE(Policy):
         self._reuse_traces: list | None = None
         self._trained_reuse: dict[int, Predictor] = {}
         self._next_use: NextUseTraining | None = None  # `from_traces(learned_reuse=True)`: fits at `bind`
+        self._distance_counts: np.ndarray | None = None  # `from_traces(reuse_distance=True)`
         self.calibration = Calibration()
         # P(needed at the next token's layer j | the reuse hint's p, its layer, recency): the next token's
         # guess.
@@ -141,6 +143,8 @@ class FMoE(Policy):
         policy = cls(store_capacity=store_capacity, **options)
         if options.get("learned_reuse") and traces:
             policy._next_use = NextUseTraining(traces, options["popularity"])
+        if options.get("reuse_distance") and traces:
+            policy._distance_counts = fit_counts(used_sets(traces))
         if train and traces:
             policy._reuse_traces = list(traces)
             policy._wants_hidden = True
@@ -202,7 +206,16 @@ class FMoE(Policy):
         self.popularity = Popularity(
             options.popularity, saved.get("popularity"), ctx.num_layers, ctx.num_experts, ctx.top_k
         )
-        if self._next_use is None:
+        if options.reuse_distance:
+            self.forecast = DistanceForecast(
+                ctx.num_layers,
+                ctx.num_experts,
+                ctx.top_k,
+                self._distance_counts,
+                horizon=self.reuse_horizon,
+                sticky=options.sticky,
+            )
+        elif self._next_use is None:
             self.forecast = ReuseForecast(
                 ctx.num_layers, ctx.num_experts, horizon=self.reuse_horizon, sticky=options.sticky
             )
@@ -230,6 +243,7 @@ class FMoE(Policy):
             self.forecast,
             self.popularity,
             lambda layer: self.admission.price(layer, self.guides.current),
+            self.forecast if options.reuse_distance else None,
         )
         self.predicted = (
             None
