@@ -229,9 +229,21 @@ class Driver:
         `is_last` is True for the layer's last chunk over all devices (the engine finishes the layer
         there); a layer that needs nothing (or only host-computed experts) gets one `compute` with an empty
         chunk."""
+        cache = self.cache
+        parts = cache.parts(keys)
+        if len(parts) == 1 and parts[0][0] is cache and len(keys) <= cache.book.capacity:  # the usual
+            try:  # one device, one chunk: its release ends the protection
+                arrays = cache.ensure(layer, keys)
+            except BaseException:
+                cache.protect(())
+                raise
+            try:
+                compute(layer, keys, arrays, True)
+            finally:
+                cache.release(keys, unprotect=True)
+            return
         try:
-            parts = self.cache.parts(keys)
-            if len(parts) == 1 and len(parts[0][1]) <= parts[0][0].book.capacity:  # one chunk (the usual)
+            if len(parts) == 1 and len(parts[0][1]) <= parts[0][0].book.capacity:  # one chunk on one device
                 part, chunk = parts[0]
                 arrays = part.ensure(layer, chunk)
                 try:
