@@ -154,11 +154,10 @@ class CacheBook:
         self.add_all((key,), prefetched=prefetched, pinned=pinned)
         return self.entries[key]
 
-    def add_all(self, keys: Sequence[Key], *, prefetched: bool, pinned: bool = False, ready: bool = False) -> None:
-        """`add` of each of `keys` in order (an iteration's on-demand loads at once); `ready`: their copies
-        have landed too (as `mark_all_ready` after)."""
+    def add_all(self, keys: Sequence[Key], *, prefetched: bool, pinned: bool = False) -> None:
+        """`add` of each of `keys` in order (an iteration's on-demand loads at once)."""
         entries, capacity = self.entries, self.capacity
-        arriving, recency, free = ({} if ready else self.arriving), self.recency, self._free
+        arriving, recency, free = self.arriving, self.recency, self._free
         layer_of, expert_of, uses = self._layer_of, self._expert_of, self._slot_use
         now, pins, added = self.clock, 1 if pinned else 0, 0
         try:
@@ -169,12 +168,10 @@ class CacheBook:
                     raise RuntimeError(f"cache full ({capacity} slots): evict before adding {key}")
                 self.clock = now = now + 1
                 slot = free.pop()
-                entry = Entry(ready, prefetched, False, pins, now, now, slot)  # arrival counts as a use (LRU)
+                entry = Entry(False, prefetched, False, pins, now, now, slot)  # arrival counts as a use (LRU)
                 entries[key] = arriving[key] = recency[key] = entry
                 layer_of[slot], expert_of[slot] = key
                 uses[slot] = now
-                if ready and not pins:
-                    self._can_evict[slot] = True
                 added += 1
         finally:  # those added counted, should one fail (the peak: the last, as held only grows here)
             s, expert_bytes = self.stats, self.expert_bytes
