@@ -173,12 +173,16 @@ class Driver:
         start = IterationStart(valid, embeds if semantic else None, self.requests)
         self._tell(policy.on_iteration_start, start)
         cache, hears, planner = self.cache, policy.hears_layers, self.planner
+        # Protect a layer's experts before the policy hears of its routing: a prefetch requested before they
+        # are pinned must not evict them. Without a hearing policy, a planner's fills or a policy's thread,
+        # none is requested before `serve` (which protects them where it runs several chunks).
+        guard = hears or planner is not None or policy.threaded
         for layer in range(policy.ctx.num_layers):
             routed = loop.route(layer)
             needed = needed_experts(routed.ids, rows) if routed.needed is None else routed.needed
             keys = [(layer, e) for e in needed]
-            # Protect before the policy hears of the routing: a prefetch it requests must not evict them.
-            cache.protect(keys, layer)
+            if guard:
+                cache.protect(keys, layer)
             if hears:
                 event = LayerRouted(
                     layer,
@@ -190,7 +194,8 @@ class Driver:
                 )
                 self._tell(policy.on_layer_routed, event)
             on_host = self._host_share(layer, needed, routed.ids, token_valid, loop) if planner else None
-            self.serve(layer, [key for key in keys if key not in on_host] if on_host else keys, loop.compute)
+            served = [key for key in keys if key not in on_host] if on_host else keys
+            self.serve(layer, served, loop.compute, protected=guard)
             if on_host and policy.host_fill:
                 fill = [(key, FILL_PRIORITY) for key in on_host if self.cache.entry(key) is None]
                 self.cache.request_prefetch(fill, replace=False, if_idle=policy.host_fill == "idle")
@@ -222,16 +227,32 @@ class Driver:
         self.timers["hybrid_planning"] += time.perf_counter() - start
         return on_host
 
-    def serve(self, layer: int, keys: list[Key], compute: Compute) -> None:
+    def serve(self, layer: int, keys: list[Key], compute: Compute, *, protected: bool = True) -> None:
         """For each device's share of the layer's needed experts `keys`, chunk by chunk: ensure, compute,
         release.
 
         `is_last` is True for the layer's last chunk over all devices (the engine finishes the layer
         there); a layer that needs nothing (or only host-computed experts) gets one `compute` with an empty
-        chunk."""
+        chunk. `protected`: the caller has protected `keys` (`ServingCache.protect`); else they are
+        protected here where the layer runs in several chunks or on several devices (one chunk is pinned
+        before anything could evict its experts)."""
+        cache = self.cache
+        parts = cache.parts(keys)
+        if len(parts) == 1 and parts[0][0] is cache and len(keys) <= cache.book.capacity:  # the usual
+            try:  # one device, one chunk: its release ends the protection
+                arrays = cache.ensure(layer, keys)
+            except BaseException:
+                cache.protect(())
+                raise
+            try:
+                compute(layer, keys, arrays, True)
+            finally:
+                cache.release(keys, unprotect=True)
+            return
         try:
-            parts = self.cache.parts(keys)
-            if len(parts) == 1 and len(parts[0][1]) <= parts[0][0].book.capacity:  # one chunk (the usual)
+            if not protected:
+                cache.protect(keys, layer)
+            if len(parts) == 1 and len(parts[0][1]) <= parts[0][0].book.capacity:  # one chunk on one device
                 part, chunk = parts[0]
                 arrays = part.ensure(layer, chunk)
                 try:

@@ -28,21 +28,15 @@ class Step:
     past_tokens: np.ndarray  # [R] tokens each active row had before this iteration
     routed: np.ndarray  # [L, J] valid tokens routed to each expert
     needed: list[tuple[int, ...]]  # [L] the experts the valid tokens chose, ascending (`Routed.needed`)
-    counts: list[tuple[int, ...]]  # [L] the valid tokens routed to each of `needed`, in its order
+    # [L] the valid tokens routed to each of `needed`, in its order: what the cost model charges a chunk of
+    # all of a layer's needed experts (`CostModel.experts_s`, a function of the chunk's size and token total).
+    counts: list[tuple[int, ...]]
 
     def tokens(self, layer: int, keys: list[Any]) -> tuple[int, ...]:
         """The valid tokens routed to each expert of `keys` (`(layer, expert)`, some of `layer`'s needed
         experts), in their order."""
         row = self.routed[layer]
         return tuple([int(row[e]) for _, e in keys])
-
-    def chunk_tokens(self, layer: int, chunk: list[Any]) -> tuple[int, ...]:
-        """`tokens` of a chunk the cost model charges as one kernel (`CostModel.experts_s`, a function of the
-        chunk's size and its token total): a chunk of all the layer's needed experts (the usual) takes the
-        counts worked out once, in `needed`'s order; the same size and total in any order."""
-        if len(chunk) == len(self.needed[layer]):
-            return self.counts[layer]
-        return self.tokens(layer, chunk)
 
 
 def layout(trace: RoutingTrace, i: int, policy: Policy, past: list[list[int]]) -> Step:

@@ -423,7 +423,7 @@ def _replay_batch(
     policy = driver.policy
     # Charges that are 0.0 on this preset (no engine costs, no shared expert) are left out: adding 0.0 to the
     # clock changes no bit of it.
-    engine_active = engine.active
+    engine_active, experts_s = engine.active, charges.experts_s
     for i in range(num_iterations):
         step = layout(trace, i, policy, past) if counted is None else counted.layout(i, policy, past)
         began = link.clock
@@ -433,21 +433,26 @@ def _replay_batch(
         shared_s = charges.shared_s(tokens)
         ids = step.ids.transpose(1, 0, 2)  # [L, N, k]: a layer's rows without a strided index each time
 
-        def route(m: int, step=step, route_s=route_s, ids=ids) -> Routed:
+        def route(m: int, route_s=route_s, ids=ids, needed=step.needed, probs=step.probs, hidden=step.hidden):
             if engine_active:
                 engine.routed()  # what it returns, `layer_s`, is in `route_s`
             link.compute(route_s)
+            if probs is None and hidden is None:
+                return Routed(ids[m], None, None, needed[m])
             return Routed(
                 ids[m],
-                None if step.probs is None else step.probs[:, m],
-                None if step.hidden is None else step.hidden[:, m],
-                step.needed[m],
+                None if probs is None else probs[:, m],
+                None if hidden is None else hidden[:, m],
+                needed[m],
             )
 
-        def compute(m: int, chunk: list[Key], arrays: dict, last: bool, step=step, shared=shared_s) -> None:
+        def compute(
+            m: int, chunk: list[Key], arrays: dict, last: bool, step=step, shared=shared_s, needed=step.needed
+        ) -> None:
             if engine_active:
                 engine.runs(chunk)
-            link.compute(charges.experts_s(step.chunk_tokens(m, chunk)))
+            # A chunk of all the layer's needed experts (the usual) is charged the counts worked out once.
+            link.compute(experts_s(step.counts[m] if len(chunk) == len(needed[m]) else step.tokens(m, chunk)))
             if last:
                 if engine_active:
                     link.compute(engine.layer_done())

@@ -1,8 +1,12 @@
 """The replay's fast paths give what the general ones give: a batch of one request laid out from its routing
 counted once (`replay_steps.Counted`) as the padded layout does, the array victim scores of LFU and
-Mixtral-Offloading as their per-expert scores, and the driver's events for a policy that hears layers."""
+Mixtral-Offloading as their per-expert scores, the driver's events for a policy that hears layers, and a
+layer's use of the cache in one pass (`CacheBook.use_least_recent`, with the link landing copies at once) as
+the general ensure, and without protection at routing where nothing could prefetch."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 from fmoe_jax.offload.cache import DeviceExpertCache, Mover
@@ -109,3 +113,98 @@ def test_a_mover_with_results_of_its_own_is_asked_for_them():
     policy.bind(PolicyContext(1, 4, 1, 4, 1, 4), cache)
     assert cache.ensure(0, [(0, 1)]) == {(0, 1): ("arrays", (0, 1))}
     assert isinstance(Mover(), Mover) and Mover.handle_is_result
+
+
+class Queued(SimulatedLink):
+    """The link without its landing at once: the cache takes the general path (start, wait, mark ready)."""
+
+    loads_now = False
+
+
+def cache_state(cache: DeviceExpertCache) -> tuple:
+    """Everything the cache and its link hold that a later step or a result could read."""
+    book, link = cache.book, cache.mover
+    entries = [(key, dataclasses.astuple(entry)) for key, entry in book.entries.items()]
+    copies = {key: (h.submitted_s, h.chunks_left, h.done_s) for key, h in cache.arrays.items()}
+    slots = (book._slot_layer.tolist(), book._slot_expert.tolist(), book._slot_use, bytes(book._can_evict))
+    return (
+        entries,
+        list(book.recency),
+        list(book.arriving),
+        dict(book.freq),
+        book.clock,
+        list(book._free),
+        slots,
+        dataclasses.asdict(book.stats),
+        copies,
+        (link.clock, link.free_at, link.busy_s, link.stall_s, len(link.urgent), len(link.background)),
+        sorted(cache.queue),
+    )
+
+
+def test_a_layer_used_in_one_pass_changes_the_cache_as_the_general_path_does():
+    rng = np.random.default_rng(3)
+    caches = []
+    for link in (SimulatedLink(4, 1.0, chunks=3), Queued(4, 1.0, chunks=3)):
+        policy = OnDemandLRU()
+        cache = DeviceExpertCache(link, 7, 4, policy, max_inflight=2)
+        policy.bind(PolicyContext(4, 6, 2, 4, 1, 7), cache)
+        caches.append(cache)
+    fast, general = caches
+    quiet = 0
+    for step in range(300):
+        layer = int(rng.integers(4))
+        keys = [(layer, int(e)) for e in sorted(rng.choice(6, int(rng.integers(1, 5)), replace=False))]
+        if (
+            step % 7 == 3
+        ):  # prefetches now and then: copies arriving, so both take the general path for a while
+            wanted = [((int(rng.integers(4)), int(rng.integers(6))), float(rng.random())) for _ in range(3)]
+            for cache in caches:
+                cache.request_prefetch(wanted)
+        quiet += not fast.book.arriving
+        for cache in caches:
+            cache.protect(keys, layer)
+            arrays = cache.ensure(layer, keys)
+            assert list(arrays) == keys
+            cache.mover.compute(0.25 * len(keys))
+            cache.release(keys, unprotect=True)
+        assert cache_state(fast) == cache_state(general), step
+    assert quiet > 80 and fast.book.stats.misses > 100 and fast.book.stats.prefetches > 10
+
+
+def test_the_link_lands_urgent_copies_at_once_as_starting_and_waiting_for_them():
+    for free_at in (0.0, 2.5):  # the link idle, or busy with a piece already under way
+        links = [
+            SimulatedLink(3, 2.0, chunks=3, chunk_latency_s=0.1),
+            Queued(3, 2.0, chunks=3, chunk_latency_s=0.1),
+        ]
+        for link in links:
+            link.compute(1.0)
+            link.free_at = free_at
+        keys = [(0, 1), (2, 3), (1, 0)]
+        at_once = links[0].load_now(keys)
+        one_by_one = [links[1].start(key, urgent=True) for key in keys]
+        links[1].wait(one_by_one)
+        assert [dataclasses.astuple(h) for h in at_once] == [dataclasses.astuple(h) for h in one_by_one]
+        a, b = links
+        assert (a.clock, a.free_at, a.busy_s, a.stall_s) == (b.clock, b.free_at, b.busy_s, b.stall_s)
+
+
+def test_a_replay_comes_out_the_same_without_the_one_pass_use_or_without_protection_at_routing(monkeypatch):
+    class Hears(OnDemandLRU):  # protected at routing: the policy hears of each layer
+        def on_layer_routed(self, event):
+            pass
+
+    rng = np.random.default_rng(4)
+    requests = [one_request(rng).requests[0] for _ in range(4)]
+    meta = one_request(rng).meta
+    traces = [RoutingTrace(meta, requests[:3]), RoutingTrace(meta, requests[3:])]  # a batch of 3, then of 1
+    results = []
+    for policy, lands_now in ((OnDemandLRU(), True), (Hears(), True), (OnDemandLRU(), False)):
+        monkeypatch.setattr(SimulatedLink, "loads_now", lands_now)
+        for slots in (3, 9):  # 3: the prefill's layers run in chunks
+            offload = OffloadConfig(policy=policy if slots == 3 else type(policy)(), cache_experts=slots)
+            result = simulate(traces, offload, model=TOY_MODEL, hardware=TOY_HARDWARE)
+            results.append((slots, result.as_dict()))
+    assert results[1][1]["misses"] > 0 and results[1][1]["hits"] > 0
+    assert results[:2] == results[2:4] == results[4:]

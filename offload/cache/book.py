@@ -294,6 +294,79 @@ class CacheBook:
         layer_needed[layer] = layer_needed.get(layer, 0) + n_hits + n_missed
         return hits, late, misses
 
+    def use_least_recent(
+        self, layer: int, needed: Sequence[Key], load: Callable[[list[Key]], list]
+    ) -> tuple[list[Key], list[Key], list] | None:
+        """A layer's use of `needed` in one pass, while nothing is arriving, for a policy that evicts the
+        least recently used: what `classify(pin=True)`, evicting `least_recent` victims outside `needed`
+        for the misses (`remove_all`, reversed), `add_all` of the misses (pinned; `load(misses)`: their
+        copies, started and landed) and `record_uses(needed)` do one after another, with each key looked up
+        once: the same entries, slots, recency order, clock and counts. Returns (victims, misses, the
+        misses' handles), or None, having changed nothing, when too few experts can be evicted."""
+        entries, evictable = self.entries, self._can_evict
+        found = [entries.get(key) for key in needed]
+        misses: list[Key] = []
+        for key, entry in zip(needed, found, strict=True):  # the hits pinned first: victims are then the
+            if entry is None:  # unpinned, outside `needed` too
+                misses.append(key)
+            else:
+                entry.pins += 1
+                evictable[entry.slot] = False
+        victims: list[tuple[Key, Entry]] = []
+        n_missed, free = len(misses), self._free
+        if n_missed and n_missed > len(free):
+            short = n_missed - len(free)
+            for key, entry in self.recency.items():  # the least recently used first
+                if entry.ready and not entry.pins:
+                    victims.append((key, entry))
+                    if len(victims) == short:
+                        break
+            else:
+                self.unpin([key for key, entry in zip(needed, found, strict=True) if entry is not None])
+                return None
+        handles = load(misses) if misses else []
+        s, recency = self.stats, self.recency
+        n_hits = len(needed) - n_missed
+        s.hits += n_hits
+        s.misses += n_missed
+        layer_hits, layer_needed = s.layer_hits, s.layer_needed
+        layer_hits[layer] = layer_hits.get(layer, 0) + n_hits
+        layer_needed[layer] = layer_needed.get(layer, 0) + n_hits + n_missed
+        for key, entry in reversed(victims):  # `remove_all`: the misses take the slots in victims' order
+            del entries[key]
+            del recency[key]
+            slot = entry.slot
+            evictable[slot] = False
+            free.append(slot)
+            if entry.prefetched and not entry.used:
+                s.wasted_prefetches += 1
+        # Arrivals take the clock's next `n_missed` ticks, in order; then one use each of `needed`, in order
+        # (to the end of `recency`, where an arrival goes too).
+        arrived, now = self.clock, self.clock + n_missed
+        uses, freq, layer_of, expert_of = self._slot_use, self.freq, self._layer_of, self._expert_of
+        for key, entry in zip(needed, found, strict=True):
+            now += 1
+            if entry is None:
+                arrived += 1
+                slot = free.pop()
+                entries[key] = recency[key] = Entry(True, False, True, 1, now, arrived, slot)
+                layer_of[slot], expert_of[slot] = key
+            else:
+                entry.used = True
+                entry.last_use = now
+                recency.move_to_end(key)
+                slot = entry.slot
+            uses[slot] = now
+            freq[key] += 1
+        self.clock = now
+        if n_missed:
+            s.loads += n_missed
+            s.bytes_to_device += n_missed * self.expert_bytes
+            held = len(entries) * self.expert_bytes
+            if held > s.peak_bytes:
+                s.peak_bytes = held
+        return [key for key, _ in victims], misses, handles
+
     def count_host(self, layer: int, keys: Iterable[Key]) -> None:
         """Counts needed experts the host computes (hybrid execution): misses, late prefetches when a copy of
         them is arriving, and a use each in `freq` (a use is a use, wherever it ran: LFU's and fMoE's

@@ -54,10 +54,17 @@ class Mover:
     # for a subclass that keeps this `result`, False for one that defines its own unless it says otherwise.
     handle_is_result = True
 
+    # `load_now` lands copies at once (a mover on a clock of its own: the simulator's link). False here; a
+    # subclass of such a mover that redefines `start` or `wait` is False unless it says otherwise.
+    loads_now = False
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "result" in vars(cls) and "handle_is_result" not in vars(cls):
+        own = vars(cls)
+        if "result" in own and "handle_is_result" not in own:
             cls.handle_is_result = False
+        if ("start" in own or "wait" in own) and "load_now" not in own and "loads_now" not in own:
+            cls.loads_now = False
 
     def start(self, key: Key, *, urgent: bool = False) -> Any:
         """Begins copying expert `key` to the device; returns a handle. An urgent copy (an on-demand load)
@@ -69,6 +76,14 @@ class Mover:
 
     def wait(self, handles: Sequence[Any]) -> None:
         raise NotImplementedError
+
+    def load_now(self, keys: Sequence[Key]) -> list[Any]:
+        """Urgent copies of `keys` started in order and waited for, as `start(key, urgent=True)` of each and
+        one `wait` of them all: their handles, landed. Called only when `loads_now` (the cache holds its lock
+        throughout, which a real copy must not block)."""
+        handles = [self.start(key, urgent=True) for key in keys]
+        self.wait(handles)
+        return handles
 
     def cancel(self, handle: Any) -> float | None:
         """Stops a copy between chunks: the fraction of its bytes not sent, or None if it cannot be stopped
@@ -118,6 +133,7 @@ class DeviceExpertCache(BookView):
         self.policy = policy
         self.max_inflight = max_inflight
         self.synchronous = synchronous
+        self._lands_now = mover.loads_now and not synchronous  # `ensure` may take `_ensure_now`
         self.arrays: dict[Key, Any] = {}
         self.lock = threading.RLock()
         self.queue: list[tuple[float, int, Key]] = []  # (-priority, order, key)
@@ -310,6 +326,10 @@ class DeviceExpertCache(BookView):
         with self.lock:
             if book.arriving:
                 self._poll()
+            if self._lands_now and not book.arriving and self.policy.evicts_least_recent:
+                out = self._ensure_now(layer, needed)
+                if out is not None:
+                    return out
             hits, late, misses = book.classify(layer, needed, pin=True)
             if not (late or misses):  # every one resident: nothing to wait for
                 return self._used(needed)
@@ -366,6 +386,33 @@ class DeviceExpertCache(BookView):
             book.add_all(started, prefetched=False, pinned=True)
             arrays.update(zip(started, handles, strict=True))
 
+    def _ensure_now(self, layer: int, needed: Sequence[Key]) -> dict[Key, ExpertWeights] | None:
+        """`ensure` in one pass of the book (`CacheBook.use_least_recent`), for a mover that lands copies
+        at once (`Mover.loads_now`) while nothing is arriving and a policy that evicts the least recently
+        used: the same counts, victims, slots, copies and uses as the general path. None (nothing done) when
+        it does not apply. Caller holds the lock."""
+        start = time.perf_counter()
+        done = self.book.use_least_recent(layer, needed, self.mover.load_now)
+        if done is None:
+            return None
+        victims, misses, handles = done
+        arrays = self.arrays
+        if misses:
+            self.timers["on_demand_wait"] += time.perf_counter() - start
+            for victim in victims:
+                del arrays[victim]
+            if self.queued:
+                self.queued.difference_update(misses)
+            arrays.update(zip(misses, handles, strict=True))
+        if self.mover.handle_is_result:
+            out = {key: arrays[key] for key in needed}
+        else:
+            result = self.mover.result
+            out = {key: result(arrays[key]) for key in needed}
+        if self.queue or self.filling:
+            self._pump()
+        return out
+
     def _used(self, needed: Sequence[Key]) -> dict[Key, ExpertWeights]:
         """Counts a use of each of `needed` (resident, pinned) and returns their arrays; starts what
         prefetches may start now. Caller holds the lock."""
@@ -416,9 +463,12 @@ class DeviceExpertCache(BookView):
                 return self.mover.load_in(ahead)
             return 0.0 if entry.ready else self.mover.landing_in(self.arrays[key], ahead)
 
-    def release(self, keys: Iterable[Key]) -> None:
+    def release(self, keys: Iterable[Key], *, unprotect: bool = False) -> None:
+        """Unpins `keys` after their compute; `unprotect`: and ends the protection (as `protect(())`)."""
         with self.lock:
             self.book.unpin(keys)
+            if unprotect:
+                self.protected, self.serving = NOTHING, None
 
     def preload(self, keys: Iterable[Key]) -> None:
         """Loads experts without counting them as prefetches or misses (warm start, resident policy), in

@@ -208,18 +208,18 @@ class Oracle(Policy):
             raise self._diverged(f"MoE layer {layer} routed after layer {self._layer}")
         self._layer = layer
         self._now += 1
-        needed = frozenset((layer, e) for e in event.needed)
-        if needed != self.needs[self._now]:
+        needs = self.needs[self._now]
+        if len(event.needed) != len(needs) or any((layer, e) not in needs for e in event.needed):
             raise self._diverged(
-                f"MoE layer {layer} needs experts {sorted(e for _, e in needed)}, the trace "
-                f"{sorted(e for _, e in self.needs[self._now])}"
+                f"MoE layer {layer} needs experts {sorted(event.needed)}, the trace "
+                f"{sorted(e for _, e in needs)}"
             )
-        self._at_routing = {}
-        for key in self.needs[self._now]:
-            entry = self.cache.entry(key)
-            self._at_routing[key] = None if entry is None else entry.last_use
+        entry_of = self.cache.entry
+        self._at_routing = {
+            key: None if (entry := entry_of(key)) is None else entry.last_use for key in needs
+        }
         if self.prefetch:
-            self._request(exclude=self.needs[self._now])
+            self._request(exclude=needs)
 
     def _request(self, exclude: frozenset[Key]) -> None:
         """Requests the experts needed soonest after now (not those of the current layer, `exclude`): as
@@ -269,7 +269,11 @@ class Oracle(Policy):
         upcoming = self._next  # beyond the horizon, never again
         if self._until != math.inf:
             upcoming = np.where(upcoming <= self._until, upcoming, np.inf)
-        now = [key for key in self._at_routing if not self._served(key)]
+        entry_of, now = self.cache.entry, []
+        for key, last_use in self._at_routing.items():  # not `_served` yet
+            entry = entry_of(key)
+            if entry is None or not entry.used or entry.last_use == last_use:
+                now.append(key)
         if now:
             upcoming = upcoming.copy() if upcoming is self._next else upcoming
             for key in now:
