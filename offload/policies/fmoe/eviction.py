@@ -131,6 +131,11 @@ class Eviction:
     ):
         self.rule, self.cache, self.guides = rule, cache, guides
         self.forecast, self.popularity, self.price = forecast, popularity, price
+        # `table`, kept until the policy's state may change (`stale`); None: computed at each use. Its
+        # version changes only when a table computed afresh differs from the last (`refusal_stamp`).
+        self._table: np.ndarray | None = None
+        self._last: tuple[np.ndarray, int] = (np.zeros(0), 0)
+        self.keeps_table = False  # whether `_table` is kept: only where the policy says when to drop it
 
     def keep_score(self, key: Key, entry: Entry) -> float:
         """ "reuse": the probability the expert is needed soon: later in this iteration (its need probability,
@@ -151,14 +156,46 @@ class Eviction:
         if self.rule != "reuse":
             keys = zip(layers.tolist(), experts.tolist(), strict=True)
             return np.array([self.keep_score(key, self.cache.entry(key)) for key in keys], np.float64)
-        flat = layers * self.guides.need.shape[1] + experts  # layer * J + expert
-        now = self.guides.need.take(flat)  # at each layer's next routing: this iteration's, or the next's
-        later = 1.0 - self.forecast.scores.take(flat)
-        unlikely = self.popularity.unlikely
-        anytime = 1.0 if self.popularity.rate is None else unlikely.take(flat)
-        return 1.0 - (1.0 - now) * later * anytime
+        table = self._table if self._table is not None else self._kept_table()
+        return table.take(layers * self.guides.need.shape[1] + experts)  # at layer * J + expert
+
+    def _kept_table(self) -> np.ndarray:
+        table = self.table()
+        if self.keeps_table:
+            last, version = self._last
+            if np.array_equal(table, last):
+                table = last
+            else:
+                self._last = (table, version + 1)
+            self._table = table
+        return table
+
+    def refusal_stamp(self, key: Key) -> tuple | None:
+        """`Policy.refusal_stamp`: ("reuse", with the table kept) the key, its bar (`admit_prefetch`) and the
+        table's version."""
+        if self.rule != "reuse" or not self.keeps_table:
+            return None
+        table = self._table if self._table is not None else self._kept_table()
+        return key, table.item(key) - self.price(key[0]), self._last[1]
+
+    def stale(self) -> None:
+        """The policy's state may have changed: the next `keep_scores` computes the table afresh. The policy
+        calls it at the end of each of its events and before each call it makes to the cache (one thread:
+        matching inline), so that between them the cache's victim searches share one table."""
+        self._table = None
+
+    def table(self) -> np.ndarray:  # [L, J]
+        """The "reuse" `keep_score` of every expert, as one array expression: whole-array operations cost less
+        than gathering the candidates' inputs first, and give each element the same double."""
+        now = self.guides.need  # at each layer's next routing: this iteration's, or the next's
+        stays = (1.0 - now) * (1.0 - self.forecast.scores)  # not needed now, nor in the next iterations
+        if self.popularity.rate is not None:
+            stays *= self.popularity.unlikely  # nor in any token
+        return 1.0 - stays
 
     def reuse_score(self, layer: int, expert: int) -> float:
+        if self._table is not None:  # kept since the policy's last change: the same double
+            return self._table.item(layer, expert)
         now = self.guides.need[layer, expert]
         later = 1.0 - self.forecast.scores[layer, expert]
         anytime = 1.0 if self.popularity.rate is None else self.popularity.unlikely[layer, expert]
