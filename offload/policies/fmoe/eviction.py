@@ -162,21 +162,22 @@ class Eviction:
     def _kept_table(self) -> np.ndarray:
         table = self.table()
         if self.keeps_table:
-            last, version = self._last
-            if np.array_equal(table, last):
-                table = last
-            else:
-                self._last = (table, version + 1)
             self._table = table
         return table
 
     def refusal_stamp(self, key: Key) -> tuple | None:
         """`Policy.refusal_stamp`: ("reuse", with the table kept) the key, its bar (`admit_prefetch`) and the
-        table's version."""
+        table's version (a table equal to the last versioned one takes its place and version), and this."""
         if self.rule != "reuse" or not self.keeps_table:
             return None
         table = self._table if self._table is not None else self._kept_table()
-        return key, table.item(key) - self.price(key[0]), self._last[1]
+        last, version = self._last
+        if table is not last:
+            if np.array_equal(table, last):
+                self._table = table = last
+            else:
+                self._last = (table, version + 1)
+        return key, table.item(key) - self.price(key[0]), self, self._last[1]  # (a rebound policy's own)
 
     def stale(self) -> None:
         """The policy's state may have changed: the next `keep_scores` computes the table afresh. The policy
