@@ -1,6 +1,7 @@
 """The engine's own costs on this machine, for a simulator hardware preset (`offload/hardware.py`).
 
-    python -m benchmarks.engine_costs [--name engine_costs_cpu]
+    python -m benchmarks.engine_costs [--like mixtral|gpt-oss-20b] [--layers 8] [--width-scale 0.25]
+        [--name engine_costs_cpu]
 
 Measured live, by median over repeats (every program compiled and run before it is timed):
 - the link: the engine's copy (`offload/transfer.py`'s `copier`) of a pinned-host array to the device at
@@ -8,13 +9,16 @@ Measured live, by median over repeats (every program compiled and run before it 
 - a launch: a jitted program of 1 to 4,096 small array arguments, called (the host's dispatch; a CPU backend
   also runs it), a straight line in the argument count; a sync: reading a finished program's 64 int32;
 - the kernels: decode steps of the offload engine holding every expert (one launch and one sync a step) on
-  random-weight Mixtral-shaped models (bf16 experts, 8 layers) at top-1 and top-4 and at two expert widths
+  random-weight models (bf16 experts, their own random routing) at top-1 and top-4 and at two expert widths
   give, against the preset's byte counts, the rate an expert streams at (`hbm_bytes_per_s` with efficiency
   1) and the fixed time per expert and per layer (attention block, router and the host's serving of the
   layer, which on a CPU backend runs on the same cores: `layer_host_s` stays 0).
 
-These models are not the ones `benchmarks/live_replay.py` checks the preset against (gpt-oss's shape, other
-widths), so that check is not a fit. Prints the preset's fields; writes `results/<name>.json`.
+`--like` picks the models' shape: small Mixtral-shaped ones, or gpt-oss-20b's dimensions times
+`--width-scale` (`fmoe_jax.random_model`'s shrinking, as `benchmarks/live_replay.py` builds). A CPU's rate
+for a bf16 matrix-vector product depends on the matrices' shapes (caches, vector widths), so a preset fit on
+one shape family predicts that family. The fit never sees recorded routing: live_replay's check replays
+real requests against it. Prints the preset's fields; writes `results/<name>.json`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import RESULTS, HelpFormatter, median_ms, print_table, save
+from benchmarks.link_compute import fit_link
 
 BASE = dict(
     model_type="mixtral",
@@ -58,9 +63,13 @@ def link() -> dict:
     for size in sizes:
         src = jax.device_put(np.ones(size, np.uint8), host)
         times.append(median_ms(lambda src=src: jax.block_until_ready(copy(src)), 20) / 1e3)
-    slope, intercept = np.polyfit(sizes, times, 1)
+    fit = fit_link(sizes, times)
     return dict(
-        copy_latency_s=max(float(intercept), 0.0), link_bytes_per_s=1 / slope, sizes=sizes, times_s=times
+        copy_latency_s=fit["latency_ms"] / 1e3,
+        link_bytes_per_s=fit["rate_gbs"] * 1e9,
+        resolved=fit["resolved"],
+        sizes=sizes,
+        times_s=times,
     )
 
 
@@ -107,24 +116,34 @@ def decode_tpot(hf: dict) -> float:
     return float(np.median(steps))
 
 
-def kernels(launch: dict) -> dict:
+def shape(like: str, layers: int, width_scale: float) -> dict:
+    """The HF config the kernels are fit on (`--like`)."""
+    if like == "mixtral":
+        return dict(BASE, num_hidden_layers=layers)
+    from fmoe_jax.offload.cost_model import GPT_OSS_20B
+
+    from fmoe_jax.random_model import preset_hf_config, shrunk_hf_config
+
+    return shrunk_hf_config(preset_hf_config(GPT_OSS_20B), layers=layers, width_scale=width_scale)
+
+
+def kernels(launch: dict, base: dict) -> dict:
     """Fixed and per-byte expert and attention times from warm offload decode steps at two top-k and widths,
     less the step's launch and sync; the attention's fixed time holds the host's serving of the layer."""
     from fmoe_jax.models import config_from_hf
     from fmoe_jax.models.quant import expert_quantization
     from fmoe_jax.offload.cost_model import CostModel, HardwarePreset, ModelPreset
 
-    runs = {}
-    for label, change in {
-        "k1": dict(num_experts_per_tok=1),
-        "k4": {},
-        "k4_wide": dict(intermediate_size=2048),
-    }.items():
-        runs[label] = decode_tpot({**BASE, **change})
+    wider = {**base, "intermediate_size": 2 * base["intermediate_size"]}
+    runs = {
+        "k1": decode_tpot({**base, "num_experts_per_tok": 1}),
+        "k4": decode_tpot(base),
+        "k4_wide": decode_tpot(wider),
+    }
     q = expert_quantization(EXPERTS, None)
-    narrow = ModelPreset.from_config(config_from_hf(BASE), quantization=q)
-    wide = ModelPreset.from_config(config_from_hf({**BASE, "intermediate_size": 2048}), quantization=q)
-    layers = BASE["num_hidden_layers"]
+    narrow = ModelPreset.from_config(config_from_hf(base), quantization=q)
+    wide = ModelPreset.from_config(config_from_hf(wider), quantization=q)
+    layers = base["num_hidden_layers"]
     per_expert = (runs["k4"] - runs["k1"]) / (3 * layers)  # seconds per expert, narrow
     per_expert_wide = (runs["k4_wide"] - runs["k4"]) / (4 * layers) + per_expert
     rate = (wide.expert_bytes - narrow.expert_bytes) / max(per_expert_wide - per_expert, 1e-9)
@@ -138,10 +157,10 @@ def kernels(launch: dict) -> dict:
         hbm_efficiency=1.0,
         flops_efficiency=1.0,
     )
-    costs = CostModel(narrow, probe, BASE["num_local_experts"])
+    costs = CostModel(narrow, probe, base["num_local_experts"])
     attention_bytes_s = costs.attention_s(np.ones(1), np.full(1, 3 + STEPS // 2))
     head_s = costs.head_s(1)
-    arguments = narrow.launch_arguments(layers, BASE["num_local_experts"])
+    arguments = narrow.launch_arguments(layers, base["num_local_experts"])
     engine_s = launch["launch_s"] + arguments * launch["launch_argument_s"] + launch["sync_s"]
     attention_fixed = (runs["k1"] - engine_s - layers * per_expert - head_s) / layers - attention_bytes_s
     return dict(
@@ -154,13 +173,17 @@ def kernels(launch: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--like", default="mixtral", choices=["mixtral", "gpt-oss-20b"], help="models fit on")
+    p.add_argument("--layers", type=int, default=8, help="their layers")
+    p.add_argument("--width-scale", type=float, default=0.25, help="gpt-oss-20b's widths times this")
     p.add_argument("--name", default="engine_costs_cpu", help="results name")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON")
     args = p.parse_args(argv)
     load_before = os.getloadavg()
     start = time.perf_counter()
     measured = dict(link=link(), launch=launch_and_sync())
-    measured["kernels"] = kernels(measured["launch"])
+    base = shape(args.like, args.layers, args.width_scale)
+    measured["kernels"] = kernels(measured["launch"], base)
     fields = dict(
         hbm_bytes_per_s=measured["kernels"]["hbm_bytes_per_s"],
         link_bytes_per_s=measured["link"]["link_bytes_per_s"],
@@ -177,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.name,
         dict(
             preset_fields=fields,
+            fit_on=dict(like=args.like, hf_config=base),
             measured=measured,
             seconds=time.perf_counter() - start,
             load_average=dict(before=load_before, after=os.getloadavg()),

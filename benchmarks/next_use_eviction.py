@@ -10,7 +10,9 @@ for the later layers, its score before they route. Forecasts:
 - "table": fMoE's online `ReuseForecast` (gap, recent share; no reuse hint: no store here), warmed on the
   store requests, for the horizon `auto_reuse_horizon` gives the cache;
 - "learned h": `next_use.py`'s logistic heads (`FMoEOptions.learned_reuse`), fit on the store requests for
-  reuse within h iterations.
+  reuse within h iterations;
+- "distance": `distance.py`'s expected next-use distance (`FMoEOptions.reuse_distance`), its table fit on
+  the store requests and learning on (no guides here: need 0).
 The fMoE policy itself adds prefetching, the guides' need and the popularity prior on top: what a forecast
 wins here is an upper bound on what it wins there (decision "learned reuse"). Writes
 `results/next_use_eviction.{json,png}`.
@@ -23,6 +25,7 @@ from typing import Any
 
 import numpy as np
 from fmoe_jax.offload.policies.fiddler import expert_usage
+from fmoe_jax.offload.policies.fmoe.distance import DistanceForecast, fit_counts
 from fmoe_jax.offload.policies.fmoe.eviction import auto_reuse_horizon
 from fmoe_jax.offload.policies.fmoe.forecast import ReuseForecast
 from fmoe_jax.offload.policies.fmoe.next_use import LearnedReuseForecast, fit_next_use, log_popularity
@@ -73,6 +76,35 @@ def replay(requests: list[np.ndarray], slots: int, forecast: ReuseForecast) -> i
     return misses
 
 
+def replay_distance(requests: list[np.ndarray], slots: int, forecast: DistanceForecast) -> int:
+    """Misses of one cache of `slots` experts over `requests` in order, evicting the expert whose next use
+    `forecast` expects furthest ahead (ties: least recently used)."""
+    num_layers, num_experts = requests[0].shape[1:]
+    resident = np.zeros(num_layers * num_experts, bool)
+    last = np.full(num_layers * num_experts, -1)
+    need = np.zeros((num_layers, num_experts))
+    step = misses = 0
+    for used in requests:
+        forecast.start_request()
+        for t in range(used.shape[0]):
+            forecast.begin_iteration()
+            for layer in range(num_layers):
+                forecast.mark_used(layer, np.flatnonzero(used[t, layer]))
+                keys = layer * num_experts + np.flatnonzero(used[t, layer])
+                for key in keys[~resident[keys]]:
+                    misses += 1
+                    if resident.sum() >= slots:
+                        candidates = np.flatnonzero(resident)
+                        candidates = candidates[~np.isin(candidates, keys)]
+                        score = forecast.keep_scores(candidates, need, layer)
+                        resident[candidates[np.lexsort((last[candidates], score))[0]]] = False
+                    resident[key] = True
+                last[keys] = step
+                step += 1
+            forecast.end_iteration(used[t])
+    return misses
+
+
 def rows_for(
     store: list[np.ndarray],
     requests: list[np.ndarray],
@@ -83,6 +115,7 @@ def rows_for(
     """One row per budget and rule: the miss rate and the share of the LRU-to-Belady gap it closes."""
     num_layers, num_experts = requests[0].shape[1:]
     weights = {h: fit_next_use(store, popularity, h) for h in HORIZONS}
+    counts = fit_counts(store)
     total = sum(int(u.sum()) for u in requests)
     rows = []
     for budget in budgets:
@@ -99,6 +132,8 @@ def rows_for(
         for h, w in weights.items():
             learned = LearnedReuseForecast(num_layers, num_experts, w, popularity, horizon=h)
             misses[f"learned h {h}"] = replay(requests, slots, learned)
+        distance = DistanceForecast(num_layers, num_experts, top_k, counts)
+        misses["distance"] = replay_distance(requests, slots, distance)
         lru, best = misses["lru"], misses["belady"]
         for rule, m in misses.items():
             rows.append(

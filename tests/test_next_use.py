@@ -113,5 +113,5 @@ def test_counted_eviction_rows_lie_between_lru_and_belady():
     rows = rows_for(store, requests, np.zeros((2, 6)), [0.5], top_k=2)
     closed = {r["rule"]: r["gap_closed"] for r in rows}
     assert closed["lru"] == 0.0 and closed["belady"] == 1.0
-    assert {"table (h 3)", "learned h 1", "learned h 2", "learned h 4"} <= set(closed)
+    assert {"table (h 3)", "learned h 1", "learned h 2", "learned h 4", "distance"} <= set(closed)
     assert max(closed.values()) <= 1.0

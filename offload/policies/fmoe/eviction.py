@@ -9,11 +9,13 @@ Decisions "reuse horizon", "popularity prior", "prefetch against its victim", "e
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from ...cache import CacheView, Entry, Key
 from ...predictors import Predictor
+from .distance import DistanceForecast
 from .forecast import ReuseForecast
 from .guides import Guides
 from .select import keep_priority
@@ -118,6 +120,8 @@ class Eviction:
       forecast: the reuse forecast of the next iterations.
       popularity: the experts' popularity.
       price: what a wrong prefetch of a layer's expert costs, in need probability (`Admission.price`).
+      distance: ranks the victims by expected next-use distance instead (`reuse_distance`); admission
+        still compares keep scores.
     """
 
     def __init__(
@@ -128,9 +132,11 @@ class Eviction:
         forecast: ReuseForecast,
         popularity: Popularity,
         price: Callable[[int], float],
+        distance: DistanceForecast | None = None,
     ):
         self.rule, self.cache, self.guides = rule, cache, guides
         self.forecast, self.popularity, self.price = forecast, popularity, price
+        self.distance = distance
         # `table`, kept until the policy's state may change (`stale`); None: computed at each use. Its
         # version changes only when a table computed afresh differs from the last (`refusal_stamp`).
         self._table: np.ndarray | None = None
@@ -156,8 +162,11 @@ class Eviction:
         if self.rule != "reuse":
             keys = zip(layers.tolist(), experts.tolist(), strict=True)
             return np.array([self.keep_score(key, self.cache.entry(key)) for key in keys], np.float64)
+        flat = layers * self.guides.need.shape[1] + experts  # layer * J + expert
+        if self.distance is not None:
+            return self.distance.keep_scores(flat, self.guides.need, self.guides.current)
         table = self._table if self._table is not None else self._kept_table()
-        return table.take(layers * self.guides.need.shape[1] + experts)  # at layer * J + expert
+        return table.take(flat)
 
     def _kept_table(self) -> np.ndarray:
         table = self.table()
@@ -166,9 +175,10 @@ class Eviction:
         return table
 
     def refusal_stamp(self, key: Key) -> tuple | None:
-        """`Policy.refusal_stamp`: ("reuse", with the table kept) the key, its bar (`admit_prefetch`) and the
-        table's version (a table equal to the last versioned one takes its place and version), and this."""
-        if self.rule != "reuse" or not self.keeps_table:
+        """`Policy.refusal_stamp`: ("reuse", with the table kept, victims ranked by keep score: not by
+        `distance`) the key, its bar (`admit_prefetch`) and the table's version (a table equal to the last
+        versioned one takes its place and version), and this."""
+        if self.rule != "reuse" or not self.keeps_table or self.distance is not None:
             return None
         table = self._table if self._table is not None else self._kept_table()
         last, version = self._last
@@ -178,6 +188,12 @@ class Eviction:
             else:
                 self._last = (table, version + 1)
         return key, table.item(key) - self.price(key[0]), self, self._last[1]  # (a rebound policy's own)
+
+    def ask(self, request: Callable[..., None], *args: Any, **how: Any) -> None:
+        """A call of the policy's to the cache (`request_prefetch`, `drop_prefetches`): its victim searches
+        score the policy's state as it is now."""
+        self.stale()
+        request(*args, **how)
 
     def stale(self) -> None:
         """The policy's state may have changed: the next `keep_scores` computes the table afresh. The policy

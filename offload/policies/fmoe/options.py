@@ -53,6 +53,10 @@ class FMoEOptions:
         (finer gap, windows of recent uses, position, popularity; `next_use.py`) and the reuse forecast
         scores by them instead of its online tables (eviction "reuse" only; no traces: the tables).
         Decision "learned reuse".
+      reuse_distance: eviction "reuse" evicts the resident expert whose next use is expected furthest
+        ahead in layer steps (its chance of use at its layer's next routing, from a table of the request's
+        history of it fit on `from_traces`' traces and learned online, with the guides' need); admission
+        prices prefetches as before (`distance.py`). Decision "next-use distance".
       popularity: `[L, J]` tokens routed to each expert in earlier requests; eviction "reuse" also keeps an
         expert for its share of every token's routing. None (the default): the policy counts the tokens it
         serves (from the counts saved with a loaded store) and saves them with the store. False: no prior.
@@ -98,6 +102,7 @@ class FMoEOptions:
     reuse_predictor: Any = None  # a `Predictor`, or the path of one
     offline_followers: bool = False
     learned_reuse: bool = False
+    reuse_distance: bool = False
     popularity: Any = None  # [L, J] counts, None, or False
     traj_target: Literal["band", "single"] = "band"
     asynchronous: bool = True
@@ -136,6 +141,8 @@ class FMoEOptions:
             raise ValueError(f"a reuse_predictor serves eviction 'reuse' only, not {self.eviction!r}")
         if self.learned_reuse and self.eviction != "reuse":
             raise ValueError(f"learned_reuse serves eviction 'reuse' only, not {self.eviction!r}")
+        if self.reuse_distance and (self.eviction != "reuse" or self.learned_reuse):
+            raise ValueError("reuse_distance serves eviction 'reuse' without learned_reuse only")
         if self.popularity is not None and self.popularity is not False:
             object.__setattr__(self, "popularity", np.asarray(self.popularity, np.float64))
         if self.store_path is not None:

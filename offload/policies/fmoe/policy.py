@@ -16,7 +16,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,12 +28,13 @@ from ..base import Policy, PolicyContext
 from ..fiddler import expert_usage
 from .admission import Admission
 from .budget import SearchBudget
+from .distance import DistanceForecast, fit_counts
 from .eviction import Eviction, Popularity, PredictedReuse, auto_reuse_horizon
 from .followers import FollowerLinks
 from .forecast import Calibration, ReuseForecast
 from .guides import Guides
 from .matcher import Context, Matcher, make_matcher
-from .next_use import NextUseTraining
+from .next_use import NextUseTraining, used_sets
 from .options import FMoEOptions
 from .select import SortedMaps
 from .skips import SearchSkips
@@ -73,6 +74,7 @@ class FMoE(Policy):
         self._reuse_traces: list | None = None
         self._trained_reuse: dict[int, Predictor] = {}
         self._next_use: NextUseTraining | None = None  # `from_traces(learned_reuse=True)`: fits at `bind`
+        self._distance_counts: np.ndarray | None = None  # `from_traces(reuse_distance=True)`
         self.calibration = Calibration()
         # P(needed at the next token's layer j | the reuse hint's p, its layer, recency): the next token's
         # guess.
@@ -141,6 +143,8 @@ class FMoE(Policy):
         policy = cls(store_capacity=store_capacity, **options)
         if options.get("learned_reuse") and traces:
             policy._next_use = NextUseTraining(traces, options["popularity"])
+        if options.get("reuse_distance") and traces:
+            policy._distance_counts = fit_counts(used_sets(traces))
         if train and traces:
             policy._reuse_traces = list(traces)
             policy._wants_hidden = True
@@ -202,7 +206,16 @@ class FMoE(Policy):
         self.popularity = Popularity(
             options.popularity, saved.get("popularity"), ctx.num_layers, ctx.num_experts, ctx.top_k
         )
-        if self._next_use is None:
+        if options.reuse_distance:
+            self.forecast = DistanceForecast(
+                ctx.num_layers,
+                ctx.num_experts,
+                ctx.top_k,
+                self._distance_counts,
+                horizon=self.reuse_horizon,
+                sticky=options.sticky,
+            )
+        elif self._next_use is None:
             self.forecast = ReuseForecast(
                 ctx.num_layers, ctx.num_experts, horizon=self.reuse_horizon, sticky=options.sticky
             )
@@ -230,6 +243,7 @@ class FMoE(Policy):
             self.forecast,
             self.popularity,
             lambda layer: self.admission.price(layer, self.guides.current),
+            self.forecast if options.reuse_distance else None,
         )
         self.evictor.keeps_table = not options.asynchronous  # a matcher thread changes guides any time
         self.predicted = (
@@ -344,7 +358,7 @@ class FMoE(Policy):
         prefetches are dropped as rest begins. Decision "pay for bookkeeping"."""
         if not self._resting:
             self._resting = True  # from here on `evicts_least_recent`
-            self._ask(self.cache.drop_prefetches, before=self.ctx.num_layers)
+            self.evictor.ask(self.cache.drop_prefetches, before=self.ctx.num_layers)
         self._iteration += 1
         self._rest_needed = 0
         self._wants_hidden = self._wants_maps = False  # nothing to copy out (the first paid iteration too)
@@ -363,10 +377,8 @@ class FMoE(Policy):
             self._rest_needed += len(event.needed)
             return
         start = time.perf_counter()
-        try:
-            self._routed(event)
-        finally:
-            self.evictor.stale()
+        self._routed(event)
+        self.evictor.stale()
         self._spent += time.perf_counter() - start
 
     def _routed(self, event: LayerRouted) -> None:
@@ -404,10 +416,10 @@ class FMoE(Policy):
         waiting requests for this layer and those before it are dropped, as a search would."""
         if self.skips.confirmed(layer, ids, active, self._iteration, self._decoding):
             self.counts["confirmed_layers"] += 1
-            self._ask(self.cache.drop_prefetches, before=layer + 1)
+            self.evictor.ask(self.cache.drop_prefetches, before=layer + 1)
         elif self.skips.resting(layer, self._iteration):
             self.counts["rested_layers"] += 1
-            self._ask(self.cache.drop_prefetches, before=layer + 1)
+            self.evictor.ask(self.cache.drop_prefetches, before=layer + 1)
         elif self.budget.affords("trajectory", self._recording):
             data = self._maps[active, : layer + 1]  # a copy (`active` indexes rows): the matcher's own
             self.matcher.publish(Context("trajectory", layer=layer, data=data, iteration=self._iteration))
@@ -484,7 +496,7 @@ class FMoE(Policy):
             threshold=self.admission.threshold,
             counts=self.counts,
         )
-        self._ask(self.cache.request_prefetch, items, replace=range(first))
+        self.evictor.ask(self.cache.request_prefetch, items, replace=range(first))
         self.budget.record_engine("next_token", start)
 
     # -- the matcher's work (its thread, or inline) -----------------------------------------------------
@@ -524,7 +536,7 @@ class FMoE(Policy):
                 self._record_match(context.kind, scores)
                 self.counts["repeated_matches"] += 1
                 self.timers["matching"] += time.perf_counter() - start
-                self._ask(self.cache.drop_prefetches, before=current + 1)
+                self.evictor.ask(self.cache.drop_prefetches, before=current + 1)
                 return
             if self.skips.confirming and context.iteration == self._iteration and len(self.store):
                 self.skips.foresee(context.iteration, maps, current, self.sorted_maps)
@@ -535,13 +547,7 @@ class FMoE(Policy):
         items = self._select(scores, maps, targets, current, fresh=context.iteration == self._iteration)
         self.timers["matching"] += time.perf_counter() - start
         replace = True if self.options.band or context.kind == "semantic" else targets
-        self._ask(self.cache.request_prefetch, items, replace=replace, stale_before=current + 1)
-
-    def _ask(self, request: Callable[..., None], *args: Any, **how: Any) -> None:
-        """A call to the cache (`request_prefetch`, `drop_prefetches`): its victim searches score the policy's
-        state as it is now (`Eviction.stale`)."""
-        self.evictor.stale()
-        request(*args, **how)
+        self.evictor.ask(self.cache.request_prefetch, items, replace=replace, stale_before=current + 1)
 
     def _select(
         self, scores: np.ndarray, maps: np.ndarray, targets: range, current: int, *, fresh: bool
