@@ -127,6 +127,7 @@ class CacheBook:
         self._slot_expert = np.frombuffer(self._expert_of, np.int64)
         self._slot_use = [0] * capacity  # its entry's last_use
         self._can_evict = bytearray(capacity)  # held, ready and unpinned: 1
+        self.grown = 0  # counts the times an expert became evictable (a refused prefetch may then go)
         self._evictable = np.frombuffer(self._can_evict, np.bool_)
 
     # -- state -----------------------------------------------------------------------------------------
@@ -193,7 +194,9 @@ class CacheBook:
             entry = entries[key]
             entry.ready = True
             arriving.pop(key, None)
-            evictable[entry.slot] = not entry.pins
+            if not entry.pins:
+                evictable[entry.slot] = True
+                self.grown += 1
 
     def _drop(self, key: Key) -> None:
         """Forgets a held expert's entry and frees its slot."""
@@ -246,6 +249,7 @@ class CacheBook:
             entry.pins -= 1
             if not entry.pins and entry.ready:
                 evictable[entry.slot] = True
+                self.grown += 1
 
     def record_use(self, key: Key) -> None:
         self.record_uses((key,))
@@ -451,7 +455,7 @@ class CacheBook:
             first = int(scores.argmin())
             low = scores[first]
         ties = scores == low
-        if ties.sum() == 1:
+        if np.count_nonzero(ties) == 1:
             slot = int(candidates[first])
         else:  # ties: the least recently used
             slot = min(candidates[ties].tolist(), key=self._slot_use.__getitem__)

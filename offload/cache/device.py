@@ -144,6 +144,8 @@ class DeviceExpertCache(BookView):
         # The current layer's needs: prefetches must not evict them.
         self.protected: set[Key] | frozenset[Key] = NOTHING
         self.serving: int | None = None  # the layer between its routing and the end of its compute
+        # (the policy's `refusal_stamp`, `book.grown`, `protected`) of the last prefetch refused a victim.
+        self._refused: tuple | None = None
         self.timers = {"prefetch_issue": 0.0, "on_demand_wait": 0.0}
 
     # -- what policies read (`CacheView`; the rest comes from `BookView`) -------------------------------
@@ -290,8 +292,15 @@ class DeviceExpertCache(BookView):
                 self.filling.add(key)
 
     def _evict_for_prefetch(self, key: Key, priority: float) -> bool:
-        """Makes room for a prefetch if the policy lets it evict its lowest-ranked expert."""
+        """Makes room for a prefetch if the policy lets it evict its lowest-ranked expert. A refusal the
+        policy stamps (`Policy.refusal_stamp`) stands, without a victim search, while the stamp is the same
+        and no expert has become a candidate (none evictable since, the same protected)."""
         policy = self.policy
+        stamp = policy.refusal_stamp(key, priority)
+        if stamp is not None:
+            state = (stamp, self.book.grown, self.protected)
+            if state == self._refused:
+                return False
         victim = self.book.victim(
             policy.keep_score,
             protect=self.protected,
@@ -299,6 +308,7 @@ class DeviceExpertCache(BookView):
             least_recent=policy.evicts_least_recent,
         )
         if victim is None or not self.policy.admit_prefetch(key, priority, victim):
+            self._refused = None if stamp is None else state
             return False
         self.book.remove(victim)
         del self.arrays[victim]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -166,6 +166,14 @@ class Policy:
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         return True
+
+    def refusal_stamp(self, key: Key, priority: float) -> Hashable | None:
+        """Optional, for a policy whose `admit_prefetch(key, priority, victim)` is "the victim's keep score is
+        below a bar": a value that stands for the bar and every keep score (equal stamps: equal bar and
+        scores). While it stays equal and no expert has become evictable, a refused prefetch is refused
+        again (the lowest-scored candidate can only score higher), and the cache asks no victim for it.
+        None (here): no such promise."""
+        return None
 
     def stats(self) -> dict[str, Any]:
         """Policy-specific statistics merged into `out.stats.extra`."""

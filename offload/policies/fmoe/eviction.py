@@ -9,6 +9,7 @@ Decisions "reuse horizon", "popularity prior", "prefetch against its victim", "e
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -136,6 +137,11 @@ class Eviction:
         self.rule, self.cache, self.guides = rule, cache, guides
         self.forecast, self.popularity, self.price = forecast, popularity, price
         self.distance = distance
+        # `table`, kept until the policy's state may change (`stale`); None: computed at each use. Its
+        # version changes only when a table computed afresh differs from the last (`refusal_stamp`).
+        self._table: np.ndarray | None = None
+        self._last: tuple[np.ndarray, int] = (np.zeros(0), 0)
+        self.keeps_table = False  # whether `_table` is kept: only where the policy says when to drop it
 
     def keep_score(self, key: Key, entry: Entry) -> float:
         """ "reuse": the probability the expert is needed soon: later in this iteration (its need probability,
@@ -159,13 +165,54 @@ class Eviction:
         flat = layers * self.guides.need.shape[1] + experts  # layer * J + expert
         if self.distance is not None:
             return self.distance.keep_scores(flat, self.guides.need, self.guides.current)
-        now = self.guides.need.take(flat)  # at each layer's next routing: this iteration's, or the next's
-        later = 1.0 - self.forecast.scores.take(flat)
-        unlikely = self.popularity.unlikely
-        anytime = 1.0 if self.popularity.rate is None else unlikely.take(flat)
-        return 1.0 - (1.0 - now) * later * anytime
+        table = self._table if self._table is not None else self._kept_table()
+        return table.take(flat)
+
+    def _kept_table(self) -> np.ndarray:
+        table = self.table()
+        if self.keeps_table:
+            self._table = table
+        return table
+
+    def refusal_stamp(self, key: Key) -> tuple | None:
+        """`Policy.refusal_stamp`: ("reuse", with the table kept, victims ranked by keep score: not by
+        `distance`) the key, its bar (`admit_prefetch`) and the table's version (a table equal to the last
+        versioned one takes its place and version), and this."""
+        if self.rule != "reuse" or not self.keeps_table or self.distance is not None:
+            return None
+        table = self._table if self._table is not None else self._kept_table()
+        last, version = self._last
+        if table is not last:
+            if np.array_equal(table, last):
+                self._table = table = last
+            else:
+                self._last = (table, version + 1)
+        return key, table.item(key) - self.price(key[0]), self, self._last[1]  # (a rebound policy's own)
+
+    def ask(self, request: Callable[..., None], *args: Any, **how: Any) -> None:
+        """A call of the policy's to the cache (`request_prefetch`, `drop_prefetches`): its victim searches
+        score the policy's state as it is now."""
+        self.stale()
+        request(*args, **how)
+
+    def stale(self) -> None:
+        """The policy's state may have changed: the next `keep_scores` computes the table afresh. The policy
+        calls it at the end of each of its events and before each call it makes to the cache (one thread:
+        matching inline), so that between them the cache's victim searches share one table."""
+        self._table = None
+
+    def table(self) -> np.ndarray:  # [L, J]
+        """The "reuse" `keep_score` of every expert, as one array expression: whole-array operations cost less
+        than gathering the candidates' inputs first, and give each element the same double."""
+        now = self.guides.need  # at each layer's next routing: this iteration's, or the next's
+        stays = (1.0 - now) * (1.0 - self.forecast.scores)  # not needed now, nor in the next iterations
+        if self.popularity.rate is not None:
+            stays *= self.popularity.unlikely  # nor in any token
+        return 1.0 - stays
 
     def reuse_score(self, layer: int, expert: int) -> float:
+        if self._table is not None:  # kept since the policy's last change: the same double
+            return self._table.item(layer, expert)
         now = self.guides.need[layer, expert]
         later = 1.0 - self.forecast.scores[layer, expert]
         anytime = 1.0 if self.popularity.rate is None else self.popularity.unlikely[layer, expert]

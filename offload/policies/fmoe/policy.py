@@ -245,6 +245,7 @@ class FMoE(Policy):
             lambda layer: self.admission.price(layer, self.guides.current),
             self.forecast if options.reuse_distance else None,
         )
+        self.evictor.keeps_table = not options.asynchronous  # a matcher thread changes guides any time
         self.predicted = (
             None
             if self.reuse_predictor is None
@@ -310,6 +311,7 @@ class FMoE(Policy):
         self._request += 1
         self._hint = None
         self.guides.start_request()
+        self.evictor.stale()
 
     def on_iteration_start(self, event: IterationStart) -> None:
         start = time.perf_counter()
@@ -347,6 +349,7 @@ class FMoE(Policy):
         if self.options.semantic and n_valid and self.budget.affords("semantic", recorded):
             self.matcher.publish(Context("semantic", data=self._embeds, iteration=self._iteration))
         self._spent = time.perf_counter() - start
+        self.evictor.stale()  # (resting, eviction reads none of it)
 
     def _rest(self) -> None:
         """A decode iteration the credit cannot pay fmoe's own bookkeeping for (its event handlers' measured
@@ -355,7 +358,7 @@ class FMoE(Policy):
         prefetches are dropped as rest begins. Decision "pay for bookkeeping"."""
         if not self._resting:
             self._resting = True  # from here on `evicts_least_recent`
-            self.cache.drop_prefetches(before=self.ctx.num_layers)
+            self.evictor.ask(self.cache.drop_prefetches, before=self.ctx.num_layers)
         self._iteration += 1
         self._rest_needed = 0
         self._wants_hidden = self._wants_maps = False  # nothing to copy out (the first paid iteration too)
@@ -375,6 +378,7 @@ class FMoE(Policy):
             return
         start = time.perf_counter()
         self._routed(event)
+        self.evictor.stale()
         self._spent += time.perf_counter() - start
 
     def _routed(self, event: LayerRouted) -> None:
@@ -412,10 +416,10 @@ class FMoE(Policy):
         waiting requests for this layer and those before it are dropped, as a search would."""
         if self.skips.confirmed(layer, ids, active, self._iteration, self._decoding):
             self.counts["confirmed_layers"] += 1
-            self.cache.drop_prefetches(before=layer + 1)
+            self.evictor.ask(self.cache.drop_prefetches, before=layer + 1)
         elif self.skips.resting(layer, self._iteration):
             self.counts["rested_layers"] += 1
-            self.cache.drop_prefetches(before=layer + 1)
+            self.evictor.ask(self.cache.drop_prefetches, before=layer + 1)
         elif self.budget.affords("trajectory", self._recording):
             data = self._maps[active, : layer + 1]  # a copy (`active` indexes rows): the matcher's own
             self.matcher.publish(Context("trajectory", layer=layer, data=data, iteration=self._iteration))
@@ -452,6 +456,7 @@ class FMoE(Policy):
             self._guess_next(self._hint)
         if self._decoding:
             self.budget.record_spent("bookkeeping", self._spent + time.perf_counter() - start)
+        self.evictor.stale()
 
     def _plan_recording(self, updates: bool) -> None:
         """Live, whether the next iteration's embeddings and router probabilities are copied out of the
@@ -491,7 +496,7 @@ class FMoE(Policy):
             threshold=self.admission.threshold,
             counts=self.counts,
         )
-        self.cache.request_prefetch(items, replace=range(first))
+        self.evictor.ask(self.cache.request_prefetch, items, replace=range(first))
         self.budget.record_engine("next_token", start)
 
     # -- the matcher's work (its thread, or inline) -----------------------------------------------------
@@ -504,6 +509,7 @@ class FMoE(Policy):
             else:
                 self._search(context)
         finally:  # the price of the work: this thread's CPU time, what it takes from the engine's
+            self.evictor.stale()
             self.budget.record_context(context.kind, time.thread_time() - start if timed else 0.0)
 
     def _update(self, context: Context) -> None:
@@ -530,7 +536,7 @@ class FMoE(Policy):
                 self._record_match(context.kind, scores)
                 self.counts["repeated_matches"] += 1
                 self.timers["matching"] += time.perf_counter() - start
-                self.cache.drop_prefetches(before=current + 1)
+                self.evictor.ask(self.cache.drop_prefetches, before=current + 1)
                 return
             if self.skips.confirming and context.iteration == self._iteration and len(self.store):
                 self.skips.foresee(context.iteration, maps, current, self.sorted_maps)
@@ -541,7 +547,7 @@ class FMoE(Policy):
         items = self._select(scores, maps, targets, current, fresh=context.iteration == self._iteration)
         self.timers["matching"] += time.perf_counter() - start
         replace = True if self.options.band or context.kind == "semantic" else targets
-        self.cache.request_prefetch(items, replace=replace, stale_before=current + 1)
+        self.evictor.ask(self.cache.request_prefetch, items, replace=replace, stale_before=current + 1)
 
     def _select(
         self, scores: np.ndarray, maps: np.ndarray, targets: range, current: int, *, fresh: bool
@@ -573,6 +579,9 @@ class FMoE(Policy):
 
     def admit_prefetch(self, key: Key, priority: float, victim: Key) -> bool:
         return self._resting or self.evictor.admit_prefetch(key, victim)
+
+    def refusal_stamp(self, key: Key, priority: float) -> tuple | None:
+        return None if self._resting else self.evictor.refusal_stamp(key)
 
     def threshold(self, layer: int | np.ndarray, current: int) -> float | np.ndarray:
         """`Admission.threshold`: the need probability a prefetch for `layer` must have, deciding after
