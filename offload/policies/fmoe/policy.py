@@ -584,20 +584,16 @@ class FMoE(Policy):
         return None if self._resting else self.evictor.refusal_stamp(key)
 
     def threshold(self, layer: int | np.ndarray, current: int) -> float | np.ndarray:
-        """`Admission.threshold`: the need probability a prefetch for `layer` must have, deciding after
-        `current`."""
+        """`Admission.threshold`: the need a prefetch for `layer` must have, deciding after `current`."""
         return self.admission.threshold(layer, current)
 
     def stats(self) -> dict[str, Any]:
         out = {"store_size": len(self.store) if self.store is not None else 0, **dict(self.counts)}
-        if self.matcher is not None and self.matcher.last_error is not None:
-            out["last_error"] = self.matcher.last_error
         if self.matcher is not None:
+            if self.matcher.last_error is not None:
+                out["last_error"] = self.matcher.last_error
             out |= self.admission.stats() | self.budget.stats()
-        for kind, values in self.scores.items():
-            if values:
-                out[f"mean_{kind}_score"] = float(np.mean(values))
-        return out
+        return out | {f"mean_{kind}_score": float(np.mean(v)) for kind, v in self.scores.items() if v}
 
 
 __all__ = ["HINT_NEIGHBOURS", "FMoE", "FMoEOptions", "store_from_traces"]
