@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, HelpFormatter, median_ms, print_table, save
+from benchmarks.common import RESULTS, HelpFormatter, median_ms, print_table, save, saved
 from benchmarks.link_compute import fit_link
 
 BASE = dict(
@@ -106,7 +106,7 @@ def decode_tpot(hf: dict) -> float:
 
     total = hf["num_hidden_layers"] * hf["num_local_experts"]
     offload = fj.OffloadConfig(policy="on_demand_lru", cache_experts=total, preload=True)
-    model = fj.random_model(hf, offload, expert_quantization=EXPERTS)
+    model = fj.random_model(hf, offload, expert_quantization=EXPERTS or "none")
     with model:
         fj.generate(model, [[1, 2, 3]], max_new_tokens=4, stop_at_eos=False)
         steps = []
@@ -125,6 +125,58 @@ def shape(like: str, layers: int, width_scale: float) -> dict:
     from fmoe_jax.random_model import preset_hf_config, shrunk_hf_config
 
     return shrunk_hf_config(preset_hf_config(GPT_OSS_20B), layers=layers, width_scale=width_scale)
+
+
+def relaunch(base: dict, launch: dict, link: dict, like: str) -> dict:
+    """What one more launch of the engine's step program costs beyond its arguments, its sync and the
+    copies of the misses it stopped for (`launch_s`): decode steps at a quarter of the experts
+    (on_demand_lru), the median step at each launch count, a line through them. gpt-oss-shaped models are
+    forced to recorded routing of the store split (`benchmarks/real_routing.py`: never the requests
+    live_replay checks); others route by their own random routers. A trivial program (`launch_and_sync`)
+    launches in microseconds; the step program, whose conditionals pass every layer's state through, costs
+    more on a CPU backend."""
+    from fmoe_jax.models import config_from_hf
+    from fmoe_jax.offload.cost_model import ModelPreset
+
+    import fmoe_jax as fj
+    from benchmarks.live_replay import routing_requests
+
+    total = base["num_hidden_layers"] * base["num_local_experts"]
+    offload = fj.OffloadConfig(policy="on_demand_lru", cache_experts=total // 4)
+    model = fj.random_model(base, offload, expert_quantization=EXPERTS or "none")
+    if like == "gpt-oss-20b":
+        *traces, warmup = routing_requests(3, 32, base["num_hidden_layers"], split="store")
+        runs = [
+            dict(prompts=[t.requests[0].prompt], max_new_tokens=32, forced_routing=t)
+            for t in [warmup, *traces]
+        ]
+    else:
+        runs = [dict(prompts=[[4 + i, 5, 6]], max_new_tokens=STEPS) for i in range(4)]  # the first warms up
+    steps, launches, misses = [], [], 0
+    with model:
+        for i, run in enumerate(runs):  # the first warms up (gpt-oss: the split's last request)
+            stats = fj.generate(model, **run, stop_at_eos=False).stats
+            if i:
+                steps += stats.decode_step_s
+                launches += stats.step_launches[1:]
+                misses += stats.misses
+    t, n = np.asarray(steps), np.asarray(launches)
+    counts = [c for c in np.unique(n) if np.sum(n == c) >= 3]
+    medians = [float(np.median(t[n == c])) for c in counts]
+    per_launch, fixed = np.polyfit(counts, medians, 1)
+    preset = ModelPreset.from_config(config_from_hf(base))
+    copies_per_launch = misses / max(1.0, float(np.sum(n - 1)))  # the first launch of a step stops for none
+    copy_s = preset.expert_bytes / link["link_bytes_per_s"] + link["copy_latency_s"]
+    arguments = preset.launch_arguments(base["num_hidden_layers"], base["num_local_experts"])
+    engine_s = arguments * launch["launch_argument_s"] + launch["sync_s"]
+    return dict(
+        launch_s=max(float(per_launch - copies_per_launch * copy_s - engine_s), 0.0),
+        per_launch_s=float(per_launch),
+        step_fixed_s=float(fixed),
+        launch_counts=[int(c) for c in counts],
+        median_step_s=medians,
+        copies_per_launch=copies_per_launch,
+    )
 
 
 def kernels(launch: dict, base: dict) -> dict:
@@ -176,21 +228,30 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--like", default="mixtral", choices=["mixtral", "gpt-oss-20b"], help="models fit on")
     p.add_argument("--layers", type=int, default=8, help="their layers")
     p.add_argument("--width-scale", type=float, default=0.25, help="gpt-oss-20b's widths times this")
+    p.add_argument(
+        "--only-relaunch",
+        action="store_true",
+        help="measure the step program's relaunch alone; the rest from the saved --name",
+    )
     p.add_argument("--name", default="engine_costs_cpu", help="results name")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON")
     args = p.parse_args(argv)
     load_before = os.getloadavg()
     start = time.perf_counter()
-    measured = dict(link=link(), launch=launch_and_sync())
     base = shape(args.like, args.layers, args.width_scale)
-    measured["kernels"] = kernels(measured["launch"], base)
+    if args.only_relaunch:
+        measured = saved(args.name, args.out)["measured"]
+    else:
+        measured = dict(link=link(), launch=launch_and_sync())
+        measured["kernels"] = kernels(measured["launch"], base)
+    measured["relaunch"] = relaunch(base, measured["launch"], measured["link"], args.like)
     fields = dict(
         hbm_bytes_per_s=measured["kernels"]["hbm_bytes_per_s"],
         link_bytes_per_s=measured["link"]["link_bytes_per_s"],
         copy_latency_s=measured["link"]["copy_latency_s"],
         expert_kernel_s=measured["kernels"]["expert_kernel_s"],
         attention_kernel_s=measured["kernels"]["attention_kernel_s"],
-        launch_s=measured["launch"]["launch_s"],
+        launch_s=measured["relaunch"]["launch_s"],
         launch_argument_s=measured["launch"]["launch_argument_s"],
         sync_s=measured["launch"]["sync_s"],
         layer_host_s=0.0,  # inside attention_kernel_s: the fit is of the offload engine's own steps

@@ -40,14 +40,16 @@ PROMPT_TOKEN = 1  # the one-token prompt each request starts from; its routing i
 EXPERTS = {"bf16": None, "int8": "int8", "int4": "int4", "mxfp4": "mxfp4"}  # --experts: stored precision
 
 
-def routing_requests(count: int, steps: int, layers: int, path: Path = DEFAULT_PATH) -> list[Any]:
-    """`count` evaluation requests (evenly spaced) and a warm-up one (the split's last), each a one-request
+def routing_requests(
+    count: int, steps: int, layers: int, path: Path = DEFAULT_PATH, split: str = "evaluation"
+) -> list[Any]:
+    """`count` requests of `split` (evenly spaced) and a warm-up one (the split's last), each a one-request
     `RoutingTrace` of its first `steps` decode steps and `layers` MoE layers, prompt `[PROMPT_TOKEN]`."""
     from fmoe_jax.trace import RequestTrace, RoutingTrace
 
-    names = request_names("evaluation", path)
-    chosen = request_names("evaluation", path, limit=count) + [names[-1]]
-    trace = load("evaluation", path)
+    names = request_names(split, path)
+    chosen = request_names(split, path, limit=count) + [names[-1]]
+    trace = load(split, path)
     by_name = dict(zip(names, trace.requests, strict=True))
     out = []
     for name in chosen:
