@@ -185,18 +185,22 @@ RTX_3090 = HardwarePreset(
     memory_bytes=24 * GiB,
     link_efficiency=PCIE4_EFFICIENCY,
 )
-# `benchmarks/engine_costs.py` on this 2-core VM (JAX CPU backend), 2026-11-29, with the machine shared (load
-# average 11-15 from other jobs: the values are noisy, rerun it alone). The fit gave no fixed time per expert
-# or per copy (0) and no launch cost beyond its arguments'; the attention's fixed time holds the host's
+# `python -m benchmarks.engine_costs --like gpt-oss-20b --layers 24` on this 2-core VM, alone (JAX CPU),
+# 2026-11-29 (results/engine_costs_cpu_gpt_oss.json): kernels fit on random-weight models of gpt-oss-20b's
+# shape at a quarter of its widths with bf16 experts and their own random routing (a bf16 matrix-vector
+# product's rate on a CPU depends on the matrices' shapes: Mixtral-shaped ones at hidden 512 fit 8.7 GB/s
+# with 0.28 ms per expert), the link on the engine's own copies, and `launch_s` from decode steps forced to
+# store-split routing at a quarter of the experts: relaunching the step program after a miss costs ~11 ms
+# here, where a trivial program launches in microseconds. The attention's fixed time holds the host's
 # serving of a layer (the same cores run both here).
 CPU_MEASURED = dict(
-    hbm_bytes_per_s=1.56e9,
-    link_bytes_per_s=2.30e9,
-    copy_latency_s=0.0,
-    expert_kernel_s=0.0,
-    attention_kernel_s=2.90e-3,
-    launch_s=0.0,
-    launch_argument_s=0.243e-6,
+    hbm_bytes_per_s=6.85e9,
+    link_bytes_per_s=16.9e9,
+    copy_latency_s=0.023e-3,
+    expert_kernel_s=0.126e-3,
+    attention_kernel_s=1.72e-3,
+    launch_s=10.7e-3,
+    launch_argument_s=0.233e-6,
     sync_s=2.2e-6,
     layer_host_s=0.0,
 )
