@@ -430,12 +430,14 @@ def _live_replay_sentence(payload: dict) -> str:
     """`live_replay`: real routing decoded live beside the simulator's prediction for the same requests."""
     m, rows = payload["model"], payload["rows"]
     where = "this machine's CPU" if payload["machine"]["backend"] == "cpu" else payload["hardware"]
-    ratios = ", ".join(
-        f"{r['sim_vs_live']:.2f} ({r['policy']}" + ("" if r["mode"] == "copy" else f", {r['mode']}") + ")"
-        for r in rows
-    )
-    hits = ", ".join(f"{r['policy']} {r['live_hit_rate']:.2f} / {r['sim_hit_rate']:.2f}" for r in rows)
     budgets = sorted({r["budget"] for r in rows})
+
+    def label(r: dict) -> str:
+        at = f" at {100 * r['budget']:g} %" if len(budgets) > 1 else ""
+        return r["policy"] + at + ("" if r["mode"] == "copy" else f", {r['mode']}")
+
+    ratios = ", ".join(f"{r['sim_vs_live']:.2f} ({label(r)})" for r in rows)
+    hits = ", ".join(f"{label(r)} {r['live_hit_rate']:.2f} / {r['sim_hit_rate']:.2f}" for r in rows)
     text = (
         f"Live against simulated (`live_replay`, on {where}): {len(payload['requests'])} evaluation requests "
         f"of gpt-oss-20b's real routing, {payload['steps']} decode steps each, forced onto a random-weight "
