@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .forecast import ReuseForecast
+from .next_use import gaps_since_use
 
 # Features of an expert at the start of an iteration: iterations since the request last used it (0 = the
 # previous one; held at _CAP, or _NEVER while unused), uses in the last 8 iterations (0-8), uses in the last
@@ -57,12 +58,7 @@ def request_cells(used: np.ndarray) -> np.ndarray:
     last8 = cumulative[t] - cumulative[np.maximum(t - 8, 0)]
     last32 = cumulative[t] - cumulative[np.maximum(t - 32, 0)]
     share = cumulative[t] / np.maximum(t, 1)[:, None, None]
-    gap = np.empty(used.shape, np.int64)
-    since = np.full(used.shape[1:], _NEVER, np.int64)
-    for step in range(steps):
-        gap[step] = since
-        since = np.where(since < _CAP, since + 1, since)
-        since[used[step]] = 0
+    gap = gaps_since_use(used)
     return cells(gap, last8, last32, share)
 
 

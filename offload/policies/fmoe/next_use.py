@@ -25,6 +25,20 @@ from .forecast import ReuseForecast
 GAP_EDGES = np.array([1, 2, 3, 4, 5, 7, 10, 16, 32])
 WINDOWS = (1, 2, 4, 8, 16, 32)  # uses in the last w iterations, as a share of them
 _CAP, _NEVER = 32, 33
+
+
+def gaps_since_use(used: np.ndarray) -> np.ndarray:
+    """`[T, L, J]` bool uses -> each step's iterations since the expert's last use before it, capped at
+    `_CAP` (`_NEVER`: not used yet)."""
+    gap = np.empty(used.shape, np.int64)
+    since = np.full(used.shape[1:], _NEVER, np.int64)
+    for step in range(len(used)):
+        gap[step] = since
+        since = np.where(since < _CAP, since + 1, since)
+        since[used[step]] = 0
+    return gap
+
+
 _GAP_BIN = np.append(np.searchsorted(GAP_EDGES, np.arange(_CAP + 1), side="right"), len(GAP_EDGES) + 1)
 GAP_BINS = len(GAP_EDGES) + 2
 NUM_FEATURES = GAP_BINS + len(WINDOWS) + 4  # + share of the request so far, position, popularity, bias
@@ -81,12 +95,7 @@ def request_parts(used: np.ndarray, popularity: np.ndarray) -> tuple[np.ndarray,
         ],
         axis=-1,
     )
-    gap = np.empty(used.shape, np.int64)
-    since = np.full(used.shape[1:], _NEVER, np.int64)
-    for step in range(steps):
-        gap[step] = since
-        since = np.where(since < _CAP, since + 1, since)
-        since[used[step]] = 0
+    gap = gaps_since_use(used)
     share = cumulative[t] / np.maximum(t, 1)[:, None, None]
     position = np.broadcast_to(t[:, None, None], used.shape)
     popularity = np.broadcast_to(popularity, used.shape)
