@@ -190,16 +190,17 @@ RTX_3090 = HardwarePreset(
 # shape at a quarter of its widths with bf16 experts and their own random routing (a bf16 matrix-vector
 # product's rate on a CPU depends on the matrices' shapes: Mixtral-shaped ones at hidden 512 fit 8.7 GB/s
 # with 0.28 ms per expert), the link on the engine's own copies, and `launch_s` from decode steps forced to
-# store-split routing at a quarter of the experts: relaunching the step program after a miss costs ~11 ms
-# here, where a trivial program launches in microseconds. The attention's fixed time holds the host's
-# serving of a layer (the same cores run both here).
+# store-split routing at a quarter of the experts: relaunching the step program after a miss costs ~9 ms
+# here (7.1 beyond its arguments and copies), where a trivial program launches in microseconds (a first
+# run, started as the machine was still loaded, gave 12.2 ms with a line below the resident step; rerun
+# alone). The attention's fixed time holds the host's serving of a layer (the same cores run both here).
 CPU_MEASURED = dict(
     hbm_bytes_per_s=6.85e9,
     link_bytes_per_s=16.9e9,
     copy_latency_s=0.023e-3,
     expert_kernel_s=0.126e-3,
     attention_kernel_s=1.72e-3,
-    launch_s=10.7e-3,
+    launch_s=7.14e-3,
     launch_argument_s=0.233e-6,
     sync_s=2.2e-6,
     layer_host_s=0.0,
