@@ -37,3 +37,15 @@ def layer_routed(policy, layer: int, probs, ids, valid, *, hidden=None) -> None:
     ids, valid = np.asarray(ids), np.asarray(valid)
     needed = needed_experts(ids, valid.reshape(-1))
     policy.on_layer_routed(LayerRouted(layer, ids, valid, needed, probs, hidden))
+
+
+def skewed_routing(rng: np.random.Generator, requests: int, steps: int = 20):
+    """A `RoutingTrace` of `requests` one-row requests, `steps` decode steps over 4 layers of 8 experts,
+    top-2, each layer favouring its low-numbered experts (so that reuse can be learned from it)."""
+    from fmoe_jax.trace import RoutingTrace
+
+    routed = [
+        [{"ids": np.argsort(rng.random((1, 4, 8)) + np.arange(8) * 0.1, -1)[..., :2]} for _ in range(steps)]
+        for _ in range(requests)
+    ]
+    return RoutingTrace.from_external(routed, num_experts=8)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fakes import skewed_routing
 from fmoe_jax.offload.policies.fmoe.next_use import (
     LearnedReuseForecast,
     fit_next_use,
@@ -79,16 +80,10 @@ def test_from_traces_fits_the_forecast_for_the_caches_horizon():
     from fmoe_jax.offload.policies import FMoE
     from fmoe_jax.offload.simulator import simulate
 
-    from fmoe_jax.trace import RoutingTrace
-
     rng = np.random.default_rng(2)
 
-    def trace(requests: int) -> RoutingTrace:
-        steps = [
-            [{"ids": np.argsort(rng.random((1, 4, 8)) + np.arange(8) * 0.1, -1)[..., :2]} for _ in range(20)]
-            for _ in range(requests)
-        ]
-        return RoutingTrace.from_external(steps, num_experts=8)
+    def trace(requests: int):
+        return skewed_routing(rng, requests)
 
     options = dict(prefetch_distance=1, store_capacity=64, semantic=False, asynchronous=False)
     policy = FMoE.from_traces([trace(3)], learned_reuse=True, **options)
