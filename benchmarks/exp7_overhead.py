@@ -7,20 +7,20 @@
 collection (copying the embedding to the host), policy events (publishing contexts; on the critical path),
 waiting for on-demand loads, issuing prefetches, and the rest of the step (inference); map matching and map
 updates run on the matcher thread, off the critical path, and are shown beside.
-(b) At real sizes: one decode iteration (batch 1) of
-Mixtral-8x7B, Qwen1.5-MoE-A2.7B and Phi-3.5-MoE on each `--hardware` preset from the cost model (compute,
-one expert copy), next to fMoE's host work at those shapes, measured here with
-`benchmarks/matcher_overhead.py`'s `measure` (a full store of `--store-capacity` maps, the experiments'
-and fmoe's default): its parts (one semantic search, the L - d
-trajectory searches, one map update and one reuse hint (`future_of`) per iteration) and the whole policy's
-iteration (`fmoe_host_ms`: the same plus selection, admission, the calibration and forecast updates, less
-the searches `skip_confirmed` and resting after repeated matches leave out; `matcher_share` is it over the
-compute; `no_search_ms` the same without searches; `matcher_thread_ms` the part of it the matcher thread
+(b) At real sizes: one decode iteration (batch 1) of Mixtral-8x7B, Qwen1.5-MoE-A2.7B, Phi-3.5-MoE,
+Qwen3-30B-A3B, OLMoE, DeepSeek-V2-Lite and gpt-oss-20b (MXFP4 experts as shipped, and bf16 as the routing
+experiments replay it) on each `--hardware` preset from the cost model (compute, one expert copy), next to
+fMoE's host work at those shapes, measured here with `benchmarks/matcher_overhead.py`'s `measure` (a full
+store of `--store-capacity` maps, the experiments' and fmoe's default): its parts (one semantic search, the
+L - d trajectory searches, one map update and one reuse hint (`future_of`) per iteration) and the whole
+policy's iteration (`fmoe_host_ms`: the same plus selection, admission, the calibration and forecast updates,
+less the searches `skip_confirmed` and resting after repeated matches leave out; `matcher_share` is it over
+the compute; `no_search_ms` the same without searches; `matcher_thread_ms` the part of it the matcher thread
 does live, searches, selection, the map update and the hint, the rest being the engine thread's), and the
-simulated iteration of the workload's own routing at its preset's sizes (compute, stall), with fmoe's
-matcher free (as the other experiments simulate it) and taking the host time measured here
-(`simulate(matcher_s=...)`), beside on_demand_lru. (c) The expert-map store's host memory by capacity for
-each real model.
+simulated iteration of the workload's own routing at its preset's sizes (compute, stall), with fmoe's matcher
+free (as the other experiments simulate it) and taking the host time measured here
+(`simulate(matcher_s=...)`), beside on_demand_lru.
+(c) The expert-map store's host memory by capacity for each real model.
 Writes `exp7_overhead.{json,md,png}` to --out.
 """
 
@@ -67,23 +67,33 @@ def live_breakdown(variant: h.Variant, r: dict) -> dict:
 def real_size_rows(
     hardware: list[str], repeats: int, prefetch_distance: int, store_capacity: int
 ) -> list[dict]:
+    import dataclasses
+
     from fmoe_jax.offload.cost_model import HARDWARE, MODELS, CostModel
 
     from benchmarks import matcher_overhead as mo
 
     flush = np.ones((mo.FLUSH_BYTES // 4,), np.float32)
-    names = {
-        "mixtral": "Mixtral-8x7B",
-        "qwen2_moe": "Qwen1.5-MoE",
-        "phimoe": "Phi-3.5-MoE",
-        "qwen3_moe": "Qwen3-30B-A3B",
-        "olmoe": "OLMoE-1B-7B",
-        "deepseek_v2": "DeepSeek-V2-Lite",
-    }
+    gpt_oss = MODELS["gpt_oss"]  # MXFP4 experts, as shipped; the routing experiments replay it in bf16
+    bf16 = dataclasses.replace(gpt_oss, name=f"{gpt_oss.name} (bf16 experts)", expert_quantization=None)
+    presets = (  # each real model, and the name its matcher shapes go by (matcher_overhead.MODELS)
+        (MODELS["mixtral"], "Mixtral-8x7B"),
+        (MODELS["qwen2_moe"], "Qwen1.5-MoE"),
+        (MODELS["phimoe"], "Phi-3.5-MoE"),
+        (MODELS["qwen3_moe"], "Qwen3-30B-A3B"),
+        (MODELS["olmoe"], "OLMoE-1B-7B"),
+        (MODELS["deepseek_v2"], "DeepSeek-V2-Lite"),
+        (gpt_oss, "gpt-oss-20b"),
+        (bf16, "gpt-oss-20b"),
+    )
+    measured: dict[str, dict] = {}  # the matcher's shapes do not depend on the experts' dtype: timed once
     rows = []
-    for family, name in names.items():  # the models whose matcher was measured (matcher_overhead.MODELS)
-        preset, dims = MODELS[family], mo.MODELS[name]
-        m = mo.measure(name, dims, store_capacity, repeats, flush, prefetch_distance, top_k=preset.top_k)
+    for preset, name in presets:
+        if name not in measured:
+            measured[name] = mo.measure(
+                name, mo.MODELS[name], store_capacity, repeats, flush, prefetch_distance, top_k=preset.top_k
+            )
+        m = measured[name]
         host, rounds = m["policy_iteration"]["p50_ms"], m["policy_iteration_rounds_ms"]
         for hw in hardware:
             costs = CostModel(preset, HARDWARE[hw], preset.num_experts)

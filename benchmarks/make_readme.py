@@ -551,7 +551,25 @@ def _matcher_sentence(payload: dict) -> str:
                 f"{share['matcher_thread_ms']:.1f} ms, {share['matcher_thread_share']:.2f}"
             )
         text += "."
+    text += _gpt_oss_host_sentence(rows)
     return text
+
+
+def _gpt_oss_host_sentence(rows: list[dict]) -> str:
+    """Experiment 7 at gpt-oss-20b's shapes (issue 57's host budget): fMoE's host time per decode iteration
+    over an H100's compute, with the experts as shipped (MXFP4) and in bf16."""
+    shares = [r for r in rows if r["model"].startswith("gpt-oss-20b") and r["hardware"] == "h100_sxm"]
+    if not shares:
+        return ""
+    parts = [
+        f"{r['matcher_share']:.2f} with {'bf16' if 'bf16' in r['model'] else 'MXFP4'} experts "
+        f"({'within' if r['matcher_share'] <= MATCHER_TARGET else 'above'} {MATCHER_TARGET:.2f})"
+        for r in shares
+    ]
+    return (
+        f" At gpt-oss-20b's shapes it is {shares[0]['fmoe_host_ms']:.1f} ms an iteration: of an H100's "
+        f"compute for the iteration, {' and '.join(parts)}."
+    )
 
 
 def _hybrid_sentence(payload: dict) -> str:

@@ -41,6 +41,7 @@ MODELS = {
     "Qwen3-30B-A3B": dict(num_layers=48, num_experts=128, embed_dim=2048),
     "OLMoE-1B-7B": dict(num_layers=16, num_experts=64, embed_dim=2048),
     "DeepSeek-V2-Lite": dict(num_layers=26, num_experts=64, embed_dim=2048),
+    "gpt-oss-20b": dict(num_layers=24, num_experts=32, embed_dim=2880),
 }
 CAPACITIES = (1024, 4096, 16384, 32768)
 POLICY_ROUNDS = 5  # `measure`'s rounds of `policy_iteration`

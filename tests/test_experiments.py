@@ -213,6 +213,16 @@ def test_conclusion_is_computed_from_the_results(tmp_path):
         "target of 0.30); the matcher thread's part of it (searches, selection, the map update and the "
         "hint) is 2.4 ms, 0.35." in conclusion(tmp_path)
     )
+    assert "gpt-oss-20b's shapes" not in conclusion(tmp_path)  # no gpt-oss-20b rows
+    payload = json.loads((tmp_path / "exp7_overhead.json").read_text())
+    gpt_oss = dict(model="gpt-oss-20b", hardware="h100_sxm", fmoe_host_ms=2.3, matcher_share=0.41)
+    bf16 = gpt_oss | {"model": "gpt-oss-20b (bf16 experts)", "matcher_share": 0.29}
+    payload["real_size"] += [gpt_oss, bf16]
+    (tmp_path / "exp7_overhead.json").write_text(json.dumps(payload))
+    assert (
+        "At gpt-oss-20b's shapes it is 2.3 ms an iteration: of an H100's compute for the iteration, 0.41 "
+        "with MXFP4 experts (above 0.30) and 0.29 with bf16 experts (within 0.30)." in conclusion(tmp_path)
+    )
 
     def foresight(fmoe_closure, matches):  # benchmarks/foresight.py's rows; only 25 % is reported
         row = dict(budget=0.25, fmoe_closure=fmoe_closure, fmoe_matches=matches)
