@@ -231,7 +231,8 @@ def relaunch_fit(steps: list, launches: list, resident: list, min_steps: int = 2
         raise ValueError("relaunch: no round has two launch counts with enough steps to fit a line")
     per_launch = float(np.median([line[0] for line in lines]))
     fixed = float(np.median([line[1] for line in lines]))
-    resident_s = float(np.median([np.median(r) for r in resident]))
+    round_resident = [float(np.median(r)) for r in resident]
+    resident_s = float(np.median(round_resident))
     one = fixed + per_launch
     single = _line(steps[0], launches[0], 3)
     return dict(
@@ -239,6 +240,7 @@ def relaunch_fit(steps: list, launches: list, resident: list, min_steps: int = 2
         step_fixed_s=fixed,
         round_per_launch_s=[line[0] for line in lines],
         round_fixed_s=[line[1] for line in lines],
+        round_resident_s=round_resident,
         one_launch_s=one,
         resident_step_s=resident_s,
         resolved=bool(abs(one / resident_s - 1) <= RESIDENT_TOLERANCE),
