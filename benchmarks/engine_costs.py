@@ -1,7 +1,7 @@
 """The engine's own costs on this machine, for a simulator hardware preset (`offload/hardware.py`).
 
     python -m benchmarks.engine_costs [--like mixtral|gpt-oss-20b] [--layers 8] [--width-scale 0.25]
-        [--name engine_costs_cpu]
+        [--only-relaunch] [--rounds 3] [--name engine_costs_cpu]
 
 Measured live, by median over repeats (every program compiled and run before it is timed):
 - the link: the engine's copy (`offload/transfer.py`'s `copier`) of a pinned-host array to the device at
@@ -12,7 +12,9 @@ Measured live, by median over repeats (every program compiled and run before it 
   random-weight models (bf16 experts, their own random routing) at top-1 and top-4 and at two expert widths
   give, against the preset's byte counts, the rate an expert streams at (`hbm_bytes_per_s` with efficiency
   1) and the fixed time per expert and per layer (attention block, router and the host's serving of the
-  layer, which on a CPU backend runs on the same cores: `layer_host_s` stays 0).
+  layer, which on a CPU backend runs on the same cores: `layer_host_s` stays 0);
+- a relaunch (`launch_s`): decode steps at a quarter of the experts, by launch count, in `--rounds` rounds
+  interleaved with the resident step, the median of the rounds' lines (`relaunch_fit`: robust to load).
 
 `--like` picks the models' shape: small Mixtral-shaped ones, or gpt-oss-20b's dimensions times
 `--width-scale` (`fmoe_jax.random_model`'s shrinking, as `benchmarks/live_replay.py` builds). A CPU's rate
@@ -127,23 +129,67 @@ def shape(like: str, layers: int, width_scale: float) -> dict:
     return shrunk_hf_config(preset_hf_config(GPT_OSS_20B), layers=layers, width_scale=width_scale)
 
 
-def relaunch(base: dict, launch: dict, link: dict, like: str) -> dict:
+# The relaunch is measured in rounds (every request once a round, each decoded by the quarter cache and then
+# by an engine holding every expert, interleaved), a line fit per round; the median of the rounds' slopes and
+# intercepts resists a round a burst of load slowed (one pass over the requests on a loaded machine gave a
+# launch 50 % dearer than alone, with a line below the resident step). A line whose step at one launch (a
+# step that stopped for no miss) is off the resident step by more than `RESIDENT_TOLERANCE` is unresolved.
+ROUNDS, RESIDENT_TOLERANCE = 3, 0.15
+
+
+def relaunch(base: dict, launch: dict, link: dict, like: str, rounds: int = ROUNDS) -> dict:
     """What one more launch of the engine's step program costs beyond its arguments, its sync and the
     copies of the misses it stopped for (`launch_s`): decode steps at a quarter of the experts
-    (on_demand_lru), the median step at each launch count, a line through them. gpt-oss-shaped models are
-    forced to recorded routing of the store split (`benchmarks/real_routing.py`: never the requests
-    live_replay checks); others route by their own random routers. A trivial program (`launch_and_sync`)
-    launches in microseconds; the step program, whose conditionals pass every layer's state through, costs
-    more on a CPU backend."""
+    (on_demand_lru), a line through the median step at each launch count (`relaunch_fit`), against the
+    resident step (every expert held) measured in the same rounds. gpt-oss-shaped models are forced to
+    recorded routing of the store split (`benchmarks/real_routing.py`: never the requests live_replay
+    checks); others route by their own random routers. A trivial program (`launch_and_sync`) launches in
+    microseconds; the step program, whose conditionals pass every layer's state through, costs more on a
+    CPU backend."""
     from fmoe_jax.models import config_from_hf
     from fmoe_jax.offload.cost_model import ModelPreset
 
+    total = base["num_hidden_layers"] * base["num_local_experts"]
+    steps = _relaunch_steps(base, like, total, rounds)
+    fit = relaunch_fit(steps["quarter"], steps["launches"], steps["resident"])
+    preset = ModelPreset.from_config(config_from_hf(base))
+    copies_per_launch = steps["misses"] / max(1.0, float(np.sum(np.concatenate(steps["launches"]) - 1)))
+    copy_s = preset.expert_bytes / link["link_bytes_per_s"] + link["copy_latency_s"]
+    arguments = preset.launch_arguments(base["num_hidden_layers"], base["num_local_experts"])
+    engine_s = arguments * launch["launch_argument_s"] + launch["sync_s"]
+
+    def beyond(per_launch: float) -> float:  # the launch's own cost: less its copies, arguments and sync
+        return max(float(per_launch - copies_per_launch * copy_s - engine_s), 0.0)
+
+    if not fit["resolved"]:
+        print(
+            f"relaunch: the line's step at one launch ({1e3 * fit['one_launch_s']:.1f} ms) is off the "
+            f"resident step ({1e3 * fit['resident_step_s']:.1f} ms) by more than {RESIDENT_TOLERANCE:.0%}: "
+            "unresolved (a loaded machine?); rerun alone"
+        )
+    single = fit["single_pass"]
+    return dict(
+        launch_s=beyond(fit["per_launch_s"]),
+        single_pass_launch_s=None if single is None else beyond(single["per_launch_s"]),
+        copies_per_launch=copies_per_launch,
+        **fit,
+    )
+
+
+def _relaunch_steps(base: dict, like: str, total: int, rounds: int) -> dict:
+    """Decode steps of each round (the first request warms up, uncounted): the quarter cache's steps and
+    their launch counts, the resident engine's steps, and the quarter cache's misses over all rounds."""
+    import dataclasses
+
     import fmoe_jax as fj
     from benchmarks.live_replay import routing_requests
+    from fmoe_jax.engines.offload import OffloadEngine
 
-    total = base["num_hidden_layers"] * base["num_local_experts"]
     offload = fj.OffloadConfig(policy="on_demand_lru", cache_experts=total // 4)
     model = fj.random_model(base, offload, expert_quantization=EXPERTS or "none")
+    everything = fj.OffloadConfig(policy="on_demand_lru", cache_experts=total, preload=True)
+    engine = OffloadEngine(model.module, everything, programs=model.engine.programs)
+    resident = dataclasses.replace(model, engine=engine, offload=everything)
     if like == "gpt-oss-20b":
         *traces, warmup = routing_requests(3, 32, base["num_hidden_layers"], split="store")
         runs = [
@@ -152,31 +198,65 @@ def relaunch(base: dict, launch: dict, link: dict, like: str) -> dict:
         ]
     else:
         runs = [dict(prompts=[[4 + i, 5, 6]], max_new_tokens=STEPS) for i in range(4)]  # the first warms up
-    steps, launches, misses = [], [], 0
-    with model:
-        for i, run in enumerate(runs):  # the first warms up (gpt-oss: the split's last request)
-            stats = fj.generate(model, **run, stop_at_eos=False).stats
-            if i:
-                steps += stats.decode_step_s
-                launches += stats.step_launches[1:]
-                misses += stats.misses
-    t, n = np.asarray(steps), np.asarray(launches)
-    counts = [c for c in np.unique(n) if np.sum(n == c) >= 3]
-    medians = [float(np.median(t[n == c])) for c in counts]
-    per_launch, fixed = np.polyfit(counts, medians, 1)
-    preset = ModelPreset.from_config(config_from_hf(base))
-    copies_per_launch = misses / max(1.0, float(np.sum(n - 1)))  # the first launch of a step stops for none
-    copy_s = preset.expert_bytes / link["link_bytes_per_s"] + link["copy_latency_s"]
-    arguments = preset.launch_arguments(base["num_hidden_layers"], base["num_local_experts"])
-    engine_s = arguments * launch["launch_argument_s"] + launch["sync_s"]
+    out = dict(quarter=[], launches=[], resident=[], misses=0)
+    try:
+        with model:
+            for both in (model, resident):
+                fj.generate(both, **runs[0], stop_at_eos=False)
+            for _ in range(rounds):
+                quarter, launches, held = [], [], []
+                for run in runs[1:]:
+                    stats = fj.generate(model, **run, stop_at_eos=False).stats
+                    quarter += stats.decode_step_s
+                    launches += stats.step_launches[1:]
+                    out["misses"] += stats.misses
+                    held += fj.generate(resident, **run, stop_at_eos=False).stats.decode_step_s
+                out["quarter"].append(quarter)
+                out["launches"].append(launches)
+                out["resident"].append(held)
+    finally:
+        engine.close()
+    return out
+
+
+def relaunch_fit(steps: list, launches: list, resident: list, min_steps: int = 2) -> dict:
+    """Per round, a line `step = fixed + per_launch * launches` through the median step at each launch count
+    that has `min_steps` steps in the round; the median over rounds of the slope and of the intercept; the
+    resident step (median of every round's). `resolved`: the line's step at one launch is within
+    `RESIDENT_TOLERANCE` of the resident step. `single_pass`: the first round alone, as one pass was fit
+    before rounds (counts with 3 steps or more), for comparison (None when it has too few counts)."""
+    lines = [_line(t, n, min_steps) for t, n in zip(steps, launches, strict=True)]
+    lines = [line for line in lines if line is not None]
+    if not lines:
+        raise ValueError("relaunch: no round has two launch counts with enough steps to fit a line")
+    per_launch = float(np.median([line[0] for line in lines]))
+    fixed = float(np.median([line[1] for line in lines]))
+    round_resident = [float(np.median(r)) for r in resident]
+    resident_s = float(np.median(round_resident))
+    one = fixed + per_launch
+    single = _line(steps[0], launches[0], 3)
     return dict(
-        launch_s=max(float(per_launch - copies_per_launch * copy_s - engine_s), 0.0),
-        per_launch_s=float(per_launch),
-        step_fixed_s=float(fixed),
-        launch_counts=[int(c) for c in counts],
-        median_step_s=medians,
-        copies_per_launch=copies_per_launch,
+        per_launch_s=per_launch,
+        step_fixed_s=fixed,
+        round_per_launch_s=[line[0] for line in lines],
+        round_fixed_s=[line[1] for line in lines],
+        round_resident_s=round_resident,
+        one_launch_s=one,
+        resident_step_s=resident_s,
+        resolved=bool(abs(one / resident_s - 1) <= RESIDENT_TOLERANCE),
+        single_pass=None if single is None else dict(per_launch_s=single[0], step_fixed_s=single[1]),
     )
+
+
+def _line(steps: list, launches: list, min_steps: int) -> tuple[float, float] | None:
+    """(slope, intercept) through the median step at each launch count with `min_steps` steps; None with
+    fewer than two such counts."""
+    t, n = np.asarray(steps, float), np.asarray(launches)
+    counts = [c for c in np.unique(n) if np.sum(n == c) >= min_steps]
+    if len(counts) < 2:
+        return None
+    slope, intercept = np.polyfit(counts, [np.median(t[n == c]) for c in counts], 1)
+    return float(slope), float(intercept)
 
 
 def kernels(launch: dict, base: dict) -> dict:
@@ -233,6 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="measure the step program's relaunch alone; the rest from the saved --name",
     )
+    p.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of the relaunch measurement")
     p.add_argument("--name", default="engine_costs_cpu", help="results name")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON")
     args = p.parse_args(argv)
@@ -244,7 +325,15 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         measured = dict(link=link(), launch=launch_and_sync())
         measured["kernels"] = kernels(measured["launch"], base)
-    measured["relaunch"] = relaunch(base, measured["launch"], measured["link"], args.like)
+    measured["relaunch"] = relaunch(base, measured["launch"], measured["link"], args.like, args.rounds)
+    r = measured["relaunch"]
+    single = "-" if r["single_pass_launch_s"] is None else f"{1e3 * r['single_pass_launch_s']:.2f} ms"
+    verdict = "resolved" if r["resolved"] else "UNRESOLVED"
+    print(
+        f"relaunch: launch_s {1e3 * r['launch_s']:.2f} ms (median of {len(r['round_per_launch_s'])} rounds; "
+        f"one pass, as fit before: {single}); step at one launch {1e3 * r['one_launch_s']:.1f} ms against "
+        f"the resident step {1e3 * r['resident_step_s']:.1f} ms: {verdict}"
+    )
     fields = dict(
         hbm_bytes_per_s=measured["kernels"]["hbm_bytes_per_s"],
         link_bytes_per_s=measured["link"]["link_bytes_per_s"],

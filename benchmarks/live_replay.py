@@ -16,7 +16,12 @@ A warm-up request (the evaluation split's last) runs first in both, so that prog
 policy's state carries over alike. fmoe runs inline (`asynchronous=False`) on routing alone
 (`semantic=False`: the routing set has no embeddings), learning online. The policy's host time per layer,
 measured live on the same requests (`overhead_s["policy_events"]`), is what the simulator charges it
-(`simulate(policy_s=...)`): the simulator predicts the rest.
+(`simulate(policy_s=...)`): the simulator predicts the rest. A policy that prices its own bookkeeping live
+(fmoe's `pay_for_matching`, stats `bookkeeping_ms`: the median host time of its paid decode iterations) is
+given that price in the simulator (`simulate(bookkeeping_s=...)`, per layer), and the time it measured per
+miss (`copy_ms`, the exposed wait its credit counts), so that it rests where live it rested; its host time
+per layer is then split into that price, charged for the iterations it pays for, and the rest, charged at
+every layer. `sim_free_*`: the prediction with the bookkeeping free (as before that split).
 
 Live TPOT is the mean of each request's mean decode step (compilation excluded), as the simulator's
 `mean_tpot_s`; ratio = simulated / live. Writes `results/<name>.{json,md,png}`.
@@ -96,12 +101,13 @@ def run_live(base: Any, offload: Any, traces: list[Any]) -> dict:
         ]
     finally:
         engine.close()
-    outs = outs[1:]
+    warm, outs = outs[0], outs[1:]
     tokens = sum(len(o.stats.decode_step_s) + 1 for o in outs)
     policy_s = sum(o.stats.overhead_s.get("policy_events", 0.0) for o in outs) / tokens
     launches = np.concatenate([o.stats.step_launches[1:] for o in outs])
     syncs = np.concatenate([o.stats.step_syncs[1:] for o in outs])
     return dict(
+        **bookkeeping(warm.stats.extra, outs[-1].stats.extra, tokens, policy_s, base.config.num_moe_layers),
         tpot_s=[o.stats.tpot_s for o in outs],
         hits=sum(o.stats.hits for o in outs),
         misses=sum(o.stats.misses for o in outs),
@@ -112,14 +118,48 @@ def run_live(base: Any, offload: Any, traces: list[Any]) -> dict:
     )
 
 
+def bookkeeping(warm: dict, last: dict, tokens: int, policy_s: float, layers: int) -> dict:
+    """What a policy that prices its own bookkeeping (stats `bookkeeping_ms`, fmoe's) measured live, for the
+    simulator: the price per layer, the host time per layer left at every layer (`policy_s`, the mean per
+    token, less the paid iterations' price), its time per miss (`copy_ms`) and the iterations it left the
+    bookkeeping out of (warm-up included, as the simulator counts). Every value None for another policy.
+    Each decode iteration here is one token (one-token prompts), so `tokens` are the measured iterations."""
+    price_ms, copy_ms = last.get("bookkeeping_ms"), last.get("copy_ms")
+    if price_ms is None:
+        return dict.fromkeys(["bookkeeping_s", "floor_s", "copy_ms", "paid_share", "unpaid"])
+    unpaid = last.get("unpaid_bookkeeping", 0)
+    paid = max(0, tokens - (unpaid - warm.get("unpaid_bookkeeping", 0)))
+    floor = max(0.0, policy_s * tokens - paid * price_ms / 1e3) / tokens
+    return dict(
+        bookkeeping_s=price_ms / 1e3 / layers,
+        floor_s=floor / layers,
+        copy_ms=copy_ms,
+        paid_share=paid / tokens,
+        unpaid=unpaid,
+    )
+
+
 def run_simulated(
-    offload: Any, traces: list[Any], preset: Any, hardware: Any, host: Any, policy_s: float
+    offload: Any,
+    traces: list[Any],
+    preset: Any,
+    hardware: Any,
+    host: Any,
+    policy_s: float,
+    bookkeeping_s: float | None = None,
 ) -> Any:
     from fmoe_jax.offload.simulator import simulate
 
     *measured, warmup = traces
     return simulate(
-        measured, offload, model=preset, hardware=hardware, host=host, warmup=[warmup], policy_s=policy_s
+        measured,
+        offload,
+        model=preset,
+        hardware=hardware,
+        host=host,
+        warmup=[warmup],
+        policy_s=policy_s,
+        bookkeeping_s=bookkeeping_s,
     )
 
 
@@ -177,6 +217,11 @@ def replay(args: argparse.Namespace) -> dict:
                     launches=live["launches_per_token"],
                     syncs=live["syncs_per_token"],
                     policy_us_per_layer=live["policy_s_per_layer"] * 1e6,
+                    bookkeeping_us_per_layer=_us(live["bookkeeping_s"]),
+                    floor_us_per_layer=_us(live["floor_s"]),
+                    live_copy_ms=live["copy_ms"],
+                    live_paid_share=live["paid_share"],
+                    live_unpaid_bookkeeping=live["unpaid"],
                 )
                 rows.append(simulated(row, traces, preset, args))
                 print_table(rows[-1:])
@@ -199,10 +244,14 @@ def replay(args: argparse.Namespace) -> dict:
     )
 
 
-def offload_config(policy: str, slots: int, mode: str, traces: list[Any]) -> Any:
+def _us(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e6
+
+
+def offload_config(policy: str, slots: int, mode: str, traces: list[Any], **options: Any) -> Any:
     from fmoe_jax.offload.config import OffloadConfig
 
-    options = policy_options(policy, traces)
+    options = policy_options(policy, traces) | options
     return OffloadConfig(
         policy=policy, cache_experts=slots, execution=mode, prefetch_distance=1, policy_options=options
     )
@@ -219,15 +268,25 @@ def simulated(row: dict, traces: list[Any], preset: Any, args: argparse.Namespac
     """`row` (a live run's) with the simulator's prediction for the same requests, policy and budget."""
     from fmoe_jax.offload.cost_model import HARDWARE, HOSTS
 
+    hardware, host = HARDWARE[args.hardware], HOSTS.get(args.host)
     offload = offload_config(row["policy"], row["slots"], row["mode"], traces)
     policy_s = row["policy_us_per_layer"] / 1e6
-    sim = run_simulated(offload, traces, preset, HARDWARE[args.hardware], HOSTS.get(args.host), policy_s)
+    free = run_simulated(offload, traces, preset, hardware, host, policy_s)
+    sim, price = free, row.get("bookkeeping_us_per_layer")
+    if price is not None:  # the policy's live prices: its bookkeeping, and its time per miss
+        options = {} if row.get("live_copy_ms") is None else {"copy_s": row["live_copy_ms"] / 1e3}
+        offload = offload_config(row["policy"], row["slots"], row["mode"], traces, **options)
+        floor_s = row["floor_us_per_layer"] / 1e6
+        sim = run_simulated(offload, traces, preset, hardware, host, floor_s, bookkeeping_s=price / 1e6)
     return dict(
         row,
         sim_tpot_ms=sim.mean_tpot_s * 1e3,
         sim_vs_live=sim.mean_tpot_s * 1e3 / row["live_tpot_ms"],
         sim_hit_rate=sim.hit_rate,
         sim_launches=sim.launches / max(1, sum(len(t.requests[0].iterations) for t in traces[:-1])),
+        sim_unpaid_bookkeeping=sim.extra.get("unpaid_bookkeeping", 0) if price is not None else None,
+        sim_free_vs_live=free.mean_tpot_s * 1e3 / row["live_tpot_ms"],
+        sim_free_hit_rate=free.hit_rate,
     )
 
 

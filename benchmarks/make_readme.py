@@ -444,7 +444,8 @@ def _live_replay_sentence(payload: dict) -> str:
         f"gpt-oss-20b of {m['layers']} MoE layers (hidden {m['hidden']}, {m['experts']} experts) with "
         f"{'/'.join(f'{100 * b:g}' for b in budgets)} % of its experts cached: simulated TPOT, "
         f"charging this machine's measured engine costs, over live TPOT: {ratios}; hit rates live / "
-        f"simulated: {hits} (fmoe's live choices follow the timings it measures)"
+        f"simulated: {hits} (fmoe decides on the timings it measures live; the simulator gives it the same "
+        "prices, so it rests where live it rests: `simulate(bookkeeping_s=...)`)"
     )
     if payload["machine"]["backend"] == "cpu":
         text += (

@@ -128,6 +128,7 @@ def simulate(
     finish_started: bool = True,
     matcher_s: float = 0.0,
     policy_s: float = 0.0,
+    bookkeeping_s: float | None = None,
     layers: str = "trace",
 ) -> SimResult:
     """Replays routing traces through an offload policy and expert cache on a simulated clock.
@@ -138,7 +139,8 @@ def simulate(
     (the others finished and are invalid rows). Invalid rows of the arrays handed to the policy are zeros.
     Batches run one after another on one cache and one policy, as consecutive `generate` calls on a model.
     Time advances only by the cost model's compute and by waits for copies: the policy's own host work
-    (matching, predictors) takes no simulated time on the engine's path. With `matcher_s` > 0, fmoe's
+    (matching, predictors) takes no simulated time on the engine's path unless priced (`policy_s`,
+    `bookkeeping_s`, `matcher_s`). With `matcher_s` > 0, fmoe's
     matcher (a thread beside the engine live) takes that long per search or update on the simulated clock,
     so its prefetches are requested that much later, behind its earlier work.
 
@@ -165,6 +167,10 @@ def simulate(
       policy_s: host seconds the policy's events take per MoE layer on the engine's path (measured live,
         `GenerationStats.overhead_s["policy_events"]`), charged with the hardware's engine costs
         (`offload/engine_model.py`; `hardware.without_engine()` replays without any).
+      bookkeeping_s: host seconds per MoE layer of a policy's own bookkeeping beyond `policy_s`
+        (`PolicyContext.bookkeeping_s`): a policy that weighs its host work prices it so, and the clock is
+        charged it after each layer the policy did the work for (`Policy.charged_s`), nothing for an
+        iteration it left the work out of (fmoe resting). None: free and never left out (the default).
       layers: a trace of fewer MoE layers than `model`: "project", "refuse" or "trace" (`projection.py`).
 
     Returns:
@@ -176,6 +182,7 @@ def simulate(
     model = model if isinstance(model, ModelPreset) else ModelPreset.from_config(model)
     everything = fit_layers([*warmup, *traces], model.num_layers, layers)
     costs = dict(model=model, hardware=hardware, host=host, matcher_s=matcher_s, policy_s=policy_s)
+    costs["bookkeeping_s"] = bookkeeping_s
     replay = Replay(
         offload,
         meta=common_meta(everything),
@@ -221,9 +228,10 @@ class Replay:
         finish_started: bool = True,
         matcher_s: float = 0.0,
         policy_s: float = 0.0,
+        bookkeeping_s: float | None = None,
     ):
         offload = offload or OffloadConfig()
-        _check_setting(offload, host, matcher_s)
+        _check_setting(offload, host, matcher_s, bookkeeping_s)
         if not isinstance(model, ModelPreset):
             model = ModelPreset.from_config(model)
         if chunks is None:  # the cost model's choice; `SimulatedLink` refuses fewer than one
@@ -255,7 +263,7 @@ class Replay:
             synchronous=offload.transfer == "synchronous",
         )
         self.costs = CostModel(model, hardware, num_experts)
-        self.policy.bind(self._context(offload, chunks, matcher_s), self.cache)
+        self.policy.bind(self._context(offload, chunks, matcher_s, bookkeeping_s), self.cache)
         self.host: SimulatedHost | None = None
         planner = None
         if offload.execution == "hybrid":
@@ -265,7 +273,7 @@ class Replay:
         self.driver = Driver(self.policy, self.cache, planner)
         arguments = model.launch_arguments(self.num_layers, num_experts)
         self.engine = EngineModel(hardware, arguments, self.cache, policy_s)
-        self.charges = _Charges(self.costs, self.engine)
+        self.charges = _Charges(self.costs, self.engine, bills=bookkeeping_s is not None)
         self._closed = False
         try:
             if self.policy.preload_all:
@@ -277,7 +285,9 @@ class Replay:
             raise
         self.reset_statistics()
 
-    def _context(self, offload: OffloadConfig, chunks: int, matcher_s: float) -> PolicyContext:
+    def _context(
+        self, offload: OffloadConfig, chunks: int, matcher_s: float, bookkeeping_s: float | None
+    ) -> PolicyContext:
         """What the policy learns of the model, the cache and the simulated costs."""
         meta, model, hardware, router_weights = self.meta, self.model, self.hardware, self.router_weights
         one = np.ones(1)
@@ -303,6 +313,7 @@ class Replay:
             clock=(lambda: self.link.clock) if matcher_s > 0 else None,
             copy_chunks=chunks,
             execution=offload.execution,
+            bookkeeping_s=bookkeeping_s,
         )
 
     @property
@@ -380,8 +391,9 @@ class _Charges:
     (a chunk of experts and their token counts, the shared expert, the LM head), each worked out once: the
     cost model is a pure function of them, so the floats are the ones it gives."""
 
-    def __init__(self, costs: CostModel, engine: EngineModel):
+    def __init__(self, costs: CostModel, engine: EngineModel, bills: bool = False):
         self.costs, self.engine = costs, engine  # the engine's host costs (`offload/engine_model.py`)
+        self.bills = bills  # the policy's bookkeeping is priced: charge what it did (`Policy.charged_s`)
         self._experts: dict[tuple[int, ...], float] = {}
         self._shared: dict[int, float] = {}
         self._head: dict[int, float] = {}
@@ -423,7 +435,7 @@ def _replay_batch(
     policy = driver.policy
     # Charges that are 0.0 on this preset (no engine costs, no shared expert) are left out: adding 0.0 to the
     # clock changes no bit of it.
-    engine_active, experts_s = engine.active, charges.experts_s
+    engine_active, experts_s, bills = engine.active, charges.experts_s, charges.bills
     for i in range(num_iterations):
         step = layout(trace, i, policy, past) if counted is None else counted.layout(i, policy, past)
         began = link.clock
@@ -456,6 +468,8 @@ def _replay_batch(
             if last:
                 if engine_active:
                     link.compute(engine.layer_done())
+                if bills:
+                    link.compute(policy.charged_s())
                 if host is not None:
                     host.join(link)
                 if shared:
@@ -494,10 +508,14 @@ def common_meta(traces: list[RoutingTrace]) -> dict[str, Any]:
     return meta
 
 
-def _check_setting(offload: OffloadConfig, host: HostPreset | None, matcher_s: float) -> None:
+def _check_setting(
+    offload: OffloadConfig, host: HostPreset | None, matcher_s: float, bookkeeping_s: float | None = None
+) -> None:
     """Refuses settings the simulator does not model, saying what to pass instead."""
     if not matcher_s >= 0:
         raise ValueError(f"matcher_s must be >= 0 seconds, got {matcher_s!r}")
+    if bookkeeping_s is not None and not bookkeeping_s >= 0:
+        raise ValueError(f"bookkeeping_s must be >= 0 seconds or None, got {bookkeeping_s!r}")
     if offload.execution == "hybrid" and host is None:
         raise ValueError(
             "execution='hybrid' computes misses on the host: pass host=, a HostPreset such as "

@@ -69,3 +69,27 @@ def test_engine_costs_charge_launches_syncs_and_layers():
     partial = simulate(trace, OffloadConfig(cache_experts=4), model=preset, hardware=costly)
     assert partial.launches == partial.syncs > 16  # relaunches after the layers that missed
     assert partial.launches <= 16 * (1 + 4)
+
+
+def test_relaunch_fit_takes_the_median_round_and_checks_the_resident_step():
+    """`engine_costs.relaunch_fit` on synthetic steps: a round slowed by load (a dearer launch) moves neither
+    the median slope nor the intercept; a line whose step at one launch is far from the resident step (a
+    loaded fit) is unresolved, as is the first round alone against the others."""
+    from benchmarks.engine_costs import relaunch_fit
+
+    def round_(fixed, per_launch, counts=(4, 8, 12, 16)):
+        launches = [c for c in counts for _ in range(3)]
+        return [fixed + per_launch * n + 1e-4 * (i % 3 - 1) for i, n in enumerate(launches)], launches
+
+    clean = [round_(0.1, 0.008) for _ in range(4)]
+    loaded = round_(0.05, 0.02)
+    steps, launches = zip(*[loaded, *clean], strict=True)
+    resident = [[0.108] * 5] * 5
+    fit = relaunch_fit(list(steps), list(launches), resident)
+    assert fit["per_launch_s"] == pytest.approx(0.008) and fit["step_fixed_s"] == pytest.approx(0.1)
+    assert fit["resolved"] and fit["one_launch_s"] == pytest.approx(0.108)
+    assert fit["single_pass"]["per_launch_s"] == pytest.approx(0.02)  # the loaded round alone: as before
+    below = relaunch_fit([loaded[0]], [loaded[1]], [[0.108]])  # its line at one launch: 0.07 s
+    assert not below["resolved"]
+    with pytest.raises(ValueError, match="no round has two launch counts"):
+        relaunch_fit([[0.1, 0.2]], [[4, 8]], resident)

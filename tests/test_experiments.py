@@ -622,3 +622,19 @@ def test_readme_reports_live_replay_beside_the_simulator():
     assert "over live TPOT: 0.95 (on_demand_lru), 1.20 (fmoe, hybrid)" in text
     assert "2 evaluation requests" in text and "24 MoE layers" in text and "GPU presets" in text
     assert "0.80 (on_demand_lru)" in _live_replay_sentence(payload(0.8))
+
+
+def test_live_replay_splits_a_priced_policys_host_time_for_the_simulator():
+    """`live_replay.bookkeeping`: a policy that prices its bookkeeping live gives the simulator that price
+    per layer, and the rest of its host time (the paid iterations' price taken out) for every layer; its
+    measured iterations' paid share counts from the warm-up's end. Another policy gives none."""
+    from benchmarks.live_replay import bookkeeping
+
+    warm = {"unpaid_bookkeeping": 10, "bookkeeping_ms": 3.0}
+    last = {"unpaid_bookkeeping": 28, "bookkeeping_ms": 2.4, "copy_ms": 0.04}
+    out = bookkeeping(warm, last, tokens=20, policy_s=0.5e-3, layers=24)  # 18 of 20 rested: 2 paid
+    assert out["bookkeeping_s"] == pytest.approx(2.4e-3 / 24)
+    assert out["floor_s"] == pytest.approx((20 * 0.5e-3 - 2 * 2.4e-3) / 20 / 24)
+    assert (out["paid_share"], out["unpaid"], out["copy_ms"]) == (0.1, 28, 0.04)
+    assert bookkeeping({}, {"unpaid_bookkeeping": 0, "bookkeeping_ms": 9.0}, 2, 1e-3, 2)["floor_s"] == 0.0
+    assert set(bookkeeping({}, {}, 20, 0.5e-3, 24).values()) == {None}

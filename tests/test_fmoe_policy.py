@@ -260,7 +260,7 @@ def test_live_fmoe_rests_while_copies_cost_less_than_its_bookkeeping():
     credit as its searches: where copies are next to free it rests through the iterations (no forecast, no
     guide, no search), evicts the least recently used expert (every keep score ties) and drops the waiting
     prefetches as rest begins; when the credit covers its bookkeeping again it wakes, its request's routing
-    features started over. In the simulator (handlers unpriced) it never rests."""
+    features started over. In the simulator (handlers unpriced by default) it never rests."""
 
     def decode(policy, iterations):
         valid = np.ones((1, 1), bool)

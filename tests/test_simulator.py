@@ -594,6 +594,36 @@ def test_a_slow_matcher_requests_its_prefetches_later_and_a_stalled_one_none():
         run(-1.0)
 
 
+def test_a_priced_bookkeeping_makes_fmoe_rest_and_charges_only_what_it_does():
+    """`simulate(bookkeeping_s=...)`: fmoe's budget prices its decode iterations' bookkeeping, as live. Dearer
+    than the copies its credit can hold, fmoe rests through every iteration and serves as LRU (the same hits,
+    no prefetch, no charge); at price 0 it never rests, and the replay is the default's exactly; paid every
+    iteration (`pay_for_matching` off), each of a decode iteration's layers is charged its price."""
+    trace = random_trace(3)
+    hardware, layers = HARDWARE["h100_sxm"], 4
+
+    def run(policy="fmoe", **kw):
+        options = {"asynchronous": False, "semantic": False, "admission": "all", **kw.pop("options", {})}
+        offload = OffloadConfig(policy=policy, policy_options=options if policy == "fmoe" else {})
+        offload = dataclasses.replace(offload, cache_experts=8, prefetch_distance=1)
+        return simulate(trace, offload, model=MIXTRAL_8X7B, hardware=hardware, **kw)
+
+    default, free, lru = run(), run(bookkeeping_s=0.0), run("on_demand_lru")
+    assert (free.tpot_s, free.hits, free.prefetches) == (default.tpot_s, default.hits, default.prefetches)
+    assert "unpaid_bookkeeping" not in free.extra and default.prefetches > 0
+    copy_s = hardware.copy_s(MIXTRAL_8X7B.expert_bytes, 1)
+    rested = run(bookkeeping_s=10 * copy_s)  # a layer's price above its top-2 copies: never covered
+    assert rested.extra["unpaid_bookkeeping"] == 41  # every iteration: the one-token prompt, 40 decode steps
+    assert rested.hits == lru.hits and rested.prefetches == 0
+    assert rested.tpot_s == pytest.approx(lru.tpot_s)
+    price = 1.0  # seconds per layer, far above the rest of a decode iteration
+    paid = run(bookkeeping_s=price, options={"pay_for_matching": False})
+    assert "unpaid_bookkeeping" not in paid.extra
+    assert min(paid.tpot_s) >= layers * price > max(default.tpot_s)
+    with pytest.raises(ValueError, match="bookkeeping_s must be >= 0"):
+        run(bookkeeping_s=-1.0)
+
+
 def test_fmoe_learns_offline_from_routing_recorded_elsewhere():
     """Routing without embeddings (`from_external`, top-k ids only): `FMoE.from_traces` builds its store of
     trajectories and its popularity profile from it, and replays each request after the others with

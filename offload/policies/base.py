@@ -52,6 +52,13 @@ class PolicyContext:
     # `OffloadConfig.execution`: "copy", or "hybrid" (a miss may be computed on the host instead of waiting
     # for its copy, so a wasted prefetch delays other prefetches but no miss).
     execution: str = "copy"
+    # Host seconds per MoE layer of a policy's own bookkeeping on the engine thread (its event handlers'
+    # work beyond the floor `simulate(policy_s=...)` charges at every layer), as the simulator prices it: a
+    # policy that weighs its host work against what it saves (fmoe's `pay_for_matching`) prices it so, and
+    # reports the layers it did the work for (`Policy.charged_s`), so that an iteration it leaves the work
+    # out of costs nothing. None: free, and never left out (the simulator's default); the live engine
+    # leaves it None (the policy measures its own).
+    bookkeeping_s: float | None = None
 
 
 class Policy:
@@ -174,6 +181,12 @@ class Policy:
         again (the lowest-scored candidate can only score higher), and the cache asks no victim for it.
         None (here): no such promise."""
         return None
+
+    def charged_s(self) -> float:
+        """Simulated host seconds of the policy's own bookkeeping since the simulator last asked, at the
+        price `PolicyContext.bookkeeping_s` gave: what the policy did (work it left out costs nothing). The
+        simulator asks after each layer, when it gave a price. 0.0 here: the base prices nothing."""
+        return 0.0
 
     def stats(self) -> dict[str, Any]:
         """Policy-specific statistics merged into `out.stats.extra`."""

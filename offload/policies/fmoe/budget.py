@@ -3,7 +3,9 @@ to a credit the link time that layer's misses could have cost; each search, stor
 next-token guess or live decode iteration of bookkeeping (the policy's event handlers) spends its measured
 host time from it, and work the credit cannot pay is left out (counted as `unpaid_<kind>`). Where copies are
 nearly free (a CPU) the matcher and then the bookkeeping rest, and fmoe serves as LRU; where a copy costs more
-than a search, every search is paid. Decisions "pay for matching" and "pay for bookkeeping".
+than a search, every search is paid. Decisions "pay for matching" and "pay for bookkeeping". In the simulator
+the prices are the context's (`PolicyContext.matcher_s`, `.bookkeeping_s`), and a decode iteration's
+bookkeeping, once paid, is owed to its clock layer by layer (`charged`), as live time follows the decision.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...cache import CacheStats
+from ..base import PolicyContext
 
 # Work is priced at the median host time of the last `COST_SAMPLES` of its kind, once `COST_WARMUP` are
 # measured (the first of each kind, cold, is not): an average from the first kept the cold contexts' times
@@ -35,7 +38,9 @@ class SearchBudget:
       counts: the policy's counters (`unpaid_<kind>` are added here).
       copy_s: the link time of one expert as it stands (hinted or measured), None until known: work is
         priced only once it is.
-      simulated_s: the simulator's host time per context (`PolicyContext.matcher_s`); None: measured live.
+      ctx: the policy's context; the simulator's prices are its `matcher_s` (host time per context) and
+        `bookkeeping_s` (per layer of a decode iteration's bookkeeping); None: measured live (`matcher_s`),
+        free in the simulator (`bookkeeping_s`, so never left out).
     """
 
     def __init__(
@@ -44,16 +49,22 @@ class SearchBudget:
         enabled: bool,
         counts: collections.Counter,
         copy_s: Callable[[], float | None],
-        simulated_s: float | None,
+        ctx: PolicyContext,
     ):
         self.enabled, self.counts, self.copy_s = enabled, counts, copy_s
+        simulated_s = ctx.matcher_s
         self.simulated = simulated_s is not None
         self.credit = 0.0  # link seconds the work may still spend (engine thread)
         # Host seconds per piece of work of each kind: the simulator's, else the median measured.
         self.prices: dict[str, float | None] = dict.fromkeys(CONTEXT_KINDS, simulated_s)
-        # The engine thread's work is measured live, and free in the simulator (which charges no policy its
-        # event handlers' host time).
+        # The engine thread's work is measured live. In the simulator it is free unless the context prices
+        # the bookkeeping: a decode iteration's is then `layers` times its per-layer price (the reuse
+        # prediction and the next-token guess run inside the handlers that price times live: free).
         self.prices |= dict.fromkeys(ENGINE_KINDS)
+        self._layer_s, self._layers = ctx.bookkeeping_s, ctx.num_layers
+        if self._layer_s is not None:
+            self.prices["bookkeeping"] = self._layer_s * self._layers
+        self._owed = 0  # layers of paid bookkeeping the simulator has not charged yet (`charged`)
         self._spent = {kind: collections.deque(maxlen=COST_SAMPLES) for kind in self.prices}
         self._timed = collections.Counter()  # contexts timed, by kind
 
@@ -82,13 +93,14 @@ class SearchBudget:
         """Spends the price of work of `kind` from the credit, if it covers it (or the work is not priced
         yet); counts the work left out otherwise."""
         cost = self.prices[kind]
-        if cost is None or not self.priced():
-            return True
-        if self.credit >= cost:
+        if cost is not None and self.priced():
+            if self.credit < cost:
+                self.counts[f"unpaid_{kind}"] += 1
+                return False
             self.credit -= cost
-            return True
-        self.counts[f"unpaid_{kind}"] += 1
-        return False
+        if kind == "bookkeeping" and self._layer_s is not None:  # simulated: done, so owed to the clock
+            self._owed = self._layers
+        return True
 
     def affords(self, kind: str, recorded: bool) -> bool:
         """`pay`, for a context whose inputs the engine gave (`recorded`); one it did not give them for (the
@@ -131,14 +143,25 @@ class SearchBudget:
         if len(spent) >= COST_WARMUP:
             self.prices[kind] = statistics.median(spent)  # 0.4 us; np.median 14
 
+    def charged(self) -> float:
+        """Simulated host seconds of paid bookkeeping since the simulator last asked (`Policy.charged_s`): a
+        layer's price after each layer of a paid decode iteration, nothing in one fmoe rested through."""
+        if not self._owed:
+            return 0.0
+        self._owed -= 1
+        return self._layer_s
+
     def wants_maps(self, kinds: list[str]) -> bool | None:
         """Live, whether the next iteration's embeddings and router probabilities are worth copying out of
         the device: only when the credit already covers one of the contexts of `kinds` they feed (a search
         the credit could pay later in an iteration without them waits for the next one). None where every
-        iteration's come: in the simulator (copies are free) and while work is unpriced. Decision "pay for
-        matching"."""
-        if self.simulated or not self.priced():
+        iteration's come: in the simulator (copies are free) and while work is unpriced; True in a simulator
+        that prices the bookkeeping (the copies are free, but an iteration fmoe rests through, and the first
+        it pays for after, records nothing, as live). Decision "pay for matching"."""
+        if not self.priced() or (self.simulated and self._layer_s is None):
             return None
+        if self.simulated:
+            return True
         costs = [self.prices[kind] for kind in kinds]
         return bool(costs) and (None in costs or self.credit >= min(costs))  # None: not priced yet
 

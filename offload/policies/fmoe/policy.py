@@ -55,7 +55,7 @@ class FMoE(Policy):
     # Hybrid execution: an expert the host computed is copied to the cache when the link is idle, never in
     # a prediction's way. Decision "host fill".
     host_fill = "idle"
-    _resting = False  # live, a decode iteration whose bookkeeping went unpaid (`_rest`)
+    _resting = False  # a decode iteration whose bookkeeping went unpaid (`_rest`)
 
     def __init__(self, options: FMoEOptions | None = None, /, **overrides: Any):
         options = FMoEOptions(**overrides) if options is None else dataclasses.replace(options, **overrides)
@@ -163,8 +163,9 @@ class FMoE(Policy):
             enabled=options.pay_for_matching,
             counts=self.counts,
             copy_s=lambda: self.admission.copy_s,
-            simulated_s=ctx.matcher_s,
+            ctx=ctx,
         )
+        self.charged_s = self.budget.charged  # the bookkeeping the simulator charges (`Policy.charged_s`)
         self.meta = {"model": ctx.model_id}  # what a saved store belongs to
         self._check_predictor()
         # Routing without embeddings (a trace from elsewhere, semantic=False) has width 0: the store then
@@ -352,10 +353,9 @@ class FMoE(Policy):
         self.evictor.stale()  # (resting, eviction reads none of it)
 
     def _rest(self) -> None:
-        """A decode iteration the credit cannot pay fmoe's own bookkeeping for (its event handlers' measured
-        host time, `SearchBudget`): no search, forecast or guide follows it, and eviction is LRU (every
-        keep score ties). Live only, where copies cost less than the bookkeeping (a CPU); waiting
-        prefetches are dropped as rest begins. Decision "pay for bookkeeping"."""
+        """A decode iteration the credit cannot pay fmoe's own bookkeeping for (`SearchBudget`; where copies
+        cost less than it, as on a CPU): no search, forecast or guide follows it, eviction is LRU (every keep
+        score ties), and waiting prefetches are dropped as rest begins. Decision "pay for bookkeeping"."""
         if not self._resting:
             self._resting = True  # from here on `evicts_least_recent`
             self.evictor.ask(self.cache.drop_prefetches, before=self.ctx.num_layers)
