@@ -268,8 +268,7 @@ class FMoE(Policy):
         self._spent = 0.0  # host seconds of this iteration's event handlers so far
 
     def _train_reuse(self, horizon: int) -> Predictor:
-        """The reuse predictor of `from_traces(reuse_predictor="train")` for `horizon` (the one the forecast
-        looks at: decision "reuse predictor horizon"), trained once."""
+        """The reuse predictor for `horizon`, trained once (decision "reuse predictor horizon")."""
         if horizon not in self._trained_reuse:
             from ...predictor_training import train_reuse
 
