@@ -246,8 +246,9 @@ class ReuseForecast:
     def mark_used(self, layer: int, experts: np.ndarray) -> None:
         """`layer` has routed, needing `experts`: from now on its experts score as experts this iteration
         used or did not use."""
-        self.scores[layer] = self._if_missed[layer]
-        self.scores[layer, experts] = self._if_used[layer, experts]
+        row = self.scores[layer]  # a view: the same elements written as by 2-D indexing, at less cost
+        row[:] = self._if_missed[layer]
+        row[experts] = self._if_used[layer].take(experts)
 
     def end_iteration(self, used: np.ndarray) -> None:
         """The iteration's experts `[L, J]` bool: features update, and the snapshot `horizon` iterations back
