@@ -1,5 +1,6 @@
 """fMoE's eviction shortcuts give what scoring every victim afresh gives: the keep-score table kept between
-the policy's events (`Eviction.stale`) and the cache's memo of a refused prefetch (`Policy.refusal_stamp`)."""
+the policy's events (`Eviction.stale`; past the end of a layer's event that ended on a call to the cache)
+and the cache's memo of a refused prefetch (`Policy.refusal_stamp`)."""
 
 from __future__ import annotations
 

@@ -159,14 +159,16 @@ class Eviction:
     def keep_scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """`keep_score` of the resident experts `(layers[i], experts[i])`, as one array expression for
         "reuse"."""
+        table = self._table  # kept: "reuse", ranked by keep score
+        if table is not None:
+            return table.take(layers * table.shape[1] + experts)
         if self.rule != "reuse":
             keys = zip(layers.tolist(), experts.tolist(), strict=True)
             return np.array([self.keep_score(key, self.cache.entry(key)) for key in keys], np.float64)
         flat = layers * self.guides.need.shape[1] + experts  # layer * J + expert
         if self.distance is not None:
             return self.distance.keep_scores(flat, self.guides.need, self.guides.current)
-        table = self._table if self._table is not None else self._kept_table()
-        return table.take(flat)
+        return self._kept_table().take(flat)
 
     def _kept_table(self) -> np.ndarray:
         table = self.table()
@@ -183,7 +185,7 @@ class Eviction:
         table = self._table if self._table is not None else self._kept_table()
         last, version = self._last
         if table is not last:
-            if np.array_equal(table, last):
+            if table.tobytes() == last.tobytes():  # the same doubles (so the same victims): cheaper to copy
                 self._table = table = last
             else:
                 self._last = (table, version + 1)

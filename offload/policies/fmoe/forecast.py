@@ -68,7 +68,7 @@ class Calibration:
         index are several times faster than on four: the matcher calls these after every layer). The
         fmoe policy keeps the bins of its guides, for `observe_binned` when their layer has routed."""
         d = np.minimum(np.maximum(np.asarray(distance, np.int64), 1), MAX_DISTANCE) - 1
-        p_bin, s_bin = np.searchsorted(P_EDGES, p), np.searchsorted(S_EDGES, score)
+        p_bin, s_bin = P_EDGES.searchsorted(p), S_EDGES.searchsorted(score)
         # ((p_bin * S + s_bin) * D + d) * R + recency, S = len(S_EDGES) + 1, with the terms that do not
         # depend on p summed first: `distance` is usually a column [n, 1] and `score` a scalar, so three
         # operations over the whole [n, J] instead of six (the same integers).
@@ -246,8 +246,9 @@ class ReuseForecast:
     def mark_used(self, layer: int, experts: np.ndarray) -> None:
         """`layer` has routed, needing `experts`: from now on its experts score as experts this iteration
         used or did not use."""
-        self.scores[layer] = self._if_missed[layer]
-        self.scores[layer, experts] = self._if_used[layer, experts]
+        row = self.scores[layer]  # a view: the same elements written as by 2-D indexing, at less cost
+        row[:] = self._if_missed[layer]
+        row[experts] = self._if_used[layer].take(experts)
 
     def end_iteration(self, used: np.ndarray) -> None:
         """The iteration's experts `[L, J]` bool: features update, and the snapshot `horizon` iterations back

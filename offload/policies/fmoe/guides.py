@@ -73,7 +73,7 @@ class Guides:
     def route(self, layer: int, needed: np.ndarray) -> None:
         self.current = layer  # from now on no guide of this layer is written (`guide`)
         self.need[layer] = 0.0  # its next routing is the next iteration's: unknown until `guess_next`
-        self.used[layer, needed] = True
+        self.used[layer][needed] = True  # (a row view, then its elements: cheaper than one 2-D index)
 
     def observe(self) -> None:
         """What the iteration's guides were worth: the calibration learns, for every layer and distance bin a

@@ -189,14 +189,13 @@ class FMoE(Policy):
     def _check_predictor(self) -> None:
         if self.reuse_predictor is None:
             return
-        ctx = self.ctx
         self.reuse_predictor.check(
             kind="reuse",
-            model_id=ctx.model_id,
-            num_layers=ctx.num_layers,
-            num_experts=ctx.num_experts,
-            top_k=ctx.top_k,
-            input_dim=ctx.embed_dim or None,
+            model_id=self.ctx.model_id,
+            num_layers=self.ctx.num_layers,
+            num_experts=self.ctx.num_experts,
+            top_k=self.ctx.top_k,
+            input_dim=self.ctx.embed_dim or None,
             source="fmoe's reuse predictor",
         )
 
@@ -270,8 +269,7 @@ class FMoE(Policy):
         self._spent = 0.0  # host seconds of this iteration's event handlers so far
 
     def _train_reuse(self, horizon: int) -> Predictor:
-        """The reuse predictor of `from_traces(reuse_predictor="train")` for `horizon` (the one the forecast
-        looks at: decision "reuse predictor horizon"), trained once."""
+        """The reuse predictor for `horizon`, trained once (decision "reuse predictor horizon")."""
         if horizon not in self._trained_reuse:
             from ...predictor_training import train_reuse
 
@@ -377,11 +375,11 @@ class FMoE(Policy):
             self._rest_needed += len(event.needed)
             return
         start = time.perf_counter()
-        self._routed(event)
-        self.evictor.stale()
+        if not self._routed(event):  # True: it ended on a call to the cache, whose keep scores still hold
+            self.evictor.stale()
         self._spent += time.perf_counter() - start
 
-    def _routed(self, event: LayerRouted) -> None:
+    def _routed(self, event: LayerRouted) -> bool:
         layer, valid, ctx = event.layer, event.valid, self.ctx
         self.matcher.catch_up()
         if self.admission.measuring:
@@ -407,22 +405,24 @@ class FMoE(Policy):
         if layer + ctx.prefetch_distance >= ctx.num_layers:  # no search guides a layer from here
             if layer == self._next_from and self._loads_nothing(layer, needed) and self._guesses_next():
                 self._guess_next(self._hint)
-            return
-        if self.options.trajectory and active.size:
-            self._after_layer(layer, event.ids, active)
+                return True  # (it ends on `Eviction.ask`)
+            return False
+        return bool(self.options.trajectory and active.size) and self._after_layer(layer, event.ids, active)
 
-    def _after_layer(self, layer: int, ids: np.ndarray, active: np.ndarray) -> None:
+    def _after_layer(self, layer: int, ids: np.ndarray, active: np.ndarray) -> bool:
         """The trajectory search after `layer`, or what is left of it where the last match holds: the
-        waiting requests for this layer and those before it are dropped, as a search would."""
+        waiting requests for this layer and those before it are dropped, as a search would (True)."""
         if self.skips.confirmed(layer, ids, active, self._iteration, self._decoding):
             self.counts["confirmed_layers"] += 1
-            self.evictor.ask(self.cache.drop_prefetches, before=layer + 1)
         elif self.skips.resting(layer, self._iteration):
             self.counts["rested_layers"] += 1
-            self.evictor.ask(self.cache.drop_prefetches, before=layer + 1)
-        elif self.budget.affords("trajectory", self._recording):
-            data = self._maps[active, : layer + 1]  # a copy (`active` indexes rows): the matcher's own
-            self.matcher.publish(Context("trajectory", layer=layer, data=data, iteration=self._iteration))
+        else:
+            if self.budget.affords("trajectory", self._recording):
+                data = self._maps[active, : layer + 1]  # a copy (`active` indexes rows): the matcher's own
+                self.matcher.publish(Context("trajectory", layer=layer, data=data, iteration=self._iteration))
+            return False
+        self.evictor.ask(self.cache.drop_prefetches, before=layer + 1)
+        return True
 
     def _predict_reuse(self, event: LayerRouted, rows: np.ndarray) -> None:
         """The reuse hint from the learned predictor: it rescores this iteration's forecast and starts the

@@ -187,8 +187,9 @@ def _count(mass: np.ndarray, nonzero: np.ndarray, delta: float | np.ndarray, top
     """How many of each row's experts are selected `[B]`, from the cumulative mass in descending order
     `[B, J]`: the positions short of delta are a prefix, and the first to reach it is the next one (a row
     that never reaches it takes all J); at least top_k; none from a row with no mass."""
-    short = mass < np.reshape(delta - MASS_TOLERANCE, (-1, 1))
-    count = np.minimum(np.maximum(np.count_nonzero(short, axis=1) + 1, top_k), mass.shape[1])
+    bound = delta - MASS_TOLERANCE  # one for all rows (a float, the matcher's case), or one per row
+    short = mass < (bound if isinstance(bound, float) else np.reshape(bound, (-1, 1)))
+    count = np.minimum(np.maximum(short.sum(axis=1) + 1, top_k), mass.shape[1])
     return np.where(nonzero, count, 0)
 
 

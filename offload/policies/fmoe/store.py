@@ -509,9 +509,14 @@ class PrefixDots:
 
     def _sum(self, store: ExpertMapStore, new: np.ndarray, done: int) -> None:
         """Adds layers `done`, `done + 1`, ... of the query (`new` [B, m, J], float32) to the sums."""
-        n = store._size
-        for i in range(new.shape[1]):
-            self._dots += _scores(store._by_layer[done + i, :n], new[:, i])
+        n, by_layer = store._size, store._by_layer
+        if len(new) == 1:  # decode at batch 1: `_scores`' gemv, added in place
+            dots = self._dots[0]
+            for i in range(new.shape[1]):
+                dots += by_layer[done + i, :n] @ new[0, i]
+        else:
+            for i in range(new.shape[1]):
+                self._dots += _scores(by_layer[done + i, :n], new[:, i])
         self._squares += np.square(new, dtype=np.float64).sum(axis=(1, 2))
         self._query[:, done : done + new.shape[1]] = new
         self._done = done + new.shape[1]
