@@ -193,7 +193,9 @@ RTX_3090 = HardwarePreset(
 # store-split routing at a quarter of the experts: relaunching the step program after a miss costs ~9 ms
 # here (7.1 beyond its arguments and copies), where a trivial program launches in microseconds (a first
 # run, started as the machine was still loaded, gave 12.2 ms with a line below the resident step; rerun
-# alone). The attention's fixed time holds the host's serving of a layer (the same cores run both here).
+# alone). Measured again in rounds beside the resident step (`relaunch_fit`), alone on a slower day of this
+# VM: 6.8 ms (results/engine_costs_cpu_gpt_oss_rerun.json) and 9.8 ms, both resolved; 7.1 is kept. The
+# attention's fixed time holds the host's serving of a layer (the same cores run both here).
 CPU_MEASURED = dict(
     hbm_bytes_per_s=6.85e9,
     link_bytes_per_s=16.9e9,
