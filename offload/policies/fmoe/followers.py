@@ -38,5 +38,5 @@ class FollowerLinks:
                     self._recent.popitem(last=False)
             self._recent.move_to_end(key)
             if recent:
-                store.add_future(np.fromiter(recent, np.int64), np.repeat(token_map[None], len(recent), 0))
+                store.add_future(np.fromiter(recent, np.int64), token_map[None])  # one map, every slot
             recent.append(int(slot))

@@ -216,13 +216,13 @@ class ExpertMapStore:
             else:
                 # sem holds sketch estimates: shortlist on them, decide on exact cosines.
                 cand = _top_candidates(rdy, self.rerank)  # [R]
-                exact = (self._embeds[cand] @ unit_embeds[i]) * self._inv_embed_norm[cand]
+                exact = self._exact(cand, unit_embeds[i])
                 slot = int(cand[np.argmax(w * exact + (1.0 - w) * traj[i, cand])])
             slots[row] = slot
             one = slice(row, row + 1)
             self._write(slots[one], one, embeds, flat, inv_embed, inv_prefix, sketch)
-            sem[i + 1 :, slot] = sem_batch[i + 1 :, i]
-            traj[i + 1 :, slot] = traj_batch[i + 1 :, i]
+            if i + 1 < len(sem):  # the later rows' cosines with the map now in `slot`
+                sem[i + 1 :, slot], traj[i + 1 :, slot] = sem_batch[i + 1 :, i], traj_batch[i + 1 :, i]
         if num_rows == 1:  # decode: `future_of` the same map next (fmoe's reuse hint) reuses its cosines
             traj[0, slot] = traj_batch[0, 0]
             self._added = (self.version, flat.copy(), traj)
@@ -236,7 +236,7 @@ class ExpertMapStore:
             raise ValueError(
                 f"add needs one map per embedding, got {embeds.shape[0]} embeddings and {maps.shape[0]} maps."
             )
-        if np.any(maps < 0):
+        if maps.size and maps.min() < 0:  # finite, as `_rows` has checked
             raise ValueError("expert maps hold router probabilities and must be >= 0.")
         return embeds, maps.reshape(len(maps), self.num_layers * self.num_experts)
 
@@ -248,25 +248,35 @@ class ExpertMapStore:
         inv_norm: np.ndarray,  # [r, 1] the maps' inverse norms
         scored_sem: np.ndarray | None,  # [r, C] the rows' `match_embed` scores against this store
         dots: np.ndarray | None,  # [r, C] the maps' dot products with the stored maps
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # [r, C], [r, C], [r, r], [r, r]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:  # [r, C], [r, C], [r, r], [r, r]
         """The new rows' semantic and map cosines with every stored map (of a full store) and with each
         other, for `add`'s redundancy rule; scores already computed are taken as given."""
-        sem = scored_sem.copy() if scored_sem is not None else self._semantic_scores(unit_embeds, sketch)
+        single = len(unit_embeds) == 1  # `add` writes no score of a single row's, reads no [r, r] cosine
+        if scored_sem is not None:
+            sem = scored_sem if single else scored_sem.copy()
+        elif unit_embeds.any():
+            sem = self._semantic_scores(unit_embeds, sketch)
+        else:  # zero embeddings (fmoe without semantic search): every cosine is 0, no pass over the store
+            sem = np.zeros((len(unit_embeds), self._size), np.float32)
         if dots is not None and np.shape(dots) == (len(unit_maps), self.capacity):
             traj = dots * inv_norm * self._inv_prefix_norm[-1]  # cosines
         else:
             traj = _scores(self._maps, unit_maps) * self._inv_prefix_norm[-1]
         # Replaced columns take the same kind of value as the rest of `sem` (sketch or exact), so a
         # batch shortlists exactly as the equivalent single-row calls would.
-        sem_batch = unit_embeds @ unit_embeds.T if sketch is None else sketch @ sketch.T
+        sem_batch = None if single else unit_embeds @ unit_embeds.T if sketch is None else sketch @ sketch.T
         traj_batch = unit_maps @ unit_maps.T
         return sem, traj, sem_batch, traj_batch
 
     def add_future(self, slots: np.ndarray, maps: np.ndarray) -> None:
-        """Records that maps `[B, L, J]` followed the maps stored at `slots` `[B]` in their requests (a
-        slot reused since holds another map: the caller passes slots it has just been given)."""
+        """Records that maps `[B, L, J]` (or one map `[1, L, J]`, for every slot) followed the maps stored at
+        `slots` `[B]` in their requests (a slot reused since holds another map: the caller passes slots it has
+        just been given)."""
         slots = np.asarray(slots, np.int64)
-        flat = self._rows(maps, (self.num_layers, self.num_experts), "maps").reshape(len(slots), -1)
+        flat = self._rows(maps, (self.num_layers, self.num_experts), "maps")
+        if len(flat) not in (1, len(slots)):
+            raise ValueError(f"add_future needs one map or one a slot ({len(slots)}), got {len(flat)} maps.")
+        flat = flat.reshape(len(flat), -1)
         if len(set(slots.tolist())) == len(slots):  # distinct slots (decode, mostly): one add each
             self._future[slots] += flat
             self._future_count[slots] += 1.0
@@ -291,7 +301,8 @@ class ExpertMapStore:
             sims = added[2]  # the map `add` has just stored: the cosines it computed
         else:
             sims = _scores(self._maps[:n], flat * _inv_norm(flat)[:, None]) * self._inv_prefix_norm[-1, :n]
-        sims = sims[:, has]  # [B, m]
+        # Once every stored map has followers (a store in use, mostly), slots are columns: no index copies.
+        sims = sims[:, :n] if has.size == n else sims[:, has]  # [B, m]
         k = min(neighbours, has.size)
         if k == 1:
             best = has[np.argmax(sims, axis=1)]  # [B]
@@ -300,7 +311,7 @@ class ExpertMapStore:
         weights = np.maximum(np.take_along_axis(sims, top, axis=1), 0.0)  # maps are >= 0: so are cosines
         total = weights.sum(axis=1, keepdims=True)
         weights = np.where(total > 0, weights / np.where(total > 0, total, 1.0), 1.0 / k)
-        slots = has[top]  # [B, k]
+        slots = top if has.size == n else has[top]  # [B, k]
         followers = self._future[slots] / self._future_count[slots][..., None]  # [B, k, L*J]
         return np.einsum("bk,bkf->bf", weights, followers).astype(np.float32).reshape(maps.shape)
 
@@ -327,7 +338,7 @@ class ExpertMapStore:
         scores = np.empty((embeds.shape[0],), np.float32)
         for b in range(embeds.shape[0]):
             cand = _top_candidates(sims[b], self.rerank)  # [R]
-            exact = (self._embeds[cand] @ unit[b]) * self._inv_embed_norm[cand]  # [R]
+            exact = self._exact(cand, unit[b])  # [R]
             i = int(np.argmax(exact))
             best[b], scores[b] = cand[i], exact[i]
         return self._answer(scores, best)
@@ -397,7 +408,7 @@ class ExpertMapStore:
         if x.ndim != 1 + len(trailing) or x.shape[1:] != tuple(trailing):
             dims = ", ".join(str(d) for d in trailing)
             raise ValueError(f"{name} must be [B, {dims}] (add a batch axis for one row), got {x.shape}.")
-        if not np.all(np.isfinite(x)):
+        if not math.isfinite(float(x.sum())) and not np.isfinite(x).all():  # NaN or inf make the sum so
             raise ValueError(f"{name} holds NaN or inf; the store only takes finite values.")
         return x
 
@@ -431,12 +442,14 @@ class ExpertMapStore:
         sketch: np.ndarray | None,  # [B, k]
     ) -> None:
         self.version += 1
-        maps = flat_maps[rows]  # [m, L*J]
+        if len(slots) == 1:  # one row (decode): basic indexing, no fancy-index temporaries
+            slots, rows = int(slots[0]), rows.start
+        maps = flat_maps[rows]  # [m, L*J] ([L*J] for one row)
         self._embeds[slots] = embeds[rows]
         self._inv_embed_norm[slots] = inv_embed[rows]
         self._maps[slots] = maps
-        by_layer = maps.reshape(len(slots), self.num_layers, self.num_experts).transpose(1, 0, 2)  # [L, m, J]
-        self._by_layer[:, slots] = by_layer
+        by_layer = maps.reshape(-1, self.num_layers, self.num_experts).swapaxes(0, 1)  # [L, m, J]
+        self._by_layer[:, slots] = by_layer[:, 0] if isinstance(slots, int) else by_layer
         self._future[slots] = 0.0
         self._future_count[slots] = 0.0
         self._inv_prefix_norm[:, slots] = inv_prefix[rows].T
@@ -453,6 +466,13 @@ class ExpertMapStore:
         if self._sketch is None or n <= self.rerank:
             return _scores(self._embeds[:n], unit_embeds) * self._inv_embed_norm[:n]
         return _scores(self._sketch[:n], sketch)
+
+    def _exact(self, cand: np.ndarray, unit: np.ndarray) -> np.ndarray:  # [R], [H] -> [R]
+        """A sketched search's rerank: cosines of one unit embedding with the stored ones at `cand` (a zero
+        embedding, as fmoe without semantic search stores, has cosine 0 with all: no rows gathered)."""
+        if not unit.any():
+            return np.zeros(len(cand), np.float32)
+        return (self._embeds[cand] @ unit) * self._inv_embed_norm[cand]
 
     def _answer(
         self,
@@ -510,10 +530,10 @@ class PrefixDots:
     def _sum(self, store: ExpertMapStore, new: np.ndarray, done: int) -> None:
         """Adds layers `done`, `done + 1`, ... of the query (`new` [B, m, J], float32) to the sums."""
         n, by_layer = store._size, store._by_layer
-        if len(new) == 1:  # decode at batch 1: `_scores`' gemv, added in place
+        if len(new) == 1:  # decode at batch 1: each layer's gemv (one batched call), added in place in order
             dots = self._dots[0]
-            for i in range(new.shape[1]):
-                dots += by_layer[done + i, :n] @ new[0, i]
+            for part in np.matmul(by_layer[done : done + new.shape[1], :n], new[0, :, :, None])[..., 0]:
+                dots += part
         else:
             for i in range(new.shape[1]):
                 self._dots += _scores(by_layer[done + i, :n], new[:, i])
@@ -526,7 +546,7 @@ class PrefixDots:
         rows, observed = trajs.shape[:2]
         key = (id(store), store.version, rows)
         done = self._done if self._key == key else 0
-        if done > observed or (done and not np.array_equal(trajs[:, :done], self._query[:, :done])):
+        if done > observed or (done and not (trajs[:, :done] == self._query[:, :done]).all()):
             done = 0
         new = np.ascontiguousarray(trajs[:, done:], dtype=np.float32)  # [B, l - done, J]
         if not np.isfinite(new).all():
