@@ -308,12 +308,12 @@ class ExpertMapStore:
             best = has[np.argmax(sims, axis=1)]  # [B]
             return (self._future[best] / self._future_count[best, None]).reshape(maps.shape)
         top = np.argpartition(-sims, k - 1, axis=1)[:, :k]  # [B, k]
-        weights = np.maximum(np.take_along_axis(sims, top, axis=1), 0.0)  # maps are >= 0: so are cosines
+        weights = np.maximum(sims[np.arange(len(sims))[:, None], top], 0.0)  # maps are >= 0: so are cosines
         total = weights.sum(axis=1, keepdims=True)
-        weights = np.where(total > 0, weights / np.where(total > 0, total, 1.0), 1.0 / k)
+        weights = np.where(positive := total > 0, weights / np.where(positive, total, 1.0), 1.0 / k)
         slots = top if has.size == n else has[top]  # [B, k]
         followers = self._future[slots] / self._future_count[slots][..., None]  # [B, k, L*J]
-        return np.einsum("bk,bkf->bf", weights, followers).astype(np.float32).reshape(maps.shape)
+        return np.einsum("bk,bkf->bf", weights, followers).astype(np.float32, copy=False).reshape(maps.shape)
 
     def match_embed(
         self,
