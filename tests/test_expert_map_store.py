@@ -409,6 +409,20 @@ def test_sorted_maps_select_what_select_mask_selects():
         sorted_maps.select_mask(maps, np.arange(6), np.ones(5), 9)
 
 
+def test_sorted_maps_top_sets_are_each_layers_top_k():
+    """`top_sets` (what confirms a match, `SearchSkips`): each layer's top k by descending probability, ties
+    to the lower id, in ascending ids; the same once its cache has dropped the map and sorts it again."""
+    rng = np.random.default_rng(2)
+    maps = np.round(rng.dirichlet(np.ones(8), size=(4, 6)), 1).astype(np.float32)  # [B, L, J], many ties
+    sorted_maps = SortedMaps(capacity=2)
+    for _ in range(2):
+        for expert_map in maps:
+            for top_k in (1, 3):
+                want = np.sort(np.argsort(-expert_map, axis=1, kind="stable")[:, :top_k], axis=1).tolist()
+                assert sorted_maps.top_sets(expert_map, top_k) == want
+    assert len(sorted_maps._tops) == 2
+
+
 def test_descending_order_is_the_stable_argsort():
     """The packed-key sort orders float32 rows as `np.argsort(-rows, kind="stable")` does: ties (many), zeros,
     -0.0, subnormals and 1.0, in rows as narrow as Mixtral's and as wide as Qwen3's and wider."""

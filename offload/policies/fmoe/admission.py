@@ -110,7 +110,7 @@ class Admission:
         """`threshold` of a prefetch for `layer` decided now, 0 where it is infinite (a prefetch already
         admitted no longer asks whether it lands in time) or not priced: what a wrong copy costs, in need
         probability, when a prefetch asks to evict."""
-        price = self.threshold(layer, current) if self.rule == "cost" else 0.0
+        price = self._threshold(int(layer), current) if self.rule == "cost" else 0.0  # (`threshold`'s)
         return price if math.isfinite(price) else 0.0
 
     def prefetches(

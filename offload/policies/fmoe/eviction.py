@@ -79,7 +79,7 @@ class Popularity:
         total = self.counts.sum(axis=1, keepdims=True)
         share = self.top_k * self.counts / np.maximum(total, 1.0)
         uniform = self.top_k / self.num_experts
-        self.rate = np.clip((share - uniform) / (1.0 - uniform), 0.0, 1.0)
+        self.rate = np.minimum(np.maximum((share - uniform) / (1.0 - uniform), 0.0), 1.0)  # np.clip's
         self.unlikely = 1.0 - self.rate  # once per iteration
 
 
@@ -230,8 +230,7 @@ class Eviction:
         if self.rule == "fmoe":
             incoming = float(keep_priority(self._latest_p(layer, expert), self.cache.freq(key)))
             return self.keep_score(victim, self.cache.entry(victim)) < incoming
-        incoming = self.reuse_score(layer, expert) - self.price(layer)
-        return self.keep_score(victim, self.cache.entry(victim)) < incoming
+        return self.reuse_score(*victim) < self.reuse_score(layer, expert) - self.price(layer)
 
     def _latest_p(self, layer: int, expert: int) -> float:
         return self.guides.latest_p[layer, expert] if self.guides.latest[layer] else 0.0

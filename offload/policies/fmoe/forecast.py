@@ -115,12 +115,12 @@ class Calibration:
 
     def _prepare(self) -> None:
         k = self.prior_strength
-        needed_pool, seen_pool, p_pool = self._pooled.reshape(3, -1)
+        needed_pool, seen_pool, p_pool = self._pooled.reshape(3, -1, 1)
         # NaN where the pooled bin is empty (no observation: its p sum is 0 too): `predict_binned` answers p
         raw = np.divide(p_pool, seen_pool, out=np.full_like(p_pool, np.nan), where=seen_pool > 0)
-        prior = (needed_pool + k * raw) / (seen_pool + k)
-        needed, seen = self._counts.reshape(3, -1)[:2]
-        self._table = (needed + k * np.repeat(prior, RECENCY_BINS)) / (seen + k)
+        prior = (needed_pool + k * raw) / (seen_pool + k)  # [pooled bins, 1]: each recency bin's prior
+        needed, seen = self._counts.reshape(3, -1, RECENCY_BINS)[:2]
+        self._table = ((needed + k * prior) / (seen + k)).ravel()
 
     def state(self) -> dict[str, np.ndarray]:
         return {"needed": self.needed, "seen": self.seen, "p_sum": self.p_sum}

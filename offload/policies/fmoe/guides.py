@@ -113,12 +113,13 @@ class Guides:
         bins = self.calibration.bins(guide, match, dist, self.forecast.recency[span])  # [n, J]
         need = self.calibration.predict_binned(guide, bins) if self.calibrate else guide  # [n, J]
         if fresh:  # guides of the layers still to route (from a late match, a routed layer's guide is moot)
-            ahead = slice(max(0, self.current + 1 - int(layers[0])), None)  # `layers` ascend one by one
+            first = max(targets.start, self.current + 1)  # `layers` ascend one by one
+            ahead, rows = slice(first - targets.start, None), slice(first, targets.stop)  # rows: `at`'s
             at, depth = layers[ahead], np.minimum(dist[ahead, 0], MAX_DISTANCE) - 1  # distance bin
             self.p[depth, at], self.bin[depth, at] = guide[ahead], bins[ahead]
             self.guided[depth, at] = True
-            self.latest_p[at], self.latest[at] = guide[ahead], True
-            self.need[at] = need[ahead]
+            self.latest_p[rows], self.latest[rows] = guide[ahead], True  # (slices: views, cheaper)
+            self.need[rows] = need[ahead]
         return layers, picked, need
 
     # -- the next token ------------------------------------------------------------------------------------

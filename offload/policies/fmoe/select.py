@@ -96,6 +96,20 @@ class SortedMaps:
     def __init__(self, capacity: int = 256):
         self.capacity = capacity
         self._sorted: dict[bytes, tuple[np.ndarray, ...]] = {}
+        self._tops: dict[tuple[bytes, int], list] = {}  # `top_sets`, for as many maps
+
+    def top_sets(self, expert_map: np.ndarray, top_k: int) -> list[list[int]]:
+        """Each layer's `top_k` likeliest experts of one map `[L, J]`, in ascending ids `[L][k]` (nested
+        lists, shared between callers): the routing that confirms the map at that layer (`SearchSkips`)."""
+        order = self.sorted(expert_map)[0]  # (the map's use counts as one, as a selection's would)
+        key = (expert_map.tobytes(), top_k)
+        found = self._tops.pop(key, None)
+        if found is None:
+            found = np.sort(order[:, :top_k], axis=-1).tolist()
+            if len(self._tops) >= self.capacity:
+                del self._tops[next(iter(self._tops))]  # the least recently used
+        self._tops[key] = found
+        return found
 
     def sorted(self, expert_map: np.ndarray) -> tuple[np.ndarray, ...]:
         """`(order, mass, rank [L, J], nonzero [L])` of one map `[L, J]`: each layer's experts by descending

@@ -55,11 +55,11 @@ class SearchSkips:
 
     def foresee(self, iteration: int, maps: np.ndarray, current: int, sorted_maps: SortedMaps) -> None:
         """Records each row's matched map's top k at the layers after `current`, for `confirmed`."""
-        expected = np.zeros((*maps.shape[:2], self.top_k), np.int64)  # layers <= current: unused
-        for row, expert_map in enumerate(maps):
-            order = sorted_maps.sorted(expert_map)[0]  # [L, J]
-            expected[row, current + 1 :] = np.sort(order[current + 1 :, : self.top_k], axis=-1)
-        self._foreseen = (iteration, expected.transpose(1, 0, 2).tolist())
+        unused = [0] * self.top_k  # layers <= current (routed already)
+        tops = [sorted_maps.top_sets(expert_map, self.top_k) for expert_map in maps]  # [B][L][k]
+        expected = [[unused] * len(maps)] * (current + 1)
+        expected += [[rows[layer] for rows in tops] for layer in range(current + 1, maps.shape[1])]
+        self._foreseen = (iteration, expected)  # [L][B][k]
 
     def resting(self, layer: int, iteration: int) -> bool:
         """Whether the search after `layer` is left out because the searches before it found the same maps
