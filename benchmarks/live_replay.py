@@ -21,7 +21,10 @@ measured live on the same requests (`overhead_s["policy_events"]`), is what the 
 given that price in the simulator (`simulate(bookkeeping_s=...)`, per layer), and the time it measured per
 miss (`copy_ms`, the exposed wait its credit counts), so that it rests where live it rested; its host time
 per layer is then split into that price, charged for the iterations it pays for, and the rest, charged at
-every layer. `sim_free_*`: the prediction with the bookkeeping free (as before that split).
+every layer. `sim_free_*`: the prediction with the bookkeeping free (as before that split). `live_stop_ms`:
+what one stop of the step program cost live (the engine's `StopPrice`; the simulator charges the preset's
+launch and sync); `*_stop_share_ms`: a miss's share of the stops, as fmoe prices it (decision "relaunch
+price").
 
 Live TPOT is the mean of each request's mean decode step (compilation excluded), as the simulator's
 `mean_tpot_s`; ratio = simulated / live. Writes `results/<name>.{json,md,png}`.
@@ -115,6 +118,8 @@ def run_live(base: Any, offload: Any, traces: list[Any]) -> dict:
         launches_per_token=float(np.mean(launches)),
         syncs_per_token=float(np.mean(syncs)),
         policy_s_per_layer=policy_s / base.config.num_moe_layers,
+        stop_ms=engine.stop_price.seconds * 1e3,
+        stop_share_ms=outs[-1].stats.extra.get("stop_share_ms"),
     )
 
 
@@ -222,6 +227,8 @@ def replay(args: argparse.Namespace) -> dict:
                     live_copy_ms=live["copy_ms"],
                     live_paid_share=live["paid_share"],
                     live_unpaid_bookkeeping=live["unpaid"],
+                    live_stop_ms=live["stop_ms"],
+                    live_stop_share_ms=live["stop_share_ms"],
                 )
                 rows.append(simulated(row, traces, preset, args))
                 print_table(rows[-1:])
@@ -285,6 +292,7 @@ def simulated(row: dict, traces: list[Any], preset: Any, args: argparse.Namespac
         sim_hit_rate=sim.hit_rate,
         sim_launches=sim.launches / max(1, sum(len(t.requests[0].iterations) for t in traces[:-1])),
         sim_unpaid_bookkeeping=sim.extra.get("unpaid_bookkeeping", 0) if price is not None else None,
+        sim_stop_share_ms=sim.extra.get("stop_share_ms"),
         sim_free_vs_live=free.mean_tpot_s * 1e3 / row["live_tpot_ms"],
         sim_free_hit_rate=free.hit_rate,
     )

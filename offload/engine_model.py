@@ -7,7 +7,9 @@ misses and launches again (one more launch and sync). Per MoE layer the host hea
 it (the driver, the cache and the policy: `layer_host_s`, plus the policy's own measured time `policy_s`
 when the caller passes it), and each expert copy costs its issue (`copy_issue_s`). `EngineModel` follows
 the same rule on the simulated clock: a layer is a stop when one of the experts it runs was not ready in
-the cache when the last launch went out. Host work is serial with the device at batch 1 (every launch
+the cache when the last launch went out, and it tells the cache of each stop and its price (the relaunch and
+its sync: `CacheView.stops`, `.stop_s`), as the live engine does, so that a policy that prices a miss's
+relaunch (fmoe) decides alike in both. Host work is serial with the device at batch 1 (every launch
 waits on the sync before it), so every charge advances the clock; copies in flight overlap it.
 """
 
@@ -77,4 +79,5 @@ class EngineModel:
         if stop:
             self._usable = set(self.cache.ready_arrays())
             seconds += self.launch_s + self.sync_s
+            self.cache.record_stop(self.launch_s + self.sync_s)
         return seconds

@@ -50,6 +50,7 @@ class CacheGroup:
     def __init__(self, caches: Sequence[DeviceExpertCache | None], placement: Placement):
         self.caches = list(caches)
         self.placement = placement
+        self.stops, self.stop_s = 0, 0.0  # `CacheView.stops`, `.stop_s`: the engine's, not one device's
 
     @property
     def local(self) -> list[DeviceExpertCache]:
@@ -135,6 +136,10 @@ class CacheGroup:
         for cache, own in zip(self.caches, self.split(keys), strict=True):
             if cache is not None:
                 cache.protect(own, layer)
+
+    def record_stop(self, seconds: float) -> None:
+        self.stops += 1
+        self.stop_s = seconds
 
     def preload(self, keys: Iterable[Key]) -> None:
         for cache, own in zip(self.caches, self.split(keys), strict=True):

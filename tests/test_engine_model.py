@@ -71,6 +71,53 @@ def test_engine_costs_charge_launches_syncs_and_layers():
     assert partial.launches <= 16 * (1 + 4)
 
 
+def test_simulated_stops_reach_fmoe_as_the_presets_relaunch_price():
+    """The simulator's engine tells the cache of each stop at the preset's relaunch price (launch and sync),
+    as the live engine does, and fmoe prices its misses with it; without engine costs nothing is reported."""
+    from fmoe_jax.offload.policies import FMoE
+
+    trace = _trace(layers=4, steps=16)
+    costly = dataclasses.replace(HARDWARE["h100_sxm"], launch_s=1e-3, sync_s=1e-4)
+    preset = dataclasses.replace(MIXTRAL_8X7B, num_layers=4, num_experts=8)
+
+    def run(hardware, **options):
+        policy = FMoE(semantic=False, asynchronous=False, **options)
+        offload = OffloadConfig(policy=policy, cache_experts=8)
+        result = simulate(trace, offload, model=preset, hardware=hardware)
+        return policy, result
+
+    policy, result = run(costly)
+    cache = policy.cache
+    assert cache.stops == result.launches - 16 > 0 and cache.stop_s == pytest.approx(1.1e-3)
+    share = 1.1e-3 * cache.stops / cache.stats.misses
+    assert result.extra["stop_share_ms"] == pytest.approx(1e3 * share)
+    assert policy.admission.miss_s() == pytest.approx(policy.admission.copy_s + share)
+    bare, _ = run(costly, price_stops=False)
+    assert "stop_share_ms" not in bare.stats() and bare.admission.miss_s() == bare.admission.copy_s
+    free, _ = run(costly.without_engine())
+    assert free.cache.stops == 0 and free.admission.miss_s() == free.admission.copy_s
+
+
+def test_stop_price_is_the_slope_through_the_median_step_at_each_stop_count():
+    """The live stop price: 0 until two stop counts have `MIN_STEPS` steps, then the slope of the line
+    through their medians (an outlier step moves no median), never below 0."""
+    from fmoe_jax.engines.stop_price import MIN_STEPS, StopPrice
+
+    price = StopPrice()
+    for _ in range(MIN_STEPS):
+        price.add(1, 0.017)
+    assert price.seconds == 0.0  # one count alone fits no line
+    for seconds in [0.024, 0.5] + [0.024] * (MIN_STEPS - 1):
+        price.add(2, seconds)
+    for _ in range(MIN_STEPS):
+        price.add(0, 0.010)
+    assert price.seconds == pytest.approx(7e-3)
+    falling = StopPrice()
+    for stops, seconds in [(0, 0.02), (1, 0.01)] * MIN_STEPS:
+        falling.add(stops, seconds)
+    assert falling.seconds == 0.0
+
+
 def test_relaunch_fit_takes_the_median_round_and_checks_the_resident_step():
     """`engine_costs.relaunch_fit` on synthetic steps: a round slowed by load (a dearer launch) moves neither
     the median slope nor the intercept; a line whose step at one launch is far from the resident step (a

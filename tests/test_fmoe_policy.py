@@ -351,6 +351,63 @@ def test_cost_admission_prefetches_only_what_pays_for_its_copy():
         FMoE(admission="sometimes")
 
 
+def test_cost_admission_and_credit_count_the_relaunch_a_miss_costs():
+    """Where the engine stops at a layer that misses (`CacheView.stops`, `.stop_s`), a miss also costs its
+    share S of the relaunch (one stop's price times the stops per miss): admission asks p >= T / (T + min(T,
+    W) + S) and the credit banks T + S per expert at stake. `price_stops=False` and hybrid execution keep the
+    bare copy; a cache that reports no stop changes nothing."""
+    valid = np.ones((1, 1), bool)
+
+    def priced(**options):
+        policy, cache = bound_policy(one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3, **options)
+        cache.book.stats.misses = 4
+        cache.record_stop(1e-3)
+        cache.record_stop(2e-3)  # the latest price holds: S = 2 ms x 2 stops / 4 misses
+        iteration_start(policy, np.zeros((1, 3), np.float32), valid)
+        layer_routed(policy, 0, np.array([[0.7, 0.1, 0.1, 0.1]], np.float32), np.array([[0]]), valid)
+        ((items, _),) = cache.requests
+        return policy, [key for key, _ in items]
+
+    policy, keys = priced()
+    assert cache_stops(policy) == (2, 2e-3)
+    assert [policy.threshold(layer, 0) for layer in (1, 2, 3)] == pytest.approx([0.6, 0.5, 3 / 7])
+    assert keys == [(1, 1), (2, 2), (3, 3)]  # p = 0.7 now pays for the next layer's copy too
+    assert policy.admission.miss_s() == pytest.approx(4e-3)
+    assert policy.budget.credit == pytest.approx(4e-3)  # one needed expert, all at stake (no access yet)
+    assert policy.stats()["stop_share_ms"] == pytest.approx(1.0)
+    bare, keys = priced(price_stops=False)
+    assert [bare.threshold(layer, 0) for layer in (1, 2, 3)] == pytest.approx([0.75, 0.6, 0.5])
+    assert keys == [(2, 2), (3, 3)] and bare.budget.credit == pytest.approx(3e-3)
+    assert "stop_share_ms" not in bare.stats()
+    hybrid, _ = priced(execution="hybrid")
+    assert hybrid.admission.miss_s() == pytest.approx(3e-3)
+    plain, _ = bound_policy(one_map_store(), copy_s=3e-3, layer_s=1e-3)
+    assert plain.admission.miss_s() == 3e-3 and plain.threshold(1, 0) == 0.75
+
+
+def cache_stops(policy: FMoE) -> tuple[int, float]:
+    return policy.cache.stops, policy.cache.stop_s
+
+
+def test_live_engine_reports_its_stops_and_their_price_to_fmoe(hf_dirs):
+    """The live engine tells the cache of each layer it stopped at for a miss, at the price it measures
+    (`StopPrice`, held fixed here), and fmoe's admission and credit read it."""
+    from fmoe_jax.engines.stop_price import StopPrice
+
+    offload = OffloadConfig(policy="fmoe", cache_experts=4, policy_options={"asynchronous": False})
+    with fj.load_model(hf_dirs["mixtral"], offload=offload) as model:
+        engine = model.engine
+        engine.stop_price = StopPrice(min_steps=10**6)  # never fit: the price stays the one set
+        engine.stop_price.seconds = 5e-3
+        out = fj.generate(model, [[5, 6, 7, 8, 9]], max_new_tokens=8, stop_at_eos=False)
+        cache, admission = engine.cache, engine.policy.admission
+        assert cache.stops > 0 and cache.stop_s == 5e-3
+        assert cache.stops <= sum(n - 1 for n in out.stats.step_launches)
+        share = 5e-3 * cache.stops / cache.stats.misses
+        assert out.stats.extra["stop_share_ms"] == pytest.approx(1e3 * share)
+        assert admission.miss_s() == pytest.approx(admission.copy_s + share)
+
+
 def prefetched_after_layer_0(arriving=(), hits=0, misses=0, **options) -> tuple[FMoE, list]:
     """The prefetches a policy over `one_map_store` asks for after layer 0 routes like the stored map (p =
     0.7 for layers 1..3), with `arriving` copies on the link and the cache's hit and miss counts set."""

@@ -51,6 +51,7 @@ from .programs import (
 )
 from .segment import Entry, offload_step
 from .step_loop import ExpertArguments, StepLoop
+from .stop_price import StopPrice
 
 
 def router_weights(module: MoECausalLM) -> tuple[np.ndarray, ...]:
@@ -138,6 +139,8 @@ class OffloadEngine:
         # and a planner that gives the host only misses); else it stops at every MoE layer, after which
         # the driver serves the layer as the planner says.
         self.optimistic = self.devices.single and (planner is None or planner.device is None)
+        # What a stop for a miss costs (`CacheView.stop_s`): an engine that stops at every layer has none.
+        self.stop_price = StopPrice()
         # A policy may hold a thread (fMoE's matcher) that would outlive a model nobody closes: close it
         # when the engine is collected, or on `close()`, whichever comes first (once).
         self._close_policy = weakref.finalize(self, _close_quietly, self.policy)
@@ -254,6 +257,7 @@ class OffloadEngine:
                 key = jax.random.key_data(key)
             key = self.devices.replicate(key)  # raw key data; the sampler wraps it
         start, waited = time.perf_counter(), self.cache.on_demand_wait_s
+        policy_s = self.driver.timers["policy_events"]
         loop = StepLoop(
             self,
             tokens,
@@ -267,8 +271,10 @@ class OffloadEngine:
             forced_embeds=None if forced is None else forced.embeds,
         )
         out, kv = loop.run()
-        host_s = time.perf_counter() - start - loop.waited_s - (self.cache.on_demand_wait_s - waited)
-        self._steps.append((loop.launches, loop.syncs, host_s))
+        wall, waited = time.perf_counter() - start, self.cache.on_demand_wait_s - waited
+        self._steps.append((loop.launches, loop.syncs, wall - loop.waited_s - waited))
+        if self.optimistic and np.shape(tokens)[1] == 1:
+            self.stop_price.add(loop.stops, wall - waited - (self.driver.timers["policy_events"] - policy_s))
         return out, kv
 
     def forward(self, tokens: jax.Array) -> tuple[jax.Array, list[Routing]]:

@@ -157,6 +157,7 @@ class StepLoop:
         self.pending: Any = None  # the host's share of the stop layer, in flight
         self.routed: list[Routed] = []  # each MoE layer's routing, when recording
         self.launches = 0  # device programs launched
+        self.stops = 0  # layers the program stopped at for a miss (an optimistic engine's), then relaunched
         self.syncs = 0  # host waits for device results
         self.waited_s = 0.0  # seconds of those waits, and of the host's share
         self._valid: jax.Array | None = None
@@ -262,6 +263,9 @@ class StepLoop:
         engine = self.engine
         devices = engine.devices
         if is_last and devices.single:  # the last chunk goes with the next launch
+            if engine.optimistic:  # it stopped for a miss: the cache hears the stop and its price
+                self.stops += 1
+                engine.cache.record_stop(engine.stop_price.seconds)
             self.join_host()
             self.launch(self.entry(), layer, {key: arrays[key] for key in chunk})
             return

@@ -33,6 +33,16 @@ class CacheView(Protocol):
     def on_demand_wait_s(self) -> float:
         """Seconds the engine has waited for on-demand loads and late prefetches."""
 
+    @property
+    def stops(self) -> int:
+        """Layers at which the engine's step program stopped for an expert not ready at its launch (and was
+        launched again after loading it); 0 where the engine does not stop for misses."""
+
+    @property
+    def stop_s(self) -> float:
+        """Seconds one such stop costs the engine beyond the misses' own wait (the relaunch and its sync),
+        as the engine last measured or modelled it; 0 where it does not stop for misses or not measured."""
+
     def entry(self, key: Key) -> Entry | None:
         """The record of a resident or arriving expert (`ready` tells which), or None."""
 
@@ -77,6 +87,9 @@ class ServingCache(CacheView, Protocol):
     def protect(self, keys: Iterable[Key], layer: int | None = None) -> None:
         """No prefetch may evict `keys`, which `layer` is about to use; `protect(())` ends it."""
 
+    def record_stop(self, seconds: float) -> None:
+        """The engine stopped at a layer for a miss (`stops`), each stop costing `seconds` (`stop_s`)."""
+
 
 class BookView:
     """The `CacheView` of one device's cache, read from its `CacheBook` (`self.book`) and its timers
@@ -84,6 +97,8 @@ class BookView:
 
     book: CacheBook
     timers: dict[str, float]
+    stops: int = 0  # `CacheView.stops` and `.stop_s`, until the engine reports one (`record_stop`)
+    stop_s: float = 0.0
 
     @property
     def capacity(self) -> int:
@@ -111,3 +126,7 @@ class BookView:
 
     def device_of(self, key: Key) -> int:
         return 0
+
+    def record_stop(self, seconds: float) -> None:
+        self.stops += 1
+        self.stop_s = seconds

@@ -9,6 +9,12 @@ delays: the link serves on-demand loads first, between the pieces of a copy, so 
 the next layer's misses come delays them; a prefetch is admitted when q covers the share of its link time
 taken from on-demand loads and it lands before its layer (`_stall_share`). Under hybrid execution misses go
 to the host, and every selected expert goes (decision "hybrid admission").
+
+Where the engine stops its step program at a layer that misses and launches it again (`CacheView.stops`,
+`.stop_s`: live, the optimistic engine; simulated, a preset with engine costs), a right prefetch also saves
+its share of that relaunch, S (one stop's price times the stops per miss so far), so a prefetch is admitted
+when q >= T / (T + min(T, W) + S) ("free" and "queue"), and a miss costs T + S (`miss_s`, the credit's
+price). Decision "relaunch price"; `price_stops=False` or hybrid execution leave S out.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class Admission:
         # Hybrid execution: a miss is computed on the host rather than waiting for the link, so a wasted
         # prefetch only delays other prefetches, and "cost" admission lets every selected expert go.
         self.free_link = ctx.execution == "hybrid"
+        self.price_stops = options.price_stops and not self.free_link
         self.measuring = (
             self.rule == "cost" and not self.free_link and (self.copy_s is None or self.layer_s is None)
         )
@@ -64,11 +71,29 @@ class Admission:
                 self.copy_s = per_copy if self.copy_s is None else 0.9 * self.copy_s + 0.1 * per_copy
         self._clock = now
 
+    def stop_share_s(self) -> float:
+        """S: a miss's share of the engine's stops, one stop's price times the stops per miss so far; 0
+        where the engine reports none, or with `price_stops` off (decision "relaunch price")."""
+        cache = self.cache
+        stops = cache.stops
+        if not (self.price_stops and stops):
+            return 0.0
+        misses = cache.stats.misses
+        return cache.stop_s * stops / misses if misses else 0.0
+
+    def miss_s(self) -> float | None:
+        """What a miss costs: T and S; None until T is known (the credit's price, `SearchBudget`)."""
+        copy_s = self.copy_s
+        if copy_s is None:
+            return None
+        stop = self.stop_share_s()
+        return copy_s + stop if stop else copy_s
+
     def threshold(self, layer: int | np.ndarray, current: int) -> float | np.ndarray:
         """The probability a selected expert of `layer` (or of each of several layers) needs to be
         prefetched, deciding after `current`: the share of its link time taken from on-demand loads, or inf
-        where it cannot land before its layer (`link="stalls"`); T / (T + min(T, W)) with the other rules;
-        0 under hybrid execution."""
+        where it cannot land before its layer (`link="stalls"`); T / (T + min(T, W) + S) with the other
+        rules; 0 under hybrid execution."""
         if not isinstance(layer, np.ndarray):
             return self._threshold(int(layer), current)
         if self.rule == "all" or (self.rule == "cost" and self.free_link):
@@ -83,8 +108,9 @@ class Admission:
             share, per_layer = self._stall_share()
             out = np.where(ahead * per_layer >= self.copy_s, share, np.inf)  # inf: cannot land in time
         else:
-            window = ahead * self.layer_s
-            out = self.copy_s / (self.copy_s + np.minimum(self.copy_s, window))
+            saved = np.minimum(self.copy_s, ahead * self.layer_s)
+            stop = self.stop_share_s()
+            out = self.copy_s / (self.copy_s + (saved + stop if stop else saved))
         return out if np.ndim(layer) else float(out)
 
     def _threshold(self, layer: int, current: int) -> float:
@@ -104,7 +130,9 @@ class Admission:
             share, per_layer = self._stall_share()
             return float(share) if ahead * per_layer >= copy_s else math.inf
         window = ahead * self.layer_s
-        return copy_s / (copy_s + (window if window < copy_s else copy_s))  # np.minimum(copy_s, window)
+        saved = window if window < copy_s else copy_s  # np.minimum(copy_s, window)
+        stop = self.stop_share_s()
+        return copy_s / (copy_s + (saved + stop if stop else saved))
 
     def price(self, layer: int, current: int) -> float:
         """`threshold` of a prefetch for `layer` decided now, 0 where it is infinite (a prefetch already
@@ -138,7 +166,7 @@ class Admission:
         the on-demand loads the layers before the target will make (the measured miss rate), and the
         prefetches of higher priority admitted before it. A prefetch starting at `start` lands at `start +
         T`, so a right guess saves min(T, W - start) of the wait at its layer, nothing if the link is still
-        busy when the layer comes; a wrong one costs T of link time. Kept where q >= T / (T + saved) and
+        busy when the layer comes; a wrong one costs T of link time. Kept where q >= T / (T + saved + S) and
         saved > 0."""
         copy_s, layer_s = self.copy_s, self.layer_s
         stats = self.cache.stats
@@ -146,10 +174,11 @@ class Admission:
         arriving = sum(1 for _, entry in self.cache.entries() if not entry.ready)
         keep = np.zeros(len(q), bool)
         ahead = float(arriving)
+        stop = self.stop_share_s()
         for i in np.argsort(-priority, kind="stable"):
             start = (ahead + misses * (layers[i] - current - 1)) * copy_s
             saved = min(copy_s, (layers[i] - current) * layer_s - start)
-            if saved > 0 and q[i] >= copy_s / (copy_s + saved):
+            if saved > 0 and q[i] >= copy_s / (copy_s + (saved + stop if stop else saved)):
                 keep[i] = True
                 ahead += 1
         return keep
@@ -170,5 +199,8 @@ class Admission:
 
     def stats(self) -> dict[str, Any]:
         if self.rule == "cost" and self.copy_s is not None and self.layer_s is not None:
-            return {"copy_ms": 1e3 * self.copy_s, "layer_ms": 1e3 * self.layer_s}
+            out = {"copy_ms": 1e3 * self.copy_s, "layer_ms": 1e3 * self.layer_s}
+            if self.price_stops and self.cache.stops:
+                out["stop_share_ms"] = 1e3 * self.stop_share_s()
+            return out
         return {}

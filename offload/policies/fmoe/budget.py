@@ -1,11 +1,13 @@
-"""fMoE's search budget (`pay_for_matching`): prediction pays for its own host time. Each routed layer adds
-to a credit the link time that layer's misses could have cost; each search, store update, reuse prediction,
-next-token guess or live decode iteration of bookkeeping (the policy's event handlers) spends its measured
-host time from it, and work the credit cannot pay is left out (counted as `unpaid_<kind>`). Where copies are
-nearly free (a CPU) the matcher and then the bookkeeping rest, and fmoe serves as LRU; where a copy costs more
-than a search, every search is paid. Decisions "pay for matching" and "pay for bookkeeping". In the simulator
-the prices are the context's (`PolicyContext.matcher_s`, `.bookkeeping_s`), and a decode iteration's
-bookkeeping, once paid, is owed to its clock layer by layer (`charged`), as live time follows the decision.
+"""fMoE's search budget (`pay_for_matching`): prediction pays for its own host time. Each routed layer adds to
+a credit what that layer's misses could have cost (their link time, and their share of the engine's
+relaunches where it stops for a miss: `Admission.miss_s`, decision "relaunch price"); each search, store
+update, reuse prediction, next-token guess or live decode iteration of bookkeeping (the policy's event
+handlers) spends its measured host time from it, and work the credit cannot pay is left out (counted as
+`unpaid_<kind>`). Where misses are nearly free (a CPU, and an engine that does not stop for them) the
+matcher and then the bookkeeping rest, and fmoe serves as LRU; where a copy costs more than a search, every
+search is paid. Decisions "pay for matching" and "pay for bookkeeping". In the simulator the prices are the
+context's (`PolicyContext.matcher_s`, `.bookkeeping_s`), and a decode iteration's bookkeeping, once paid,
+is owed to its clock layer by layer (`charged`), as live time follows the decision.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class SearchBudget:
     Args:
       enabled: `pay_for_matching`; off, every piece of work goes.
       counts: the policy's counters (`unpaid_<kind>` are added here).
-      copy_s: the link time of one expert as it stands (hinted or measured), None until known: work is
-        priced only once it is.
+      copy_s: what one miss costs as it stands (`Admission.miss_s`: the link time of one expert, hinted or
+        measured, and its share of the engine's stops), None until known: work is priced only once it is.
       ctx: the policy's context; the simulator's prices are its `matcher_s` (host time per context) and
         `bookkeeping_s` (per layer of a decode iteration's bookkeeping); None: measured live (`matcher_s`),
         free in the simulator (`bookkeeping_s`, so never left out).

@@ -162,7 +162,7 @@ class FMoE(Policy):
         self.budget = SearchBudget(
             enabled=options.pay_for_matching,
             counts=self.counts,
-            copy_s=lambda: self.admission.copy_s,
+            copy_s=self.admission.miss_s,
             ctx=ctx,
         )
         self.charged_s = self.budget.charged  # the bookkeeping the simulator charges (`Policy.charged_s`)

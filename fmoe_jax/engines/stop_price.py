@@ -1,0 +1,41 @@
+"""What one stop of the step program costs, measured live: the price the offload engine reports to its cache
+(`CacheView.stop_s`) for a policy that weighs a miss's relaunch (fmoe's admission and credit).
+
+A stop's cost is not one timed call: on a CPU backend a launch runs its program before it returns, and a
+sync waits for the layers the launch ran. So, as `benchmarks/engine_costs.py` fits `launch_s`, it is the
+slope of a line through decode steps' seconds against their stop counts (decision "relaunch price").
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+# Decode steps the line is fit through (the latest), and steps a stop count needs to give its median.
+WINDOW, MIN_STEPS = 64, 3
+
+
+class StopPrice:
+    """The slope, in seconds per stop, of the median decode step at each stop count of the last `WINDOW`
+    steps (counts with `MIN_STEPS` steps or more, two counts at least); 0 until then, and never below 0.
+
+    A step's seconds are its wall time less the misses' own wait and the policy's event handlers (what
+    the policy already prices, or what varies with its work rather than with the stops).
+    """
+
+    def __init__(self, window: int = WINDOW, min_steps: int = MIN_STEPS):
+        self.steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self.min_steps = min_steps
+        self.seconds = 0.0
+
+    def add(self, stops: int, seconds: float) -> None:
+        """One decode step's stops and seconds; refits the line."""
+        self.steps.append((stops, seconds))
+        by_count: dict[int, list[float]] = collections.defaultdict(list)
+        for count, s in self.steps:
+            by_count[count].append(s)
+        points = [(c, float(np.median(s))) for c, s in by_count.items() if len(s) >= self.min_steps]
+        if len(points) >= 2:
+            x, y = np.array(points).T
+            self.seconds = max(0.0, float(np.polyfit(x, y, 1)[0]))
