@@ -80,11 +80,17 @@ def steps(trace: Any) -> int:
     return len(trace.requests[0].iterations)
 
 
+# Rows that run a policy with options, by their label: fmoe pricing a miss's share of the relaunch
+# (decision "relaunch price"; off in plain fmoe).
+VARIANTS = {"fmoe+stops": ("fmoe", {"price_stops": True})}
+
+
 def policy_options(policy: str, traces: list[Any]) -> dict:
-    """What each policy runs with here: fmoe inline (the simulator cannot follow its thread), on routing
-    alone; the oracle knows the requests it serves, in their order (the warm-up first)."""
+    """What each policy (or `VARIANTS` label) runs with here: fmoe inline (the simulator cannot follow its
+    thread), on routing alone; the oracle knows the requests it serves, in their order (the warm-up first)."""
+    policy, options = VARIANTS.get(policy, (policy, {}))
     if policy == "fmoe":
-        return {"asynchronous": False, "semantic": False}
+        return {"asynchronous": False, "semantic": False} | options
     return {"traces": [traces[-1], *traces[:-1]]} if policy == "oracle" else {}
 
 
@@ -260,7 +266,11 @@ def offload_config(policy: str, slots: int, mode: str, traces: list[Any], **opti
 
     options = policy_options(policy, traces) | options
     return OffloadConfig(
-        policy=policy, cache_experts=slots, execution=mode, prefetch_distance=1, policy_options=options
+        policy=VARIANTS.get(policy, (policy,))[0],
+        cache_experts=slots,
+        execution=mode,
+        prefetch_distance=1,
+        policy_options=options,
     )
 
 
@@ -317,7 +327,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=24, help="MoE layers of the synthetic model (gpt-oss: 24)")
     p.add_argument("--width-scale", type=float, default=0.25, help="widths and vocabulary times this")
     p.add_argument("--experts", default="bf16", choices=list(EXPERTS), help="expert precision")
-    p.add_argument("--policies", type=lambda s: s.split(","), default=["on_demand_lru", "fmoe"])
+    p.add_argument(
+        "--policies",
+        type=lambda s: s.split(","),
+        default=["on_demand_lru", "fmoe"],
+        help=f"policies, or labels of a policy with options ({', '.join(VARIANTS)})",
+    )
     p.add_argument("--budgets", type=lambda s: [float(b) for b in s.split(",")], default=[0.25])
     p.add_argument(
         "--budget-of",

@@ -354,11 +354,12 @@ def test_cost_admission_prefetches_only_what_pays_for_its_copy():
 def test_cost_admission_and_credit_count_the_relaunch_a_miss_costs():
     """Where the engine stops at a layer that misses (`CacheView.stops`, `.stop_s`), a miss also costs its
     share S of the relaunch (one stop's price times the stops per miss): admission asks p >= T / (T + min(T,
-    W) + S) and the credit banks T + S per expert at stake. `price_stops=False` and hybrid execution keep the
-    bare copy; a cache that reports no stop changes nothing."""
+    W) + S) and the credit banks T + S per expert at stake, with `price_stops`. The default (off) and hybrid
+    execution keep the bare copy; a cache that reports no stop changes nothing."""
     valid = np.ones((1, 1), bool)
 
     def priced(**options):
+        options = {"price_stops": True} | options
         policy, cache = bound_policy(one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3, **options)
         cache.book.stats.misses = 4
         cache.record_stop(1e-3)
@@ -379,6 +380,10 @@ def test_cost_admission_and_credit_count_the_relaunch_a_miss_costs():
     assert [bare.threshold(layer, 0) for layer in (1, 2, 3)] == pytest.approx([0.75, 0.6, 0.5])
     assert keys == [(2, 2), (3, 3)] and bare.budget.credit == pytest.approx(3e-3)
     assert "stop_share_ms" not in bare.stats()
+    default, _ = bound_policy(one_map_store(), copy_s=3e-3, layer_s=1e-3)
+    default.cache.book.stats.misses = 4
+    default.cache.record_stop(2e-3)
+    assert default.admission.miss_s() == 3e-3  # off by default
     hybrid, _ = priced(execution="hybrid")
     assert hybrid.admission.miss_s() == pytest.approx(3e-3)
     plain, _ = bound_policy(one_map_store(), copy_s=3e-3, layer_s=1e-3)
@@ -394,7 +399,8 @@ def test_live_engine_reports_its_stops_and_their_price_to_fmoe(hf_dirs):
     (`StopPrice`, held fixed here), and fmoe's admission and credit read it."""
     from fmoe_jax.engines.stop_price import StopPrice
 
-    offload = OffloadConfig(policy="fmoe", cache_experts=4, policy_options={"asynchronous": False})
+    options = {"asynchronous": False, "price_stops": True}
+    offload = OffloadConfig(policy="fmoe", cache_experts=4, policy_options=options)
     with fj.load_model(hf_dirs["mixtral"], offload=offload) as model:
         engine = model.engine
         engine.stop_price = StopPrice(min_steps=10**6)  # never fit: the price stays the one set

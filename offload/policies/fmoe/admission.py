@@ -14,7 +14,7 @@ Where the engine stops its step program at a layer that misses and launches it a
 `.stop_s`: live, the optimistic engine; simulated, a preset with engine costs), a right prefetch also saves
 its share of that relaunch, S (one stop's price times the stops per miss so far), so a prefetch is admitted
 when q >= T / (T + min(T, W) + S) ("free" and "queue"), and a miss costs T + S (`miss_s`, the credit's
-price). Decision "relaunch price"; `price_stops=False` or hybrid execution leave S out.
+price). Decision "relaunch price": only with `price_stops` (off by default); hybrid execution leaves S out.
 """
 
 from __future__ import annotations

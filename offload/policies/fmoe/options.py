@@ -80,8 +80,9 @@ class FMoEOptions:
         (after the copies and misses queued ahead) or "stalls" (lands in time and pays for the misses its
         pieces delay). Decision "admission link rule".
       price_stops: a miss also costs its share of the engine's relaunch where the engine stops at a layer that
-        misses (`CacheView.stop_s`; "cost" admission and the credit of `pay_for_matching`); off: the copy
-        alone, as before issue 53. Decision "relaunch price".
+        misses (`CacheView.stop_s`; "cost" admission and the credit of `pay_for_matching`). Off by default:
+        the credit then banks more than prediction saves, and fmoe pays for bookkeeping that costs more than
+        the stops it avoids. Decision "relaunch price".
       skip_confirmed: in decode, skip the trajectory search after a layer whose routing the last match
         foresaw exactly, where such a confirmation is rare by chance (`CONFIRMATION_BITS`; band targets
         only). Decision "skip confirmed searches".
@@ -118,7 +119,7 @@ class FMoEOptions:
     copy_s: float | None = None
     layer_s: float | None = None
     link: Literal["stalls", "free", "queue"] = "free"
-    price_stops: bool = True
+    price_stops: bool = False
     skip_confirmed: bool = True
     pay_for_matching: bool = True
     next_token: bool = True
