@@ -438,6 +438,12 @@ def _live_replay_sentence(payload: dict) -> str:
 
     ratios = ", ".join(f"{r['sim_vs_live']:.2f} ({label(r)})" for r in rows)
     hits = ", ".join(f"{label(r)} {r['live_hit_rate']:.2f} / {r['sim_hit_rate']:.2f}" for r in rows)
+    lru = {(r["budget"], r["mode"]): r for r in rows if r["policy"] == "on_demand_lru"}
+    against = [
+        f"{label(r)} {r['live_tpot_ms'] / lru[r['budget'], r['mode']]['live_tpot_ms']:.2f}x"
+        for r in rows
+        if r["policy"] != "on_demand_lru" and (r["budget"], r["mode"]) in lru and r["budget"] < 1
+    ]
     text = (
         f"Live against simulated (`live_replay`, on {where}): {len(payload['requests'])} evaluation requests "
         f"of gpt-oss-20b's real routing, {payload['steps']} decode steps each, forced onto a random-weight "
@@ -447,6 +453,8 @@ def _live_replay_sentence(payload: dict) -> str:
         f"simulated: {hits} (fmoe decides on the timings it measures live; the simulator gives it the same "
         "prices, so it rests where live it rests: `simulate(bookkeeping_s=...)`)"
     )
+    if against:
+        text += f". Live TPOT against on_demand_lru's at the same budget: {', '.join(against)}"
     if payload["machine"]["backend"] == "cpu":
         text += (
             ". The GPU presets charge no engine costs until `gpu_check` measures them on a GPU, so their "

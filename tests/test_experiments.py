@@ -622,6 +622,11 @@ def test_readme_reports_live_replay_beside_the_simulator():
     assert "over live TPOT: 0.95 (on_demand_lru), 1.20 (fmoe, hybrid)" in text
     assert "2 evaluation requests" in text and "24 MoE layers" in text and "GPU presets" in text
     assert "0.80 (on_demand_lru)" in _live_replay_sentence(payload(0.8))
+    assert "against on_demand_lru" not in text  # no copy-mode row beside it
+    both = payload(0.95)
+    lru = dict(both["rows"][0], live_tpot_ms=100.0)
+    both["rows"] = [lru, dict(lru, policy="fmoe+stops", live_tpot_ms=84.0)]
+    assert "on_demand_lru's at the same budget: fmoe+stops 0.84x" in _live_replay_sentence(both)
 
 
 def test_live_replay_splits_a_priced_policys_host_time_for_the_simulator():
