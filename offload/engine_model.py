@@ -65,6 +65,10 @@ class EngineModel:
         """Experts the layer runs (a chunk on the device, or the host's share)."""
         self._layer_keys.update(keys)
 
+    def relaunch_s(self) -> float:
+        """What one stop costs (`CacheView.stop_s`): a launch and its sync."""
+        return self.launch_s + self.sync_s
+
     def layer_done(self) -> float:
         """After a layer's last chunk: a relaunch (and its read) if the layer stopped the last launch, and
         the copies issued since the last charge."""
@@ -79,5 +83,5 @@ class EngineModel:
         if stop:
             self._usable = set(self.cache.ready_arrays())
             seconds += self.launch_s + self.sync_s
-            self.cache.record_stop(self.launch_s + self.sync_s)
+            self.cache.record_stop(self.relaunch_s)
         return seconds

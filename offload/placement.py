@@ -50,7 +50,8 @@ class CacheGroup:
     def __init__(self, caches: Sequence[DeviceExpertCache | None], placement: Placement):
         self.caches = list(caches)
         self.placement = placement
-        self.stops, self.stop_s = 0, 0.0  # `CacheView.stops`, `.stop_s`: the engine's, not one device's
+        self.stops = 0  # `CacheView.stops`, `.stop_s`: the engine's, not one device's
+        self._stop_price: Callable[[], float] | None = None
 
     @property
     def local(self) -> list[DeviceExpertCache]:
@@ -137,9 +138,13 @@ class CacheGroup:
             if cache is not None:
                 cache.protect(own, layer)
 
-    def record_stop(self, seconds: float) -> None:
+    @property
+    def stop_s(self) -> float:
+        return 0.0 if self._stop_price is None else self._stop_price()
+
+    def record_stop(self, price: Callable[[], float]) -> None:
         self.stops += 1
-        self.stop_s = seconds
+        self._stop_price = price
 
     def preload(self, keys: Iterable[Key]) -> None:
         for cache, own in zip(self.caches, self.split(keys), strict=True):

@@ -362,8 +362,8 @@ def test_cost_admission_and_credit_count_the_relaunch_a_miss_costs():
         options = {"price_stops": True} | options
         policy, cache = bound_policy(one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3, **options)
         cache.book.stats.misses = 4
-        cache.record_stop(1e-3)
-        cache.record_stop(2e-3)  # the latest price holds: S = 2 ms x 2 stops / 4 misses
+        cache.record_stop(lambda: 1e-3)
+        cache.record_stop(lambda: 2e-3)  # the latest price holds: S = 2 ms x 2 stops / 4 misses
         iteration_start(policy, np.zeros((1, 3), np.float32), valid)
         layer_routed(policy, 0, np.array([[0.7, 0.1, 0.1, 0.1]], np.float32), np.array([[0]]), valid)
         ((items, _),) = cache.requests
@@ -382,7 +382,7 @@ def test_cost_admission_and_credit_count_the_relaunch_a_miss_costs():
     assert "stop_share_ms" not in bare.stats()
     default, _ = bound_policy(one_map_store(), copy_s=3e-3, layer_s=1e-3)
     default.cache.book.stats.misses = 4
-    default.cache.record_stop(2e-3)
+    default.cache.record_stop(lambda: 2e-3)
     assert default.admission.miss_s() == 3e-3  # off by default
     hybrid, _ = priced(execution="hybrid")
     assert hybrid.admission.miss_s() == pytest.approx(3e-3)

@@ -265,7 +265,7 @@ class StepLoop:
         if is_last and devices.single:  # the last chunk goes with the next launch
             if engine.optimistic:  # it stopped for a miss: the cache hears the stop and its price
                 self.stops += 1
-                engine.cache.record_stop(engine.stop_price.seconds)
+                engine.cache.record_stop(engine.stop_price.current)
             self.join_host()
             self.launch(self.entry(), layer, {key: arrays[key] for key in chunk})
             return

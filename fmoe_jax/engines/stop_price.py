@@ -27,15 +27,34 @@ class StopPrice:
     def __init__(self, window: int = WINDOW, min_steps: int = MIN_STEPS):
         self.steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
         self.min_steps = min_steps
-        self.seconds = 0.0
+        self._seconds, self._stale = 0.0, False
 
     def add(self, stops: int, seconds: float) -> None:
-        """One decode step's stops and seconds; refits the line."""
+        """One decode step's stops and seconds (the line is refit when next read: every decode step adds
+        one, and only a policy that prices stops reads it)."""
         self.steps.append((stops, seconds))
+        self._stale = True
+
+    @property
+    def seconds(self) -> float:
+        return self.current()
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        self._seconds, self._stale = value, False
+
+    def current(self) -> float:
+        """The price now, refit if steps were added since the last fit (what `record_stop` is given)."""
+        if self._stale:
+            self._fit()
+        return self._seconds
+
+    def _fit(self) -> None:
+        self._stale = False
         by_count: dict[int, list[float]] = collections.defaultdict(list)
         for count, s in self.steps:
             by_count[count].append(s)
         points = [(c, float(np.median(s))) for c, s in by_count.items() if len(s) >= self.min_steps]
         if len(points) >= 2:
             x, y = np.array(points).T
-            self.seconds = max(0.0, float(np.polyfit(x, y, 1)[0]))
+            self._seconds = max(0.0, float(np.polyfit(x, y, 1)[0]))

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from .book import CacheBook, CacheStats, Entry, Key
@@ -87,8 +87,9 @@ class ServingCache(CacheView, Protocol):
     def protect(self, keys: Iterable[Key], layer: int | None = None) -> None:
         """No prefetch may evict `keys`, which `layer` is about to use; `protect(())` ends it."""
 
-    def record_stop(self, seconds: float) -> None:
-        """The engine stopped at a layer for a miss (`stops`), each stop costing `seconds` (`stop_s`)."""
+    def record_stop(self, price: Callable[[], float]) -> None:
+        """The engine stopped at a layer for a miss (`stops`); `price()` is what one stop costs (`stop_s`),
+        asked only when read."""
 
 
 class BookView:
@@ -97,8 +98,8 @@ class BookView:
 
     book: CacheBook
     timers: dict[str, float]
-    stops: int = 0  # `CacheView.stops` and `.stop_s`, until the engine reports one (`record_stop`)
-    stop_s: float = 0.0
+    stops: int = 0  # `CacheView.stops`, and the price behind `.stop_s`, once the engine reports a stop
+    _stop_price: Callable[[], float] | None = None
 
     @property
     def capacity(self) -> int:
@@ -127,6 +128,10 @@ class BookView:
     def device_of(self, key: Key) -> int:
         return 0
 
-    def record_stop(self, seconds: float) -> None:
+    @property
+    def stop_s(self) -> float:
+        return 0.0 if self._stop_price is None else self._stop_price()
+
+    def record_stop(self, price: Callable[[], float]) -> None:
         self.stops += 1
-        self.stop_s = seconds
+        self._stop_price = price
