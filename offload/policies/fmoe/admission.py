@@ -86,8 +86,7 @@ class Admission:
         copy_s = self.copy_s
         if copy_s is None:
             return None
-        stop = self.stop_share_s()
-        return copy_s + stop if stop else copy_s
+        return copy_s + self.stop_share_s()  # (+ 0.0 where no stop is priced: the copy alone, exactly)
 
     def threshold(self, layer: int | np.ndarray, current: int) -> float | np.ndarray:
         """The probability a selected expert of `layer` (or of each of several layers) needs to be
@@ -109,8 +108,7 @@ class Admission:
             out = np.where(ahead * per_layer >= self.copy_s, share, np.inf)  # inf: cannot land in time
         else:
             saved = np.minimum(self.copy_s, ahead * self.layer_s)
-            stop = self.stop_share_s()
-            out = self.copy_s / (self.copy_s + (saved + stop if stop else saved))
+            out = self.copy_s / (self.copy_s + saved + self.stop_share_s())
         return out if np.ndim(layer) else float(out)
 
     def _threshold(self, layer: int, current: int) -> float:
@@ -131,8 +129,7 @@ class Admission:
             return float(share) if ahead * per_layer >= copy_s else math.inf
         window = ahead * self.layer_s
         saved = window if window < copy_s else copy_s  # np.minimum(copy_s, window)
-        stop = self.stop_share_s()
-        return copy_s / (copy_s + (saved + stop if stop else saved))
+        return copy_s / (copy_s + saved + self.stop_share_s())
 
     def price(self, layer: int, current: int) -> float:
         """`threshold` of a prefetch for `layer` decided now, 0 where it is infinite (a prefetch already
@@ -178,7 +175,7 @@ class Admission:
         for i in np.argsort(-priority, kind="stable"):
             start = (ahead + misses * (layers[i] - current - 1)) * copy_s
             saved = min(copy_s, (layers[i] - current) * layer_s - start)
-            if saved > 0 and q[i] >= copy_s / (copy_s + (saved + stop if stop else saved)):
+            if saved > 0 and q[i] >= copy_s / (copy_s + saved + stop):
                 keep[i] = True
                 ahead += 1
         return keep

@@ -10,6 +10,8 @@ per layer, K = top_k experts activated per layer, p the probability of an expert
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -83,6 +85,26 @@ def select_mask(probs: np.ndarray, score: float | np.ndarray, top_k: int) -> np.
     return _mask(order, count)
 
 
+def _recent(table: dict, key: Any, capacity: int, make: Callable[..., Any], *args: Any) -> Any:
+    """`table[key]`, `make(*args)` if absent, kept as the most recently used of at most `capacity`: the
+    `SortedMaps` caches."""
+    found = table.pop(key, None)
+    if found is None:
+        found = make(*args)
+        if len(table) >= capacity:
+            del table[next(iter(table))]  # the least recently used
+    table[key] = found
+    return found
+
+
+def _sorted_frozen(expert_map: np.ndarray) -> tuple[np.ndarray, ...]:
+    return tuple(_frozen(a) for a in _sorted_rows(np.asarray(expert_map)))
+
+
+def _top_sets(order: np.ndarray, top_k: int) -> list[list[int]]:
+    return np.sort(order[:, :top_k], axis=-1).tolist()
+
+
 class SortedMaps:
     """Expert maps sorted once for selection, so that selecting from a map the matcher has met before is a
     comparison and a sum per layer (`select_mask` gives the same masks, sorting every time).
@@ -102,27 +124,13 @@ class SortedMaps:
         """Each layer's `top_k` likeliest experts of one map `[L, J]`, in ascending ids `[L][k]` (nested
         lists, shared between callers): the routing that confirms the map at that layer (`SearchSkips`)."""
         order = self.sorted(expert_map)[0]  # (the map's use counts as one, as a selection's would)
-        key = (expert_map.tobytes(), top_k)
-        found = self._tops.pop(key, None)
-        if found is None:
-            found = np.sort(order[:, :top_k], axis=-1).tolist()
-            if len(self._tops) >= self.capacity:
-                del self._tops[next(iter(self._tops))]  # the least recently used
-        self._tops[key] = found
-        return found
+        return _recent(self._tops, (expert_map.tobytes(), top_k), self.capacity, _top_sets, order, top_k)
 
     def sorted(self, expert_map: np.ndarray) -> tuple[np.ndarray, ...]:
         """`(order, mass, rank [L, J], nonzero [L])` of one map `[L, J]`: each layer's experts by descending
         probability (ties: lower id first), the cumulative probability in that order (float64), each expert's
         position in it, and whether the layer has any mass. Read-only arrays, shared between callers."""
-        key = expert_map.tobytes()
-        found = self._sorted.pop(key, None)
-        if found is None:
-            found = tuple(_frozen(a) for a in _sorted_rows(np.asarray(expert_map)))
-            if len(self._sorted) >= self.capacity:
-                del self._sorted[next(iter(self._sorted))]  # the least recently used
-        self._sorted[key] = found
-        return found
+        return _recent(self._sorted, expert_map.tobytes(), self.capacity, _sorted_frozen, expert_map)
 
     def select_mask(
         self, maps: np.ndarray, layers: np.ndarray | slice, score: np.ndarray, top_k: int
