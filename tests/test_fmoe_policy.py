@@ -394,7 +394,7 @@ def test_credit_banks_the_stops_prediction_removed_measured_paid_against_rested(
     """With `price_stops` the credit banks, per needed expert, one stop's price times the stops per needed
     expert rested iterations made beyond paid ones (the first iteration of each run not counted); until both
     are measured, S per expert at stake. Where fmoe never rests, a rested probe measures the other rate."""
-    from fmoe_jax.offload.policies.fmoe.admission import PROBE_EVERY, PROBE_FIRST, PROBE_RUN
+    from fmoe_jax.offload.policies.fmoe.admission import PROBE_EVERY, PROBE_RUN, STALE_AFTER
 
     policy, cache = bound_policy(one_map_store(), copy_s=3e-3, layer_s=1e-3)
     admission, stats = policy.admission, cache.book.stats
@@ -426,9 +426,15 @@ def test_credit_banks_the_stops_prediction_removed_measured_paid_against_rested(
         iteration(paid=True, stops=0, hits=7, misses=1)
     stops, misses = admission.savings.since_window()
     assert (stops, misses) == (0, 64) and admission.stop_share_s() == 0.0
+    for _ in range(STALE_AFTER):  # a long rest: the paid rate, older than STALE_AFTER, is forgotten
+        iteration(paid=False, stops=0)
+    assert admission.savings.removed == 0.0
+    iteration(paid=False, stops=0)
+    iteration(paid=False, stops=0)
+    assert admission.savings.removed is None
 
-    # Probes: a policy that pays every decode iteration rests PROBE_RUN after PROBE_FIRST in a row, then
-    # after PROBE_EVERY; none where the engine reports no stop.
+    # Probes: a policy that pays every decode iteration rests PROBE_RUN after PROBE_EVERY in a row; none
+    # where the engine reports no stop.
     def rested(policy: FMoE, cache: RecordingCache, n: int) -> list[bool]:
         out = []
         for _ in range(n):
@@ -438,18 +444,18 @@ def test_credit_banks_the_stops_prediction_removed_measured_paid_against_rested(
         return out
 
     policy, cache = bound_policy(one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3)
-    assert not any(rested(policy, cache, PROBE_FIRST + 4))  # no stop reported: no probe
+    assert not any(rested(policy, cache, PROBE_EVERY + 4))  # no stop reported: no probe
     cache.record_stop(lambda: 2e-3)
     policy, cache = bound_policy(one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3)
     cache.record_stop(lambda: 2e-3)
-    first = rested(policy, cache, PROBE_FIRST + PROBE_RUN + PROBE_EVERY + 1)
-    probe = [False] * PROBE_FIRST + [True] * PROBE_RUN + [False] * PROBE_EVERY + [True]
+    first = rested(policy, cache, 2 * (PROBE_EVERY + PROBE_RUN))
+    probe = ([False] * PROBE_EVERY + [True] * PROBE_RUN) * 2
     assert first == probe and policy.stats()["stop_probes"] == 2
     off, off_cache = bound_policy(
         one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3, price_stops=False
     )
     off_cache.record_stop(lambda: 2e-3)
-    assert not any(rested(off, off_cache, PROBE_FIRST + 4)) and off.admission.stop_credit_s(1.0) == 0.0
+    assert not any(rested(off, off_cache, PROBE_EVERY + 4)) and off.admission.stop_credit_s(1.0) == 0.0
 
 
 def cache_stops(policy: FMoE) -> tuple[int, float]:

@@ -35,10 +35,11 @@ from .options import FMoEOptions
 # S counts the stops and misses of the last `STOP_WINDOW` decode iterations (cumulative counts keep a
 # warm-up's cold stops). The credit's stop rates: stops per needed expert over the last `RATE_SAMPLES`
 # counted decode iterations fmoe paid for, and rested through; a rested probe of `PROBE_RUN` iterations
-# follows `PROBE_FIRST` paid ones in a row before any rested one is counted, then `PROBE_EVERY`. Decision
-# "relaunch price".
-STOP_WINDOW, RATE_SAMPLES, MIN_SAMPLES = 64, 16, 2
-PROBE_RUN, PROBE_FIRST, PROBE_EVERY = 3, 8, 32
+# follows `PROBE_EVERY` paid ones in a row (the first only once the store has learned a while: what prediction
+# removes early, from a store still empty, says little of later); a paid rate older than `STALE_AFTER` decode
+# iterations is forgotten (the prior returns, and with it paid iterations). Decision "relaunch price".
+STOP_WINDOW, RATE_SAMPLES, MIN_SAMPLES, STALE_AFTER = 64, 16, 2, 256
+PROBE_RUN, PROBE_EVERY = 3, 32
 
 
 class Admission:
@@ -244,7 +245,8 @@ class StopSavings:
     it rested through. The first iteration of each run of either kind is not counted (it starts from the
     other kind's cache: the first paid one after rest records nothing to search with). Where fmoe would
     never rest, a probe rests `PROBE_RUN` iterations now and then, so both rates stay known; a resting
-    fmoe pays when the credit can (the last paid rate holds meanwhile). Also the window S is taken over."""
+    fmoe pays when the credit can (the last paid rate holds meanwhile, for `STALE_AFTER` iterations at most:
+    then the prior credit returns and pays a few). Also the window S is taken over."""
 
     def __init__(self, cache: CacheView, counts: collections.Counter):
         self.cache, self.counts = cache, counts
@@ -253,6 +255,7 @@ class StopSavings:
         # (stops, accesses) of each counted decode iteration, paid (True) and rested (False).
         self.samples = {paid: collections.deque(maxlen=RATE_SAMPLES) for paid in (True, False)}
         self.removed: float | None = None  # stops per needed expert prediction removed (`rates`)
+        self._decode = self._paid_at = 0  # decode iterations begun; the last counted paid one
         self._open: tuple[bool, int, int] | None = None  # the decode iteration under way: paid, its start's
         # stops and accesses
         self._run = 0  # its place in the run of its kind (1: the first)
@@ -267,10 +270,14 @@ class StopSavings:
         last = self._open
         if last is not None and self._run > 1:
             self.samples[last[0]].append((stops - last[1], accesses - last[2]))
-            self.removed = self.rates()
+            self._paid_at = self._decode if last[0] else self._paid_at
+        if self._decode - self._paid_at > STALE_AFTER:
+            self.samples[True].clear()
+        self.removed = self.rates()
         if not decoding:
             self._open, self._run = None, 0
             return
+        self._decode += 1
         self._starts.append((stops, stats.misses))
         self._run = self._run + 1 if last is not None and last[0] == paid else 1
         self._open = (paid, stops, accesses)
@@ -281,12 +288,11 @@ class StopSavings:
 
     def probes(self) -> bool:
         """Whether the decode iteration about to begin rests to measure the stops without prediction: the
-        probe under way, or a new one after `PROBE_FIRST` paid iterations in a row (`PROBE_EVERY` once a
-        rested iteration is counted); never where the engine reports no stop."""
+        probe under way, or a new one after `PROBE_EVERY` paid iterations in a row; never where the engine
+        reports no stop."""
         if self._probe:
             return True
-        due = PROBE_EVERY if self.samples[False] else PROBE_FIRST
-        if self.cache.stops and self._paid_run >= due:
+        if self.cache.stops and self._paid_run >= PROBE_EVERY:
             self._probe = PROBE_RUN
             self.counts["stop_probes"] += 1
             return True
