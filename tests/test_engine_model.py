@@ -86,13 +86,13 @@ def test_simulated_stops_reach_fmoe_as_the_presets_relaunch_price():
         result = simulate(trace, offload, model=preset, hardware=hardware)
         return policy, result
 
-    policy, result = run(costly, price_stops=True)
+    policy, result = run(costly)  # on by default
     cache = policy.cache
     assert cache.stops == result.launches - 16 > 0 and cache.stop_s == pytest.approx(1.1e-3)
     share = 1.1e-3 * cache.stops / cache.stats.misses
     assert result.extra["stop_share_ms"] == pytest.approx(1e3 * share)
     assert policy.admission.miss_s() == pytest.approx(policy.admission.copy_s + share)
-    bare, _ = run(costly)  # off by default
+    bare, _ = run(costly, price_stops=False)
     assert "stop_share_ms" not in bare.stats() and bare.admission.miss_s() == bare.admission.copy_s
     free, _ = run(costly.without_engine(), price_stops=True)
     assert free.cache.stops == 0 and free.admission.miss_s() == free.admission.copy_s

@@ -383,11 +383,79 @@ def test_cost_admission_and_credit_count_the_relaunch_a_miss_costs():
     default, _ = bound_policy(one_map_store(), copy_s=3e-3, layer_s=1e-3)
     default.cache.book.stats.misses = 4
     default.cache.record_stop(lambda: 2e-3)
-    assert default.admission.miss_s() == 3e-3  # off by default
+    assert default.admission.miss_s() == pytest.approx(3.5e-3)  # on by default: S = 2 ms x 1 stop / 4 misses
     hybrid, _ = priced(execution="hybrid")
     assert hybrid.admission.miss_s() == pytest.approx(3e-3)
     plain, _ = bound_policy(one_map_store(), copy_s=3e-3, layer_s=1e-3)
     assert plain.admission.miss_s() == 3e-3 and plain.threshold(1, 0) == 0.75
+
+
+def test_credit_banks_the_stops_prediction_removed_measured_paid_against_rested():
+    """With `price_stops` the credit banks, per needed expert, one stop's price times the stops per needed
+    expert rested iterations made beyond paid ones (the first iteration of each run not counted); until both
+    are measured, S per expert at stake. Where fmoe never rests, a rested probe measures the other rate."""
+    from fmoe_jax.offload.policies.fmoe.admission import PROBE_EVERY, PROBE_RUN, STALE_AFTER
+
+    policy, cache = bound_policy(one_map_store(), copy_s=3e-3, layer_s=1e-3)
+    admission, stats = policy.admission, cache.book.stats
+    stats.misses = 4
+    cache.record_stop(lambda: 2e-3)  # S = 2 ms x 1 stop / 4 misses = 0.5 ms
+
+    def iteration(paid: bool, stops: int, hits: int = 6, misses: int = 2) -> None:
+        admission.begin_iteration(True, paid=paid)
+        stats.hits, stats.misses = stats.hits + hits, stats.misses + misses
+        for _ in range(stops):
+            cache.record_stop(lambda: 2e-3)
+
+    assert admission.stop_credit_s(0.5) == pytest.approx(0.25e-3)  # the prior: S x at stake
+    for _ in range(3):
+        iteration(paid=True, stops=1)  # 1 stop per 8 needed experts, the first not counted
+    assert admission.savings.removed is None and admission.stop_credit_s(0.5) > 0  # no rested rate yet
+    for _ in range(3):
+        iteration(paid=False, stops=3)  # 3 stops per 8: the first (from a paid cache) not counted
+    admission.begin_iteration(False)  # a prefill closes the last; it is not a sample
+    assert admission.savings.removed == pytest.approx(0.25)
+    assert admission.stop_credit_s(0.5) == pytest.approx(2e-3 * 0.25)  # at stake no longer counts
+    assert policy.stats()["stops_removed_per_expert"] == pytest.approx(0.25)
+    for _ in range(4):
+        iteration(paid=True, stops=5)  # paid iterations now stop more than rested ones: nothing banked
+    admission.begin_iteration(False)
+    assert admission.stop_credit_s(0.5) == 0.0
+    # S over the last STOP_WINDOW decode iterations: the 5 stops before them drop out.
+    for _ in range(70):
+        iteration(paid=True, stops=0, hits=7, misses=1)
+    stops, misses = admission.savings.since_window()
+    assert (stops, misses) == (0, 64) and admission.stop_share_s() == 0.0
+    for _ in range(STALE_AFTER):  # a long rest: the paid rate, older than STALE_AFTER, is forgotten
+        iteration(paid=False, stops=0)
+    assert admission.savings.removed == 0.0
+    iteration(paid=False, stops=0)
+    iteration(paid=False, stops=0)
+    assert admission.savings.removed is None
+
+    # Probes: a policy that pays every decode iteration rests PROBE_RUN after PROBE_EVERY in a row; none
+    # where the engine reports no stop.
+    def rested(policy: FMoE, cache: RecordingCache, n: int) -> list[bool]:
+        out = []
+        for _ in range(n):
+            iteration_start(policy, np.zeros((1, 3), np.float32), np.ones((1, 1), bool))
+            cache.book.stats.hits += 1
+            out.append(policy._resting)
+        return out
+
+    policy, cache = bound_policy(one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3)
+    assert not any(rested(policy, cache, PROBE_EVERY + 4))  # no stop reported: no probe
+    cache.record_stop(lambda: 2e-3)
+    policy, cache = bound_policy(one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3)
+    cache.record_stop(lambda: 2e-3)
+    first = rested(policy, cache, 2 * (PROBE_EVERY + PROBE_RUN))
+    probe = ([False] * PROBE_EVERY + [True] * PROBE_RUN) * 2
+    assert first == probe and policy.stats()["stop_probes"] == 2
+    off, off_cache = bound_policy(
+        one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3, price_stops=False
+    )
+    off_cache.record_stop(lambda: 2e-3)
+    assert not any(rested(off, off_cache, PROBE_EVERY + 4)) and off.admission.stop_credit_s(1.0) == 0.0
 
 
 def cache_stops(policy: FMoE) -> tuple[int, float]:

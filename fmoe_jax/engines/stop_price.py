@@ -9,8 +9,7 @@ slope of a line through decode steps' seconds against their stop counts (decisio
 from __future__ import annotations
 
 import collections
-
-import numpy as np
+import statistics
 
 # Decode steps the line is fit through (the latest), and steps a stop count needs to give its median.
 WINDOW, MIN_STEPS = 64, 3
@@ -50,11 +49,16 @@ class StopPrice:
         return self._seconds
 
     def _fit(self) -> None:
+        """Least squares in Python floats: a policy that prices stops reads the price at every decode step,
+        and numpy's fit (`np.polyfit`, `np.median`) would cost it ~0.1 ms a step."""
         self._stale = False
         by_count: dict[int, list[float]] = collections.defaultdict(list)
         for count, s in self.steps:
             by_count[count].append(s)
-        points = [(c, float(np.median(s))) for c, s in by_count.items() if len(s) >= self.min_steps]
+        points = [(c, statistics.median(s)) for c, s in by_count.items() if len(s) >= self.min_steps]
         if len(points) >= 2:
-            x, y = np.array(points).T
-            self._seconds = max(0.0, float(np.polyfit(x, y, 1)[0]))
+            mean_x = sum(x for x, _ in points) / len(points)
+            mean_y = sum(y for _, y in points) / len(points)
+            sxy = sum((x - mean_x) * (y - mean_y) for x, y in points)
+            sxx = sum((x - mean_x) ** 2 for x, _ in points)
+            self._seconds = max(0.0, sxy / sxx)

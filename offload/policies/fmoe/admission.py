@@ -14,7 +14,9 @@ Where the engine stops its step program at a layer that misses and launches it a
 `.stop_s`: live, the optimistic engine; simulated, a preset with engine costs), a right prefetch also saves
 its share of that relaunch, S (one stop's price times the stops per miss so far), so a prefetch is admitted
 when q >= T / (T + min(T, W) + S) ("free" and "queue"), and a miss costs T + S (`miss_s`, the credit's
-price). Decision "relaunch price": only with `price_stops` (off by default); hybrid execution leaves S out.
+price). S counts the stops and misses of the last `STOP_WINDOW` decode iterations. The credit banks, beside T
+per expert at stake, the stops prediction removes (`StopSavings`). Decision "relaunch price": with
+`price_stops` (the default); hybrid execution leaves S out.
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ import numpy as np
 from ...cache import CacheView, Key
 from ..base import PolicyContext
 from .options import FMoEOptions
+
+# S counts the stops and misses of the last `STOP_WINDOW` decode iterations (cumulative counts keep a
+# warm-up's cold stops). The credit's stop rates: stops per needed expert over the last `RATE_SAMPLES`
+# counted decode iterations fmoe paid for, and rested through; a rested probe of `PROBE_RUN` iterations
+# follows `PROBE_EVERY` paid ones in a row (the first only once the store has learned a while: what prediction
+# removes early, from a store still empty, says little of later); a paid rate older than `STALE_AFTER` decode
+# iterations is forgotten (the prior returns, and with it paid iterations). Decision "relaunch price".
+STOP_WINDOW, RATE_SAMPLES, MIN_SAMPLES, STALE_AFTER = 64, 16, 2, 256
+PROBE_RUN, PROBE_EVERY = 3, 32
 
 
 class Admission:
@@ -51,9 +62,18 @@ class Admission:
             self.rule == "cost" and not self.free_link and (self.copy_s is None or self.layer_s is None)
         )
         self._clock: tuple[float, float, int] | None = None  # (time, on-demand wait, misses), last layer
+        self.savings = StopSavings(cache, counts)
 
-    def begin_iteration(self) -> None:
+    def begin_iteration(self, decoding: bool, paid: bool = True) -> None:
+        """An iteration begins, one fmoe pays its bookkeeping for (`paid`) or rests through."""
         self._clock = None
+        if self.price_stops:
+            self.savings.begin(decoding, paid)
+
+    def probes(self) -> bool:
+        """Whether the decode iteration about to begin rests to measure the stops without prediction
+        (`StopSavings.probes`); never without `price_stops`, or where the engine reports no stop."""
+        return self.price_stops and self.savings.probes()
 
     def measure(self, decoding: bool) -> None:
         """Live estimates of T and of one layer's compute (exponential averages), from the cache's on-demand
@@ -72,21 +92,36 @@ class Admission:
         self._clock = now
 
     def stop_share_s(self) -> float:
-        """S: a miss's share of the engine's stops, one stop's price times the stops per miss so far; 0
-        where the engine reports none, or with `price_stops` off (decision "relaunch price")."""
+        """S: a miss's share of the engine's stops, one stop's price times the stops per miss of the last
+        `STOP_WINDOW` decode iterations; 0 where the engine reports none, or with `price_stops` off
+        (decision "relaunch price")."""
         cache = self.cache
-        stops = cache.stops
-        if not (self.price_stops and stops):
+        if not (self.price_stops and cache.stops):
             return 0.0
-        misses = cache.stats.misses
+        stops, misses = self.savings.since_window()
         return cache.stop_s * stops / misses if misses else 0.0
 
     def miss_s(self) -> float | None:
-        """What a miss costs: T and S; None until T is known (the credit's price, `SearchBudget`)."""
+        """What a miss costs: T and S; None until T is known."""
         copy_s = self.copy_s
         if copy_s is None:
             return None
         return copy_s + self.stop_share_s()  # (+ 0.0 where no stop is priced: the copy alone, exactly)
+
+    def link_s(self) -> float | None:
+        """T, None until known: what the credit banks per expert at stake (`SearchBudget`)."""
+        return self.copy_s
+
+    def stop_credit_s(self, at_stake: float) -> float:
+        """What the credit banks per needed expert for the stops prediction removes: one stop's price times
+        the stops per needed expert it removed (`StopSavings.removed`); until both rates are measured, S per
+        expert at stake (`at_stake`: as if every covered miss removed its share). 0 where no stop is priced.
+        Decision "relaunch price"."""
+        cache = self.cache
+        if not (self.price_stops and cache.stops):
+            return 0.0
+        removed = self.savings.removed
+        return self.stop_share_s() * at_stake if removed is None else cache.stop_s * removed
 
     def threshold(self, layer: int | np.ndarray, current: int) -> float | np.ndarray:
         """The probability a selected expert of `layer` (or of each of several layers) needs to be
@@ -199,5 +234,85 @@ class Admission:
             out = {"copy_ms": 1e3 * self.copy_s, "layer_ms": 1e3 * self.layer_s}
             if self.price_stops and self.cache.stops:
                 out["stop_share_ms"] = 1e3 * self.stop_share_s()
+                out |= self.savings.stats()
             return out
         return {}
+
+
+class StopSavings:
+    """The stops fmoe's prediction removes, measured where the engine stops for misses (decision "relaunch
+    price"): stops per needed expert in the decode iterations fmoe paid its bookkeeping for, against those
+    it rested through. The first iteration of each run of either kind is not counted (it starts from the
+    other kind's cache: the first paid one after rest records nothing to search with). Where fmoe would
+    never rest, a probe rests `PROBE_RUN` iterations now and then, so both rates stay known; a resting
+    fmoe pays when the credit can (the last paid rate holds meanwhile, for `STALE_AFTER` iterations at most:
+    then the prior credit returns and pays a few). Also the window S is taken over."""
+
+    def __init__(self, cache: CacheView, counts: collections.Counter):
+        self.cache, self.counts = cache, counts
+        # (stops, misses) as each of the last `STOP_WINDOW` decode iterations (this one too) began.
+        self._starts: collections.deque[tuple[int, int]] = collections.deque([(0, 0)], maxlen=STOP_WINDOW)
+        # (stops, accesses) of each counted decode iteration, paid (True) and rested (False).
+        self.samples = {paid: collections.deque(maxlen=RATE_SAMPLES) for paid in (True, False)}
+        self.removed: float | None = None  # stops per needed expert prediction removed (`rates`)
+        self._decode = self._paid_at = 0  # decode iterations begun; the last counted paid one
+        self._open: tuple[bool, int, int] | None = None  # the decode iteration under way: paid, its start's
+        # stops and accesses
+        self._run = 0  # its place in the run of its kind (1: the first)
+        self._paid_run = 0  # paid decode iterations since fmoe last rested
+        self._probe = 0  # iterations of the probe under way still to rest
+
+    def begin(self, decoding: bool, paid: bool) -> None:
+        """An iteration begins: the decode iteration before it, if any, closes (and counts, if not the first
+        of its run)."""
+        cache, stats = self.cache, self.cache.stats
+        stops, accesses = cache.stops, stats.hits + stats.misses
+        last = self._open
+        if last is not None and self._run > 1:
+            self.samples[last[0]].append((stops - last[1], accesses - last[2]))
+            self._paid_at = self._decode if last[0] else self._paid_at
+        if self._decode - self._paid_at > STALE_AFTER:
+            self.samples[True].clear()
+        self.removed = self.rates()
+        if not decoding:
+            self._open, self._run = None, 0
+            return
+        self._decode += 1
+        self._starts.append((stops, stats.misses))
+        self._run = self._run + 1 if last is not None and last[0] == paid else 1
+        self._open = (paid, stops, accesses)
+        if paid:
+            self._paid_run += 1
+        else:
+            self._paid_run, self._probe = 0, max(0, self._probe - 1)
+
+    def probes(self) -> bool:
+        """Whether the decode iteration about to begin rests to measure the stops without prediction: the
+        probe under way, or a new one after `PROBE_EVERY` paid iterations in a row; never where the engine
+        reports no stop."""
+        if self._probe:
+            return True
+        if self.cache.stops and self._paid_run >= PROBE_EVERY:
+            self._probe = PROBE_RUN
+            self.counts["stop_probes"] += 1
+            return True
+        return False
+
+    def rates(self) -> float | None:
+        """Stops per needed expert rested less paid (0 at least), None until each has `MIN_SAMPLES`."""
+        per = []
+        for paid in (False, True):
+            samples = self.samples[paid]
+            accesses = sum(a for _, a in samples)
+            if len(samples) < MIN_SAMPLES or not accesses:
+                return None
+            per.append(sum(s for s, _ in samples) / accesses)
+        return max(0.0, per[0] - per[1])
+
+    def since_window(self) -> tuple[int, int]:
+        """Stops and misses since the oldest decode iteration of the window began."""
+        stops, misses = self._starts[0]
+        return self.cache.stops - stops, self.cache.stats.misses - misses
+
+    def stats(self) -> dict[str, float]:
+        return {} if self.removed is None else {"stops_removed_per_expert": self.removed}

@@ -1,6 +1,6 @@
 """fMoE's search budget (`pay_for_matching`): prediction pays for its own host time. Each routed layer adds to
-a credit what that layer's misses could have cost (their link time, and their share of the engine's
-relaunches where it stops for a miss: `Admission.miss_s`, decision "relaunch price"); each search, store
+a credit what that layer's misses could have cost (their link time), and, where the engine stops for a miss,
+the stops prediction removed (`Admission.stop_credit_s`, decision "relaunch price"); each search, store
 update, reuse prediction, next-token guess or live decode iteration of bookkeeping (the policy's event
 handlers) spends its measured host time from it, and work the credit cannot pay is left out (counted as
 `unpaid_<kind>`). Where misses are nearly free (a CPU, and an engine that does not stop for them) the
@@ -15,11 +15,13 @@ from __future__ import annotations
 import collections
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...cache import CacheStats
 from ..base import PolicyContext
+
+if TYPE_CHECKING:
+    from .admission import Admission
 
 # Work is priced at the median host time of the last `COST_SAMPLES` of its kind, once `COST_WARMUP` are
 # measured (the first of each kind, cold, is not): an average from the first kept the cold contexts' times
@@ -38,8 +40,9 @@ class SearchBudget:
     Args:
       enabled: `pay_for_matching`; off, every piece of work goes.
       counts: the policy's counters (`unpaid_<kind>` are added here).
-      copy_s: what one miss costs as it stands (`Admission.miss_s`: the link time of one expert, hinted or
-        measured, and its share of the engine's stops), None until known: work is priced only once it is.
+      admission: what a miss costs: the link time of one expert, hinted or measured (`Admission.link_s`),
+        None until known (work is priced only once it is), and per needed expert the stops prediction
+        removes (`Admission.stop_credit_s`; 0 where the engine does not stop for misses).
       ctx: the policy's context; the simulator's prices are its `matcher_s` (host time per context) and
         `bookkeeping_s` (per layer of a decode iteration's bookkeeping); None: measured live (`matcher_s`),
         free in the simulator (`bookkeeping_s`, so never left out).
@@ -50,10 +53,11 @@ class SearchBudget:
         *,
         enabled: bool,
         counts: collections.Counter,
-        copy_s: Callable[[], float | None],
+        admission: Admission,
         ctx: PolicyContext,
     ):
-        self.enabled, self.counts, self.copy_s = enabled, counts, copy_s
+        self.enabled, self.counts = enabled, counts
+        self.copy_s, self.stop_s = admission.link_s, admission.stop_credit_s
         simulated_s = ctx.matcher_s
         self.simulated = simulated_s is not None
         self.credit = 0.0  # link seconds the work may still spend (engine thread)
@@ -76,11 +80,14 @@ class SearchBudget:
 
     def deposit(self, needed: int, stats: CacheStats, most: int) -> None:
         """A layer routed `needed` experts, each of which would have cost a copy with the chance `at_stake`
-        reads in the cache's `stats`; the credit holds `most` experts' copies at most (a decode iteration's
-        worth)."""
+        reads in the cache's `stats`, and its share of the stops prediction removes (`stop_s`); the credit
+        holds `most` experts' worth at most (a decode iteration's)."""
         copy_s = self.copy_s()
         if self.enabled and copy_s is not None:
-            self.credit = min(self.credit + needed * copy_s * self.at_stake(stats), most * copy_s)
+            at_stake = self.at_stake(stats)
+            stop_s = self.stop_s(at_stake)  # (+ 0.0 where no stop is priced: the copies alone, exactly)
+            banked = self.credit + needed * copy_s * at_stake + needed * stop_s
+            self.credit = min(banked, most * copy_s + most * stop_s)
 
     @staticmethod
     def at_stake(stats: CacheStats) -> float:

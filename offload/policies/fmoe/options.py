@@ -79,10 +79,10 @@ class FMoEOptions:
       link: how "cost" admission prices a copy: "free" (as if the link were free when asked), "queue"
         (after the copies and misses queued ahead) or "stalls" (lands in time and pays for the misses its
         pieces delay). Decision "admission link rule".
-      price_stops: a miss also costs its share of the engine's relaunch where the engine stops at a layer that
-        misses (`CacheView.stop_s`; "cost" admission and the credit of `pay_for_matching`). Off by default:
-        the credit then banks more than prediction saves, and fmoe pays for bookkeeping that costs more than
-        the stops it avoids. Decision "relaunch price".
+      price_stops: where the engine stops at a layer that misses (`CacheView.stop_s`), a miss also costs its
+        share of the relaunch in "cost" admission, and the credit of `pay_for_matching` banks the stops
+        prediction removes, measured (paid iterations against rested ones, `StopSavings`). No effect where
+        the engine reports no stop. Decision "relaunch price".
       skip_confirmed: in decode, skip the trajectory search after a layer whose routing the last match
         foresaw exactly, where such a confirmation is rare by chance (`CONFIRMATION_BITS`; band targets
         only). Decision "skip confirmed searches".
@@ -119,7 +119,7 @@ class FMoEOptions:
     copy_s: float | None = None
     layer_s: float | None = None
     link: Literal["stalls", "free", "queue"] = "free"
-    price_stops: bool = False
+    price_stops: bool = True
     skip_confirmed: bool = True
     pay_for_matching: bool = True
     next_token: bool = True

@@ -162,7 +162,7 @@ class FMoE(Policy):
         self.budget = SearchBudget(
             enabled=options.pay_for_matching,
             counts=self.counts,
-            copy_s=self.admission.miss_s,
+            admission=self.admission,
             ctx=ctx,
         )
         self.charged_s = self.budget.charged  # the bookkeeping the simulator charges (`Policy.charged_s`)
@@ -317,7 +317,7 @@ class FMoE(Policy):
         self.matcher.catch_up()
         valid = event.valid
         rows, tokens = valid.shape
-        if tokens == 1 and not self.budget.pay("bookkeeping"):
+        if tokens == 1 and (self.admission.probes() or not self.budget.pay("bookkeeping")):
             self._rest()
             return
         if self._resting:
@@ -337,8 +337,8 @@ class FMoE(Policy):
             self._maps = np.zeros((rows * tokens, self.ctx.num_layers, self.ctx.num_experts), np.float32)
             self._token_rows = np.repeat(np.arange(rows), tokens)[self._valid]  # each valid token's row
         self._requests = event.requests
-        self.admission.begin_iteration()
         self._decoding = tokens == 1
+        self.admission.begin_iteration(self._decoding)
         self._iteration += 1
         self.guides.begin_iteration()
         if self.predicted is not None:
@@ -357,8 +357,8 @@ class FMoE(Policy):
         if not self._resting:
             self._resting = True  # from here on `evicts_least_recent`
             self.evictor.ask(self.cache.drop_prefetches, before=self.ctx.num_layers)
-        self._iteration += 1
-        self._rest_needed = 0
+        self.admission.begin_iteration(True, paid=False)
+        self._iteration, self._rest_needed = self._iteration + 1, 0
         self._wants_hidden = self._wants_maps = False  # nothing to copy out (the first paid iteration too)
         self.counts["unrecorded_iterations"] += 1
 
