@@ -4,7 +4,8 @@
         [--experts bf16] [--policies on_demand_lru,fmoe] [--budgets 0.25] [--modes copy] [--resimulate]
         [--hardware cpu_2core_vm] [--name live_replay]
 
-Requests of `benchmarks/real_routing.py`'s evaluation split of gpt-oss-20b's decode routing (evenly spaced,
+Requests of `benchmarks/real_routing.py`'s evaluation split (`--split validation`: its validation split, where
+choices are made) of gpt-oss-20b's decode routing (evenly spaced,
 each its first `--steps` decode steps) are decoded one at a time, batch 1, by a model with random weights
 (`fmoe_jax.random_model`) of gpt-oss-20b's dimensions (its first `--layers` layers, widths and vocabulary
 times `--width-scale`, experts in `--experts`), every MoE layer forced to the recorded experts
@@ -12,7 +13,7 @@ times `--width-scale`, experts in `--experts`), every MoE layer forced to the re
 then one step per later one. The simulator replays the same requests through the same policy and budget
 (`simulate`, on `--hardware`: a preset with the engine's costs, `offload/hardware.py`), at the synthetic
 model's sizes; the policy and cache see the same events in both (tested: `tests/test_forced_routing.py`).
-A warm-up request (the evaluation split's last) runs first in both, so that programs are compiled and the
+A warm-up request (the split's last) runs first in both, so that programs are compiled and the
 policy's state carries over alike. fmoe runs inline (`asynchronous=False`) on routing alone
 (`semantic=False`: the routing set has no embeddings), learning online. The policy's host time per layer,
 measured live on the same requests (`overhead_s["policy_events"]`), is what the simulator charges it
@@ -81,8 +82,7 @@ def steps(trace: Any) -> int:
 
 
 # Rows that run a policy with options, by their label: fmoe pricing the engine's stops (decision "relaunch
-# price"; on by default now, so "fmoe+stops" runs as plain fmoe: the label is kept for older commands), and
-# fmoe without it (the behaviour before).
+# price"; off by default, so "fmoe-stops" runs as plain fmoe: the label names the setting in a table).
 VARIANTS = {"fmoe+stops": ("fmoe", {"price_stops": True}), "fmoe-stops": ("fmoe", {"price_stops": False})}
 
 
@@ -199,7 +199,7 @@ def replay(args: argparse.Namespace) -> dict:
 
     import fmoe_jax as fj
 
-    traces = routing_requests(args.requests, args.steps, args.layers, Path(args.routing_data))
+    traces = routing_requests(args.requests, args.steps, args.layers, Path(args.routing_data), args.split)
     cfg, quantization, preset = synthetic(args)
     start = time.perf_counter()
     base = fj.random_model(
@@ -314,7 +314,9 @@ def resimulate(args: argparse.Namespace) -> dict:
     settings (requests, sizes); the machine's live numbers are kept as measured."""
     payload = saved(args.name, args.out)
     settings = argparse.Namespace(**{**payload["args"], "hardware": args.hardware, "host": args.host})
-    traces = routing_requests(settings.requests, settings.steps, settings.layers, Path(settings.routing_data))
+    split = getattr(settings, "split", "evaluation")  # (runs saved before `--split` replayed evaluation)
+    path = Path(settings.routing_data)
+    traces = routing_requests(settings.requests, settings.steps, settings.layers, path, split)
     preset = synthetic(settings)[2]
     payload["rows"] = [simulated(row, traces, preset, settings) for row in payload["rows"]]
     payload.update(presets(settings), resimulated=True)
@@ -323,7 +325,13 @@ def resimulate(args: argparse.Namespace) -> dict:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--requests", type=int, default=4, help="evaluation requests replayed (evenly spaced)")
+    p.add_argument("--requests", type=int, default=4, help="requests of --split replayed (evenly spaced)")
+    p.add_argument(
+        "--split",
+        default="evaluation",
+        choices=["evaluation", "validation"],
+        help="the routing's part the requests (and the warm-up) come from: choices are made on validation",
+    )
     p.add_argument("--steps", type=int, default=48, help="decode steps replayed per request (its first)")
     p.add_argument("--layers", type=int, default=24, help="MoE layers of the synthetic model (gpt-oss: 24)")
     p.add_argument("--width-scale", type=float, default=0.25, help="widths and vocabulary times this")
@@ -332,8 +340,8 @@ def parser() -> argparse.ArgumentParser:
         "--policies",
         type=lambda s: s.split(","),
         default=["on_demand_lru", "fmoe"],
-        help=f"policies, or labels of a policy with options ({', '.join(VARIANTS)}: fmoe+stops is plain "
-        "fmoe, whose price_stops is on by default; fmoe-stops turns it off)",
+        help=f"policies, or labels of a policy with options ({', '.join(VARIANTS)}: fmoe+stops turns "
+        "fmoe's price_stops on; fmoe-stops is plain fmoe, where it is off by default)",
     )
     p.add_argument("--budgets", type=lambda s: [float(b) for b in s.split(",")], default=[0.25])
     p.add_argument(
@@ -373,9 +381,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def describe(payload: dict) -> str:
-    m = payload["model"]
+    m, split = payload["model"], payload["args"].get("split", "evaluation")
     return (
-        f"gpt-oss-20b's real routing, {len(payload['requests'])} evaluation requests x {payload['steps']} "
+        f"gpt-oss-20b's real routing, {len(payload['requests'])} {split} requests x {payload['steps']} "
         f"decode steps, batch 1, live on a random-weight gpt-oss-20b of {m['layers']} MoE layers, hidden "
         f"{m['hidden']}, expert intermediate {m['expert_intermediate']}, vocabulary {m['vocab']}, "
         f"{m['experts']} experts ({m['expert_bytes'] / 1e6:.2f} MB each), beside the simulator on "

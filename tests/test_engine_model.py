@@ -86,7 +86,7 @@ def test_simulated_stops_reach_fmoe_as_the_presets_relaunch_price():
         result = simulate(trace, offload, model=preset, hardware=hardware)
         return policy, result
 
-    policy, result = run(costly)  # on by default
+    policy, result = run(costly, price_stops=True)
     cache = policy.cache
     assert cache.stops == result.launches - 16 > 0 and cache.stop_s == pytest.approx(1.1e-3)
     share = 1.1e-3 * cache.stops / cache.stats.misses

@@ -383,7 +383,7 @@ def test_cost_admission_and_credit_count_the_relaunch_a_miss_costs():
     default, _ = bound_policy(one_map_store(), copy_s=3e-3, layer_s=1e-3)
     default.cache.book.stats.misses = 4
     default.cache.record_stop(lambda: 2e-3)
-    assert default.admission.miss_s() == pytest.approx(3.5e-3)  # on by default: S = 2 ms x 1 stop / 4 misses
+    assert default.admission.miss_s() == 3e-3  # off by default
     hybrid, _ = priced(execution="hybrid")
     assert hybrid.admission.miss_s() == pytest.approx(3e-3)
     plain, _ = bound_policy(one_map_store(), copy_s=3e-3, layer_s=1e-3)
@@ -396,7 +396,7 @@ def test_credit_banks_the_stops_prediction_removed_measured_paid_against_rested(
     are measured, S per expert at stake. Where fmoe never rests, a rested probe measures the other rate."""
     from fmoe_jax.offload.policies.fmoe.admission import PROBE_EVERY, PROBE_RUN, STALE_AFTER
 
-    policy, cache = bound_policy(one_map_store(), copy_s=3e-3, layer_s=1e-3)
+    policy, cache = bound_policy(one_map_store(), copy_s=3e-3, layer_s=1e-3, price_stops=True)
     admission, stats = policy.admission, cache.book.stats
     stats.misses = 4
     cache.record_stop(lambda: 2e-3)  # S = 2 ms x 1 stop / 4 misses = 0.5 ms
@@ -443,10 +443,10 @@ def test_credit_banks_the_stops_prediction_removed_measured_paid_against_rested(
             out.append(policy._resting)
         return out
 
-    policy, cache = bound_policy(one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3)
+    on = {"semantic": False, "copy_s": 3e-3, "layer_s": 1e-3, "price_stops": True}
+    policy, cache = bound_policy(one_map_store(), **on)
     assert not any(rested(policy, cache, PROBE_EVERY + 4))  # no stop reported: no probe
-    cache.record_stop(lambda: 2e-3)
-    policy, cache = bound_policy(one_map_store(), semantic=False, copy_s=3e-3, layer_s=1e-3)
+    policy, cache = bound_policy(one_map_store(), **on)
     cache.record_stop(lambda: 2e-3)
     first = rested(policy, cache, 2 * (PROBE_EVERY + PROBE_RUN))
     probe = ([False] * PROBE_EVERY + [True] * PROBE_RUN) * 2

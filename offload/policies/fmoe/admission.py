@@ -16,7 +16,7 @@ its share of that relaunch, S (one stop's price times the stops per miss so far)
 when q >= T / (T + min(T, W) + S) ("free" and "queue"), and a miss costs T + S (`miss_s`, the credit's
 price). S counts the stops and misses of the last `STOP_WINDOW` decode iterations. The credit banks, beside T
 per expert at stake, the stops prediction removes (`StopSavings`). Decision "relaunch price": with
-`price_stops` (the default); hybrid execution leaves S out.
+`price_stops` (off by default); hybrid execution leaves S out.
 """
 
 from __future__ import annotations

@@ -82,7 +82,9 @@ class FMoEOptions:
       price_stops: where the engine stops at a layer that misses (`CacheView.stop_s`), a miss also costs its
         share of the relaunch in "cost" admission, and the credit of `pay_for_matching` banks the stops
         prediction removes, measured (paid iterations against rested ones, `StopSavings`). No effect where
-        the engine reports no stop. Decision "relaunch price".
+        the engine reports no stop. Off by default: on the validation requests of gpt-oss-20b's routing it
+        gained nothing live (the measured credit mostly rested), and on a small model it costs host time.
+        Decision "relaunch price".
       skip_confirmed: in decode, skip the trajectory search after a layer whose routing the last match
         foresaw exactly, where such a confirmation is rare by chance (`CONFIRMATION_BITS`; band targets
         only). Decision "skip confirmed searches".
@@ -119,7 +121,7 @@ class FMoEOptions:
     copy_s: float | None = None
     layer_s: float | None = None
     link: Literal["stalls", "free", "queue"] = "free"
-    price_stops: bool = True
+    price_stops: bool = False
     skip_confirmed: bool = True
     pay_for_matching: bool = True
     next_token: bool = True
