@@ -430,6 +430,7 @@ def _live_replay_sentence(payload: dict) -> str:
     """`live_replay`: real routing decoded live beside the simulator's prediction for the same requests."""
     m, rows = payload["model"], payload["rows"]
     where = "this machine's CPU" if payload["machine"]["backend"] == "cpu" else payload["hardware"]
+    split = payload.get("args", {}).get("split", "evaluation")  # (runs saved before `--split`: evaluation)
     budgets = sorted({r["budget"] for r in rows})
 
     def label(r: dict) -> str:
@@ -445,7 +446,7 @@ def _live_replay_sentence(payload: dict) -> str:
         if r["policy"] != "on_demand_lru" and (r["budget"], r["mode"]) in lru and r["budget"] < 1
     ]
     text = (
-        f"Live against simulated (`live_replay`, on {where}): {len(payload['requests'])} evaluation requests "
+        f"Live against simulated (`live_replay`, on {where}): {len(payload['requests'])} {split} requests "
         f"of gpt-oss-20b's real routing, {payload['steps']} decode steps each, forced onto a random-weight "
         f"gpt-oss-20b of {m['layers']} MoE layers (hidden {m['hidden']}, {m['experts']} experts) with "
         f"{'/'.join(f'{100 * b:g}' for b in budgets)} % of its experts cached: simulated TPOT, "

@@ -627,6 +627,8 @@ def test_readme_reports_live_replay_beside_the_simulator():
     lru = dict(both["rows"][0], live_tpot_ms=100.0)
     both["rows"] = [lru, dict(lru, policy="fmoe+stops", live_tpot_ms=84.0)]
     assert "on_demand_lru's at the same budget: fmoe+stops 0.84x" in _live_replay_sentence(both)
+    both["args"] = {"split": "validation"}
+    assert "2 validation requests" in _live_replay_sentence(both)
 
 
 def test_live_replay_splits_a_priced_policys_host_time_for_the_simulator():
