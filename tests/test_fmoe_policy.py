@@ -250,9 +250,10 @@ def test_live_fmoe_wants_maps_copied_out_only_when_a_paid_context_can_use_them(c
         # iterations of bookkeeping (resting: `test_live_fmoe_rests_while_copies_cost_less_than_its_...`).
         assert stats["unpaid_trajectory"] >= 2 * 3 and stats["unpaid_bookkeeping"] >= 2
     else:
-        # Each iteration: the semantic search and two trajectory searches (the third layer rests after a
-        # repeat, `_resting`).
-        assert "unrecorded_iterations" not in stats and matches[-1] == matches[-2] + 3
+        # Each iteration: two trajectory searches (the third layer rests after a repeat, `_resting`); no
+        # semantic search after the first (the last iteration's next-token guess guided layer 0).
+        assert "unrecorded_iterations" not in stats and matches[-1] == matches[-2] + 2
+        assert stats["semantic_matches"] == 1 and stats["guessed_starts"] == 3 + COST_WARMUP
 
 
 def test_live_fmoe_rests_while_copies_cost_less_than_its_bookkeeping():
@@ -1033,6 +1034,41 @@ def test_the_next_tokens_first_layers_are_guessed_late_in_the_iteration_and_lear
     # Off: nothing is guessed.
     policy, cache = bound(calibrate=False, copy_s=1e-3, layer_s=1e-3, next_token=False)
     assert token(policy, cache) == ([], [])
+
+
+def test_a_decode_iteration_the_next_token_guess_guided_makes_no_semantic_search():
+    """The guess at a decode iteration's end guides the next token's layers [0, d): that iteration starts
+    without a semantic search (`decode_semantic=False`, decision "semantic search at decode"). Prefill, a
+    decode iteration no guess guided, and `decode_semantic=True` search as before."""
+    hint = np.array([[0.9, 0.0, 0.0, 0.0], [0.0, 0.9, 0.0, 0.0], [0.0] * 4, [0.0] * 4], np.float32)
+    embed = np.array([[1.0, 0.0, 0.0]], np.float32)
+    probs = np.full((1, 4), 0.25, np.float32)
+
+    def run(tokens_per_iteration: list[int], **options) -> list[int]:
+        """Each iteration's semantic searches, for iterations of the given lengths (1: decode)."""
+        store = ExpertMapStore(capacity=4, num_layers=4, num_experts=4, embed_dim=3, prefetch_distance=2)
+        store.add(embed, np.full((1, 4, 4), 0.25, np.float32))
+        store.future_of = lambda maps, neighbours=1: np.repeat(hint[None], len(maps), axis=0)
+        policy, cache = bound_policy(
+            store, matcher_s=0.0, calibrate=False, copy_s=1e-3, layer_s=1e-3, **options
+        )
+        searches = []
+        for tokens in tokens_per_iteration:
+            valid = np.ones((1, tokens), bool)
+            before = policy.counts["semantic_matches"]
+            iteration_start(policy, np.repeat(embed, tokens, axis=0), valid)
+            searches.append(policy.counts["semantic_matches"] - before)
+            for layer in range(4):
+                layer_routed(policy, layer, np.repeat(probs, tokens, axis=0), np.full((tokens, 1), 3), valid)
+            policy.on_iteration_end()
+        return searches
+
+    # Prefill, then three decode tokens: the first decode token follows prefill (no guess), each later
+    # one follows a decode iteration whose end guessed its first layers.
+    assert run([3, 1, 1, 1]) == [1, 1, 0, 0]
+    assert run([3, 1, 1, 1], decode_semantic=True) == [1, 1, 1, 1]
+    assert run([3, 1, 1, 1], next_token=False) == [1, 1, 1, 1]  # no guess: the search guides them
+    assert run([1, 1, 3, 1]) == [1, 0, 1, 1]  # a prefill iteration searches even after a guess
 
 
 def test_a_paused_policy_learns_no_maps_and_learns_again_after():

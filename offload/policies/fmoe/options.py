@@ -27,7 +27,12 @@ class FMoEOptions:
     """The fMoE policy's settings, with the paper's ablation switches.
 
     Attributes:
-      semantic: semantic (embedding) search guides layers [0, d) at each iteration start.
+      semantic: semantic (embedding) search guides layers [0, d) at the iteration start (see
+        `decode_semantic` for decode iterations).
+      decode_semantic: also search at the start of a decode iteration whose layers [0, d) the last
+        iteration's next-token guess already guided (the paper searches at every iteration); off: there
+        the guess stands, and the search runs only where no guess was made (prefill, hybrid execution, no
+        fresh hint, a guess the credit did not pay). Decision "semantic search at decode".
       trajectory: trajectory search after each layer guides the layers d ahead.
       dynamic_delta: similarity-aware selection (delta = 1 - score); off: exactly top-k per layer.
       eviction: "reuse" (keep the experts most likely needed soon: later in this iteration, by calibrated
@@ -99,6 +104,7 @@ class FMoEOptions:
     """
 
     semantic: bool = True
+    decode_semantic: bool = False
     trajectory: bool = True
     dynamic_delta: bool = True
     eviction: Literal["reuse", "fmoe", "lfu", "lru"] = "reuse"

@@ -257,6 +257,7 @@ class FMoE(Policy):
         # The first layer after which no trajectory search guides a layer: the next-token guess follows it.
         self._next_from = ctx.num_layers - min(ctx.prefetch_distance, ctx.num_layers)
         self._iteration = 0
+        self._guessed = -1  # the iteration whose first layers the last next-token guess guided
         self._request = 0
         self._hint: np.ndarray | None = None  # [L, J] what the store says follows the last token
         self._hinted = -1  # the iteration the hint was made in (or at the end of)
@@ -345,7 +346,11 @@ class FMoE(Policy):
             self.predicted.begin_iteration()
         self.forecast.begin_iteration(self._hint if self.options.eviction == "reuse" else None)
         recorded = event.embeds is not None
-        if self.options.semantic and n_valid and self.budget.affords("semantic", recorded):
+        if not self.options.semantic or not n_valid:
+            pass
+        elif tokens == 1 and self._guessed == self._iteration and not self.options.decode_semantic:
+            self.counts["guessed_starts"] += 1  # the next-token guess guides layers [0, d): no search
+        elif self.budget.affords("semantic", recorded):
             self.matcher.publish(Context("semantic", data=self._embeds, iteration=self._iteration))
         self._spent = time.perf_counter() - start
         self.evictor.stale()  # (resting, eviction reads none of it)
@@ -497,6 +502,7 @@ class FMoE(Policy):
             counts=self.counts,
         )
         self.evictor.ask(self.cache.request_prefetch, items, replace=range(first))
+        self._guessed = self._iteration + 1  # the next iteration's first layers are guided
         self.budget.record_engine("next_token", start)
 
     # -- the matcher's work (its thread, or inline) -----------------------------------------------------
