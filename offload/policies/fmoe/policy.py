@@ -1,8 +1,9 @@
 """The fMoE policy: its events and the wiring of its parts (paper section 4, `seeds/000_*`).
 
 The engine publishes contexts; the matcher (`matcher.py`) searches the expert-map store (`store.py`):
-semantic search at iteration start for layers [0, d), trajectory search after each layer for the layers d
-ahead, except where the last match holds (`skips.py`). Its matches guide the layers still to route
+semantic search at iteration start for layers [0, d) (in decode, only where the next-token guess has not
+guided them), trajectory search after each layer for the layers d ahead, except where the last match holds
+(`skips.py`). Its matches guide the layers still to route
 (`guides.py`: similarity-aware selection, calibrated need probabilities), and the guided experts whose need
 pays for their copy are prefetched by priority (`admission.py`). Eviction keeps the experts most likely
 needed soon (`eviction.py`). Matching runs only while the copy time it could save covers its host time
