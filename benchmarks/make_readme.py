@@ -237,7 +237,7 @@ def conclusion(results: Path = RESULTS) -> str:
             for b, winner, margin in losses:
                 worst[b, winner] = max(margin, worst.get((b, winner), 0.0))
             detail = "; ".join(
-                f"at budget {b:g} to {w}, which is up to {100 * m:.0f} % faster"
+                f"at budget {b:g} to {w}, which is up to {100 * m:.2g} % faster"
                 for (b, w), m in sorted(worst.items())
             )
             text.append(
