@@ -123,6 +123,10 @@ class Guides:
         return layers, picked, need
 
     # -- the next token ------------------------------------------------------------------------------------
+    def guessed(self, iteration: int) -> bool:
+        """Whether the last iteration guessed this one's first layers (`guess_next`)."""
+        return any(made == iteration - 1 for made, *_ in self.next_guesses)
+
     def guess_next(
         self,
         hint: np.ndarray,

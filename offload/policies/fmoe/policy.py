@@ -1,14 +1,13 @@
 """The fMoE policy: its events and the wiring of its parts (paper section 4, `seeds/000_*`).
 
 The engine publishes contexts; the matcher (`matcher.py`) searches the expert-map store (`store.py`):
-semantic search at iteration start for layers [0, d) (in decode, only where the next-token guess has not
-guided them), trajectory search after each layer for the layers d ahead, except where the last match holds
-(`skips.py`). Its matches guide the layers still to route
-(`guides.py`: similarity-aware selection, calibrated need probabilities), and the guided experts whose need
-pays for their copy are prefetched by priority (`admission.py`). Eviction keeps the experts most likely
-needed soon (`eviction.py`). Matching runs only while the copy time it could save covers its host time
-(`budget.py`), and the engine never waits for it. Options: `options.py`; measurements behind the defaults:
-`benchmarks/DECISIONS.md`.
+semantic search at iteration start for layers [0, d) (where no next-token guess did), trajectory search
+after each layer for the layers d ahead, except where the last match holds (`skips.py`). Its matches guide
+the layers still to route (`guides.py`: similarity-aware selection, calibrated need probabilities), and the
+guided experts whose need pays for their copy are prefetched by priority (`admission.py`). Eviction keeps
+the experts most likely needed soon (`eviction.py`). Matching runs only while the copy time it could save
+covers its host time (`budget.py`), and the engine never waits for it. Options: `options.py`; measurements
+behind the defaults: `benchmarks/DECISIONS.md`.
 """
 
 from __future__ import annotations
@@ -258,7 +257,6 @@ class FMoE(Policy):
         # The first layer after which no trajectory search guides a layer: the next-token guess follows it.
         self._next_from = ctx.num_layers - min(ctx.prefetch_distance, ctx.num_layers)
         self._iteration = 0
-        self._guessed = -1  # the iteration whose first layers the last next-token guess guided
         self._request = 0
         self._hint: np.ndarray | None = None  # [L, J] what the store says follows the last token
         self._hinted = -1  # the iteration the hint was made in (or at the end of)
@@ -347,11 +345,8 @@ class FMoE(Policy):
             self.predicted.begin_iteration()
         self.forecast.begin_iteration(self._hint if self.options.eviction == "reuse" else None)
         recorded = event.embeds is not None
-        if not self.options.semantic or not n_valid:
-            pass
-        elif tokens == 1 and self._guessed == self._iteration and not self.options.decode_semantic:
-            self.counts["guessed_starts"] += 1  # the next-token guess guides layers [0, d): no search
-        elif self.budget.affords("semantic", recorded):
+        guessed = tokens == 1 and not self.options.decode_semantic and self.guides.guessed(self._iteration)
+        if self.options.semantic and n_valid and not guessed and self.budget.affords("semantic", recorded):
             self.matcher.publish(Context("semantic", data=self._embeds, iteration=self._iteration))
         self._spent = time.perf_counter() - start
         self.evictor.stale()  # (resting, eviction reads none of it)
@@ -503,7 +498,6 @@ class FMoE(Policy):
             counts=self.counts,
         )
         self.evictor.ask(self.cache.request_prefetch, items, replace=range(first))
-        self._guessed = self._iteration + 1  # the next iteration's first layers are guided
         self.budget.record_engine("next_token", start)
 
     # -- the matcher's work (its thread, or inline) -----------------------------------------------------
