@@ -229,6 +229,38 @@ def test_batch_add_equals_single_adds_in_order(mode):
     np.testing.assert_array_equal(batched.embeds, single.embeds)
 
 
+@pytest.mark.parametrize("prefetch_distance", [1, 2, 3])
+def test_sketched_add_replaces_the_slot_rescoring_every_candidate_would(prefetch_distance):
+    """`add` rescores the shortlist's likeliest candidates first and the rest only where one of them could
+    still win (`_most_redundant`): the same slots as rescoring all, both ways, near-duplicates included."""
+
+    class RescoresAll(ExpertMapStore):
+        def _most_redundant(self, cand, unit, traj):
+            w = self.semantic_weight
+            return int(cand[np.argmax(w * self._exact(cand, unit) + (1.0 - w) * traj)])
+
+    kw = dict(capacity=120, prefetch_distance=prefetch_distance, sketch_dim=8, rerank=48)
+    fast, full = _store(**kw), _store(**kw)
+    full.__class__ = RescoresAll
+    rescored = []  # rows each `_exact` call of the fast store reads
+    exact = fast._exact
+    fast._exact = lambda cand, unit: rescored.append(len(cand)) or exact(cand, unit)
+    rng = np.random.default_rng(11)
+    embeds, maps = _data(5, 400)
+    for i in range(400):
+        e, m = embeds[i : i + 1], maps[i : i + 1]
+        if i >= 120 and i % 3 == 0:  # a near-duplicate of a stored row, or an exact one
+            j = int(rng.integers(len(fast)))
+            noise = rng.standard_normal((1, H)).astype(np.float32)
+            e = fast.embeds[j][None] + (0.0 if i % 2 else 1e-3) * noise
+            m = fast.maps[j][None].copy()
+        np.testing.assert_array_equal(fast.add(e, m), full.add(e, m))
+    np.testing.assert_array_equal(fast.maps, full.maps)
+    np.testing.assert_array_equal(fast.embeds, full.embeds)
+    first = store_module.FIRST_RERANKED
+    assert rescored.count(first) > 0 and rescored.count(kw["rerank"]) > 0  # both ways were taken
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     capacity=st.integers(1, 6),

@@ -110,8 +110,9 @@ class Calibration:
         rest answer `p` itself (no counts anywhere near: the prior alone)."""
         if self._table is None:
             self._prepare()
-        known = self._table.take(bins)
-        return np.where(np.isnan(known), np.asarray(p, np.float64), known)
+        known = self._table.take(bins)  # a new array: the bins with no counts take p in place
+        np.copyto(known, p, where=np.isnan(known))
+        return known
 
     def _prepare(self) -> None:
         k = self.prior_strength

@@ -123,14 +123,17 @@ class SortedMaps:
     def top_sets(self, expert_map: np.ndarray, top_k: int) -> list[list[int]]:
         """Each layer's `top_k` likeliest experts of one map `[L, J]`, in ascending ids `[L][k]` (nested
         lists, shared between callers): the routing that confirms the map at that layer (`SearchSkips`)."""
-        order = self.sorted(expert_map)[0]  # (the map's use counts as one, as a selection's would)
-        return _recent(self._tops, (expert_map.tobytes(), top_k), self.capacity, _top_sets, order, top_k)
+        key = expert_map.tobytes()
+        order = self.sorted(expert_map, key)[0]  # (the map's use counts as one, as a selection's would)
+        return _recent(self._tops, (key, top_k), self.capacity, _top_sets, order, top_k)
 
-    def sorted(self, expert_map: np.ndarray) -> tuple[np.ndarray, ...]:
+    def sorted(self, expert_map: np.ndarray, key: bytes | None = None) -> tuple[np.ndarray, ...]:
         """`(order, mass, rank [L, J], nonzero [L])` of one map `[L, J]`: each layer's experts by descending
         probability (ties: lower id first), the cumulative probability in that order (float64), each expert's
-        position in it, and whether the layer has any mass. Read-only arrays, shared between callers."""
-        return _recent(self._sorted, expert_map.tobytes(), self.capacity, _sorted_frozen, expert_map)
+        position in it, and whether the layer has any mass. Read-only arrays, shared between callers. `key`:
+        the map's bytes, where the caller has them."""
+        key = expert_map.tobytes() if key is None else key
+        return _recent(self._sorted, key, self.capacity, _sorted_frozen, expert_map)
 
     def select_mask(
         self, maps: np.ndarray, layers: np.ndarray | slice, score: np.ndarray, top_k: int
@@ -145,12 +148,13 @@ class SortedMaps:
             selection_threshold(score)  # raises, naming the score
         for b, delta in enumerate(min(max(1.0 - s, 0.0), 1.0) for s in scores):
             few = isinstance(layers, slice) and 2 * len(range(len(maps[b]))[layers]) < len(maps[b])
-            if few and maps[b].tobytes() not in self._sorted:  # a new map's first layers (the semantic
-                # search's): sorted alone, not kept (row by row, the same numbers as the whole map's)
+            key = maps[b].tobytes()
+            if few and key not in self._sorted:  # a new map's first layers (the semantic search's): sorted
+                # alone, not kept (row by row, the same numbers as the whole map's)
                 _, mass, rank, nonzero = _sorted_rows(np.asarray(maps[b][layers]))
                 layers_b = slice(None)
             else:
-                _, mass, rank, nonzero = self.sorted(maps[b])
+                _, mass, rank, nonzero = self.sorted(maps[b], key)
                 layers_b = layers
             count = _count(mass[layers_b], nonzero[layers_b], delta, top_k)
             masks.append(rank[layers_b] < count[:, None])

@@ -58,7 +58,8 @@ class SearchSkips:
         unused = [0] * self.top_k  # layers <= current (routed already)
         tops = [sorted_maps.top_sets(expert_map, self.top_k) for expert_map in maps]  # [B][L][k]
         expected = [[unused] * len(maps)] * (current + 1)
-        expected += [[rows[layer] for rows in tops] for layer in range(current + 1, maps.shape[1])]
+        ahead = (top[current + 1 :] for top in tops)  # [B][L - current - 1][k]
+        expected += [list(rows) for rows in zip(*ahead, strict=True)]  # by layer: [L - current - 1][B][k]
         self._foreseen = (iteration, expected)  # [L][B][k]
 
     def resting(self, layer: int, iteration: int) -> bool:

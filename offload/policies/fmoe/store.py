@@ -40,6 +40,11 @@ from . import store_file
 # validation split: decision "store capacity".
 CAPACITY = 512
 RERANK = 64
+# `add`'s rerank rescores this many of the shortlist first (`_most_redundant`): a multiple of 8 rows, which
+# the BLAS kernels here compute row by row exactly as in a product over the whole shortlist.
+FIRST_RERANKED = 16
+# Above any cosine computed in float32 (its rounding can pass 1 by a few ulp): the rerank's bound.
+_COSINE_CEILING = 1.001
 
 # Norms below this are treated as zero: such a vector has cosine 0 with everything.
 _NORM_FLOOR = 1e-12
@@ -216,8 +221,7 @@ class ExpertMapStore:
             else:
                 # sem holds sketch estimates: shortlist on them, decide on exact cosines.
                 cand = _top_candidates(rdy, self.rerank)  # [R]
-                exact = self._exact(cand, unit_embeds[i])
-                slot = int(cand[np.argmax(w * exact + (1.0 - w) * traj[i, cand])])
+                slot = self._most_redundant(cand, unit_embeds[i], traj[i, cand])
             slots[row] = slot
             one = slice(row, row + 1)
             self._write(slots[one], one, embeds, flat, inv_embed, inv_prefix, sketch)
@@ -466,6 +470,23 @@ class ExpertMapStore:
         if self._sketch is None or n <= self.rerank:
             return _scores(self._embeds[:n], unit_embeds) * self._inv_embed_norm[:n]
         return _scores(self._sketch[:n], sketch)
+
+    def _most_redundant(self, cand: np.ndarray, unit: np.ndarray, traj: np.ndarray) -> int:  # [R], [H], [R]
+        """`add`'s rerank: the slot in `cand` with the highest `w * exact cosine + (1 - w) * traj` (ties: the
+        lowest). A cosine is at most 1, so the `FIRST_RERANKED` candidates with the highest bound are rescored
+        first, and where the best of them beats every other's bound the others' embeddings are not read (the
+        map cosine decides most adds, w being d / L). The same slot as rescoring all of them."""
+        w = self.semantic_weight
+        if len(cand) > FIRST_RERANKED and unit.any():
+            bound = w * np.float32(_COSINE_CEILING) + (1.0 - w) * traj  # >= each candidate's score
+            first = np.sort(np.argpartition(-bound, FIRST_RERANKED - 1)[:FIRST_RERANKED])
+            score = w * self._exact(cand[first], unit) + (1.0 - w) * traj[first]
+            best = int(np.argmax(score))
+            others = np.ones(len(cand), bool)
+            others[first] = False
+            if score[best] > bound[others].max():
+                return int(cand[first[best]])
+        return int(cand[np.argmax(w * self._exact(cand, unit) + (1.0 - w) * traj)])
 
     def _exact(self, cand: np.ndarray, unit: np.ndarray) -> np.ndarray:  # [R], [H] -> [R]
         """A sketched search's rerank: cosines of one unit embedding with the stored ones at `cand` (a zero
