@@ -1,6 +1,7 @@
 """fMoE: fine-grained expert offloading guided by expert maps (paper section 4, `seeds/000_*`).
 
-One file per concern: `policy.py` (the events and the wiring: `FMoE`), `options.py` (`FMoEOptions`),
+One file per concern: `policy.py` (the events and the wiring: `FMoE`), `parts.py` (the parts that learn from
+outcomes, built at bind, and what a saved store keeps of them), `options.py` (`FMoEOptions`),
 `matcher.py` (threaded, inline or simulator-clocked), `followers.py` (what the store learns from each
 iteration), `budget.py` (pay for matching), `skips.py` (searches left out where a match holds), `guides.py`
 (selection, calibrated need, the next-token guess), `admission.py` (which guided experts are prefetched),

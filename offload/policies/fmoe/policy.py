@@ -26,17 +26,16 @@ from ...events import IterationStart, LayerRouted, RequestStart
 from ...predictors import Predictor
 from ..base import Policy, PolicyContext
 from ..fiddler import expert_usage
+from . import parts
 from .admission import Admission
 from .budget import SearchBudget
-from .distance import DistanceForecast, fit_counts
-from .eviction import Eviction, Popularity, PredictedReuse, auto_reuse_horizon
+from .distance import fit_counts
+from .eviction import auto_reuse_horizon
 from .followers import FollowerLinks
-from .forecast import Calibration, ReuseForecast
-from .guides import Guides
+from .forecast import Calibration
 from .matcher import Context, Matcher, make_matcher
 from .next_use import NextUseTraining, used_sets
 from .options import FMoEOptions
-from .select import SortedMaps
 from .skips import SearchSkips
 from .store import ExpertMapStore, PrefixDots
 from .store_file import open_store, store_from_traces
@@ -201,56 +200,22 @@ class FMoE(Policy):
 
     def _bind_forecasts(self) -> None:
         """Popularity, the reuse forecast, the calibrations (what an earlier run learned, saved with the
-        store), the guides and the eviction rule over them."""
-        ctx, options, saved = self.ctx, self.options, self.store.attachments
-        self.popularity = Popularity(
-            options.popularity, saved.get("popularity"), ctx.num_layers, ctx.num_experts, ctx.top_k
-        )
-        if options.reuse_distance:
-            self.forecast = DistanceForecast(
-                ctx.num_layers,
-                ctx.num_experts,
-                ctx.top_k,
-                self._distance_counts,
-                horizon=self.reuse_horizon,
-                sticky=options.sticky,
-            )
-        elif self._next_use is None:
-            self.forecast = ReuseForecast(
-                ctx.num_layers, ctx.num_experts, horizon=self.reuse_horizon, sticky=options.sticky
-            )
-        else:
-            self.forecast = self._next_use.forecast(self.reuse_horizon)
-        self.calibration.load(saved)
-        self.next_calibration.load({k[len("next_") :]: v for k, v in saved.items() if k.startswith("next_")})
-        self.forecast.load(saved)
-        self.sorted_maps = SortedMaps()  # the maps the matcher matched lately, sorted for selection
-        self.guides = Guides(
-            ctx.num_layers,
-            ctx.num_experts,
-            ctx.top_k,
-            dynamic_delta=options.dynamic_delta,
-            calibrate=options.calibrate,
+        store), the guides and the eviction rule over them (`parts.py`)."""
+        built = parts.build(
+            self.options,
+            self.ctx,
+            self.cache,
+            self.admission,
+            saved=self.store.attachments,
             calibration=self.calibration,
             next_calibration=self.next_calibration,
-            forecast=self.forecast,
-            sorted_maps=self.sorted_maps,
+            reuse_horizon=self.reuse_horizon,
+            reuse_predictor=self.reuse_predictor,
+            next_use=self._next_use,
+            distance_counts=self._distance_counts,
         )
-        self.evictor = Eviction(
-            options.eviction,
-            self.cache,
-            self.guides,
-            self.forecast,
-            self.popularity,
-            lambda layer: self.admission.price(layer, self.guides.current),
-            self.forecast if options.reuse_distance else None,
-        )
-        self.evictor.keeps_table = not options.asynchronous  # a matcher thread changes guides any time
-        self.predicted = (
-            None
-            if self.reuse_predictor is None
-            else PredictedReuse(self.reuse_predictor, ctx.num_layers, ctx.num_experts)
-        )
+        self.popularity, self.forecast, self.guides = built.popularity, built.forecast, built.guides
+        self.sorted_maps, self.evictor, self.predicted = built.sorted_maps, built.evictor, built.predicted
 
     def _begin_state(self) -> None:
         ctx = self.ctx
@@ -282,10 +247,8 @@ class FMoE(Policy):
             return
         self.matcher.close()
         if self.store_path and self.store is not None:
-            self.store.attachments = {**self.calibration.state(), **self.forecast.state()}
-            self.store.attachments |= {f"next_{k}": v for k, v in self.next_calibration.state().items()}
-            if self.popularity.counts is not None:
-                self.store.attachments["popularity"] = self.popularity.counts
+            learned = (self.calibration, self.next_calibration, self.forecast, self.popularity)
+            self.store.attachments = parts.attachments(*learned)
             self.store.save(self.store_path, self.meta)
 
     def wait_idle(self) -> None:
