@@ -30,7 +30,8 @@ import matplotlib
 import numpy as np
 from fmoe_jax.offload.cache import BookView, CacheBook
 from fmoe_jax.offload.policies.fmoe import HINT_NEIGHBOURS
-from fmoe_jax.offload.policies.fmoe.store import ExpertMapStore, PrefixDots
+from fmoe_jax.offload.policies.fmoe.prefix_dots import PrefixDots
+from fmoe_jax.offload.policies.fmoe.store import ExpertMapStore
 
 from benchmarks.common import HelpFormatter
 

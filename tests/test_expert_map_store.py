@@ -5,6 +5,7 @@ import os
 import numpy as np
 import pytest
 from fmoe_jax.offload.policies.fmoe import store as store_module
+from fmoe_jax.offload.policies.fmoe.prefix_dots import PrefixDots
 from fmoe_jax.offload.policies.fmoe.select import (
     MASS_TOLERANCE,
     SortedMaps,
@@ -14,7 +15,7 @@ from fmoe_jax.offload.policies.fmoe.select import (
     select_experts,
     select_mask,
 )
-from fmoe_jax.offload.policies.fmoe.store import ExpertMapStore, PrefixDots
+from fmoe_jax.offload.policies.fmoe.store import ExpertMapStore
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -7,13 +7,14 @@ iteration), `budget.py` (pay for matching), `skips.py` (searches left out where 
 (selection, calibrated need, the next-token guess), `admission.py` (which guided experts are prefetched),
 `eviction.py` (keep scores, popularity, the reuse predictor's hint), `forecast.py` (calibration and the reuse
 forecast), `select.py` (the paper's selection and priorities), `store.py` and `store_file.py` (the
-expert-map store and its files).
+expert-map store and its files), `prefix_dots.py` (an iteration's running trajectory searches).
 """
 
 from .eviction import auto_reuse_horizon
 from .options import STORE_CAPACITY, FMoEOptions
 from .policy import HINT_NEIGHBOURS, FMoE
-from .store import ExpertMapStore, PrefixDots
+from .prefix_dots import PrefixDots
+from .store import ExpertMapStore
 from .store_file import store_from_traces
 
 __all__ = [

@@ -11,7 +11,8 @@ import collections
 import numpy as np
 
 from .matcher import Context
-from .store import ExpertMapStore, PrefixDots
+from .prefix_dots import PrefixDots
+from .store import ExpertMapStore
 
 # Requests whose last tokens are remembered for follower links; the least recently used go beyond it.
 RECENT_REQUESTS = 1024

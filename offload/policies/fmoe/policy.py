@@ -36,8 +36,9 @@ from .forecast import Calibration
 from .matcher import Context, Matcher, make_matcher
 from .next_use import NextUseTraining, used_sets
 from .options import FMoEOptions
+from .prefix_dots import PrefixDots
 from .skips import SearchSkips
-from .store import ExpertMapStore, PrefixDots
+from .store import ExpertMapStore
 from .store_file import open_store, store_from_traces
 
 # The reuse hint averages what followed this many of the stored maps most like the last token's, weighted by
