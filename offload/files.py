@@ -24,3 +24,22 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None])
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def unwritable(path: str | os.PathLike) -> str | None:
+    """Why `write_atomically(path, ...)` would fail before it wrote anything, in a few words (`path` a
+    directory, its folder missing, a folder this process may not write to), or None: checked up front by
+    those who write only at the end of long work, so that the work is not lost to a bad path."""
+    path = Path(path)
+    if path.is_dir():
+        return "is a directory"
+    parent = path.parent
+    if not parent.is_dir():
+        return f"its folder {parent} does not exist"
+    try:  # (os.access would let root through a read-only mount)
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
+    except OSError as err:
+        return f"cannot write to {parent} ({err.strerror})"
+    os.close(fd)
+    os.unlink(probe)
+    return None

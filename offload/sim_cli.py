@@ -8,8 +8,8 @@ model's sizes on a hardware preset, and prints a one-screen summary (and `--json
 A TRACE is a trace saved by `RoutingTrace.save` (the `.npz`/`.json` pair, given with either suffix or none),
 replayed as the batch it was recorded as, or routing recorded elsewhere (`RoutingTrace.from_external`: a
 routing-set directory or a `.jsonl` file), whose requests are replayed one after another, each its own batch.
-`--warmup` traces run first through the same policy and cache and are left out of the numbers. Every number
-printed is simulated.
+`--warmup` traces run first through the same policy and cache and are left out of the numbers. Preset names
+ignore case and separators (`--hardware RTX-3090`). Every number printed is simulated.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from tqdm import tqdm
 
 from . import cost_model
 from .config import OffloadConfig
+from .files import unwritable, write_atomically
 from .policies import POLICIES, accepted_options
 from .projection import MODES, fit_layers
 from .simulator import Replay, SimResult, common_meta
@@ -34,6 +36,17 @@ from .trace import RoutingTrace
 
 class UsageError(Exception):
     """A mistake on the command line or in an input file: printed as one line, exit status 2."""
+
+
+def _squashed(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def preset_name(names: Iterable[str]) -> Callable[[str], str]:
+    """An argparse `type` for a preset's name: case and separators do not matter ("RTX-3090", "rtx3090" and
+    "rtx_3090" name one preset); a name that matches none is passed on as given, for argparse's error."""
+    known = {_squashed(name): name for name in names}
+    return lambda text: known.get(_squashed(text), text)
 
 
 def model_presets() -> dict[str, cost_model.ModelPreset]:
@@ -106,8 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model-preset", default=None, help="sizes to charge: a preset (see --list-presets)")
     model.add_argument("--model-config", type=Path, default=None, help="sizes from a model's config.json")
-    parser.add_argument("--hardware", default="rtx_3090", choices=sorted(cost_model.HARDWARE))
-    parser.add_argument("--host", default=None, choices=sorted(cost_model.HOSTS), help="host CPU (hybrid)")
+    hardware, hosts = sorted(cost_model.HARDWARE), sorted(cost_model.HOSTS)
+    parser.add_argument("--hardware", default="rtx_3090", type=preset_name(hardware), choices=hardware)
+    parser.add_argument(
+        "--host", default=None, type=preset_name(hosts), choices=hosts, help="host CPU (hybrid)"
+    )
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--budget", type=float, default=0.25, help="cache budget, a share of all experts")
     budget.add_argument("--cache-experts", type=int, default=None, help="cache budget in experts (slots)")
@@ -159,7 +175,7 @@ def _model(args: argparse.Namespace) -> cost_model.ModelPreset:
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise UsageError(f"cannot read model config {args.model_config}: {err}") from None
     presets = model_presets()
-    name = (args.model_preset or "").lower()
+    name = preset_name(presets)(args.model_preset or "")
     if name not in presets:
         raise UsageError(
             f"unknown model preset {args.model_preset!r}; choose a model family "
@@ -271,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.traces:
         parser.error("give at least one TRACE (or --list-presets)")
     try:
+        if args.json is not None and (problem := unwritable(args.json)) is not None:
+            raise UsageError(f"--json {args.json}: {problem}")  # before the replay, not after it
         model = _model(args)
         result = run(args)
     except UsageError as err:
@@ -292,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "result": result.as_dict(),
         }
         try:
-            args.json.write_text(json.dumps(record, indent=1, default=str))
+            write_atomically(args.json, lambda f: f.write(json.dumps(record, indent=1, default=str).encode()))
         except OSError as err:
             print(f"fmoe-sim: error: cannot write {args.json}: {err}", file=sys.stderr)
             return 2

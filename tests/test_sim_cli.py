@@ -59,11 +59,30 @@ def test_mistakes_are_one_line_errors(tmp_path, capsys):
         ([str(path), "--model-preset", "mixtral", "--budget", "1.5", *base], "--budget must be a share"),
         ([str(path), "--model-preset", "mixtral", "--execution", "hybrid", *base], "give --host"),
         ([str(path), "--model-preset", "mixtral", "--layers", "refuse", *base], "layers='project'"),
+        # an unwritable result file is refused before the replay, not after it
+        (
+            [str(path), "--model-preset", "mixtral", "--json", str(tmp_path / "no" / "r.json"), *base],
+            f"--json {tmp_path / 'no' / 'r.json'}: its folder {tmp_path / 'no'} does not exist",
+        ),
+        ([str(path), "--model-preset", "mixtral", "--json", str(tmp_path), *base], "is a directory"),
     ]
     for argv, message in cases:
         assert sim_cli.main(argv) == 2, argv
-        err = capsys.readouterr().err.strip()
-        assert message in err and err.count("\n") == 0, err
+        out, err = capsys.readouterr()
+        assert message in err and err.strip().count("\n") == 0, err
+        assert out == "", out  # nothing replayed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json", "trace.npz"]  # nothing written
+
+
+def test_preset_names_ignore_case_and_separators(tmp_path, capsys):
+    path = _trace(tmp_path)
+    argv = [str(path), "--cache-experts", "8", "--no-progress", "--model-preset", "Mixtral"]
+    assert sim_cli.main([*argv, "--hardware", "H100-SXM", "--host", "server 8ch"]) == 0
+    hardware, host = cost_model.HARDWARE["h100_sxm"].name, cost_model.HOSTS["server_8ch"].name
+    assert f"sizes on {hardware} + {host}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # matches no preset: argparse's error, which lists them
+        sim_cli.main([*argv, "--hardware", "h100"])
+    assert "invalid choice: 'h100' (choose from" in capsys.readouterr().err
 
 
 def test_help_and_presets_from_the_command_line():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import tempfile
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...files import write_atomically
+from ...files import unwritable, write_atomically
 
 if TYPE_CHECKING:
     from .store import ExpertMapStore
@@ -62,21 +61,12 @@ def save(store: ExpertMapStore, path: str | os.PathLike, meta: dict[str, Any]) -
 def check_writable(path: str | os.PathLike) -> None:
     """Refuses, before any serving, a store path that `save` could not write at the end: a directory, a
     missing parent folder, or a folder this process may not write to."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"store_path {path} is a directory; it must name a file ({path}/store.npz?).")
-    parent = path.parent
-    if not parent.is_dir():
-        raise ValueError(f"store_path {path}: its folder {parent} does not exist; create it first.")
-    try:
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
-    except OSError as err:
+    problem = unwritable(path)
+    if problem is not None:
         raise ValueError(
-            f"store_path {path}: cannot write to {parent} ({err.strerror}); the learned store could "
-            "not be saved at close. Choose a writable location."
-        ) from None
-    os.close(fd)
-    os.unlink(probe)
+            f"store_path {path}: {problem}; the learned store is saved there at close, so it must name a "
+            "file in a folder this process can write."
+        )
 
 
 def load(
