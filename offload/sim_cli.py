@@ -1,7 +1,7 @@
 """`fmoe-sim` (also `python -m fmoe_jax.offload.simulator`): replays routing traces through a policy at a
 model's sizes on a hardware preset, and prints a one-screen summary (and `--json` a result file).
 
-    fmoe-sim ../shared/data/routing/gpt-oss-20b --limit 20 --policy fmoe --policy-option semantic=false \\
+    fmoe-sim ../shared/data/routing/gpt-oss-20b --limit 20 --policy fmoe \\
         --model-preset gpt_oss --hardware rtx_3090 --budget 0.25
     fmoe-sim --list-presets
 
@@ -9,7 +9,8 @@ A TRACE is a trace saved by `RoutingTrace.save` (the `.npz`/`.json` pair, given 
 replayed as the batch it was recorded as, or routing recorded elsewhere (`RoutingTrace.from_external`: a
 routing-set directory or a `.jsonl` file), whose requests are replayed one after another, each its own batch.
 `--warmup` traces run first through the same policy and cache and are left out of the numbers. Preset names
-ignore case and separators (`--hardware RTX-3090`). Every number printed is simulated.
+ignore case and separators (`--hardware RTX-3090`). fmoe on traces without semantic embeddings (routing
+recorded elsewhere) matches on the routing alone, and says so. Every number printed is simulated.
 """
 
 from __future__ import annotations
@@ -185,10 +186,18 @@ def _model(args: argparse.Namespace) -> cost_model.ModelPreset:
     return presets[name]
 
 
-def _offload(args: argparse.Namespace, total_experts: int) -> OffloadConfig:
+def _offload(args: argparse.Namespace, total_experts: int, traces: Sequence[RoutingTrace]) -> OffloadConfig:
     options = dict(_option(text) for text in args.policy_option)
-    if "asynchronous" in accepted_options(args.policy):
+    accepted = accepted_options(args.policy)
+    if "asynchronous" in accepted:
         options.setdefault("asynchronous", False)  # a matcher thread's timing is not the simulated clock's
+    if "semantic" in accepted and "semantic" not in options and not _has_embeds(traces):
+        options["semantic"] = False  # routing recorded elsewhere carries no embeddings; said, not silent
+        print(
+            f"fmoe-sim: note: the traces carry no semantic embeddings, so {args.policy} matches on the "
+            "routing alone (--policy-option semantic=false)",
+            file=sys.stderr,
+        )
     if args.cache_experts is not None:
         slots = args.cache_experts
     else:
@@ -201,6 +210,10 @@ def _offload(args: argparse.Namespace, total_experts: int) -> OffloadConfig:
         )
     except (ValueError, TypeError) as err:
         raise UsageError(str(err)) from None
+
+
+def _has_embeds(traces: Sequence[RoutingTrace]) -> bool:
+    return all(it.embeds is not None for trace in traces for r in trace.requests for it in r.iterations)
 
 
 def run(args: argparse.Namespace) -> SimResult:
@@ -219,7 +232,7 @@ def run(args: argparse.Namespace) -> SimResult:
     except ValueError as err:
         raise UsageError(str(err)) from None
     meta = common_meta(everything)
-    offload = _offload(args, meta["num_layers"] * meta["num_experts"])
+    offload = _offload(args, meta["num_layers"] * meta["num_experts"], everything)
     try:
         replay = Replay(
             offload,

@@ -43,6 +43,12 @@ def test_replay_prints_a_summary_and_writes_json(tmp_path, capsys):
         sim_cli.main([*args, "--policy", "fmoe", "--policy-option", "semantic=false", "--no-progress"]) == 0
     )
     assert "policy fmoe" in capsys.readouterr().out
+    # on routing without embeddings fmoe matches on the routing alone unless told otherwise, and says so
+    assert sim_cli.main([*args, "--policy", "fmoe", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "policy fmoe" in out and "no semantic embeddings, so fmoe matches on the routing alone" in err
+    assert sim_cli.main([*args, "--policy", "fmoe", "--policy-option", "semantic=true", "--no-progress"]) == 2
+    assert "needs semantic embeddings" in capsys.readouterr().err
 
 
 def test_mistakes_are_one_line_errors(tmp_path, capsys):
