@@ -36,7 +36,7 @@ def unwritable(path: str | os.PathLike) -> str | None:
     parent = path.parent
     if not parent.is_dir():
         return f"its folder {parent} does not exist"
-    try:  # (os.access would let root through a read-only mount)
+    try:  # a probe file: the file system answers, not the permission bits as os.access reads them
         fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
     except OSError as err:
         return f"cannot write to {parent} ({err.strerror})"
