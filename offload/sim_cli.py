@@ -8,7 +8,8 @@ model's sizes on a hardware preset, and prints a one-screen summary (and `--json
 A TRACE is a trace saved by `RoutingTrace.save` (the `.npz`/`.json` pair, given with either suffix or none),
 replayed as the batch it was recorded as, or routing recorded elsewhere (`RoutingTrace.from_external`: a
 routing-set directory or a `.jsonl` file), whose requests are replayed one after another, each its own batch.
-`--warmup` traces run first through the same policy and cache and are left out of the numbers. Preset names
+`--warmup` traces run first through the same policy and cache and are left out of the numbers (a TRACE that
+is also a warm-up gets a note: a policy that learns has seen what is measured). Preset names
 ignore case and separators (`--hardware RTX-3090`). fmoe on traces without semantic embeddings (routing
 recorded elsewhere) matches on the routing alone, and says so. Every number printed is simulated.
 """
@@ -69,9 +70,10 @@ def _option(text: str) -> tuple[str, Any]:
         return key, value  # a bare string
 
 
-def read_traces(paths: Sequence[str], num_experts: int, limit: int | None) -> list[RoutingTrace]:
-    """The batches the TRACE arguments replay, in order (see the module docstring)."""
-    batches = []
+def read_traces(paths: Sequence[str], model: cost_model.ModelPreset, limit: int | None) -> list[RoutingTrace]:
+    """The batches the TRACE arguments replay, in order (see the module docstring), each TRACE checked
+    against the model preset's expert count."""
+    num_experts, batches = model.num_experts, []
     for name in paths:
         path = Path(name)
         external = path.is_dir() or path.suffix == ".jsonl"
@@ -84,6 +86,7 @@ def read_traces(paths: Sequence[str], num_experts: int, limit: int | None) -> li
                 trace = RoutingTrace.load(path)
         except (OSError, ValueError, KeyError) as err:
             raise UsageError(f"cannot read routing trace {name}: {err}") from None
+        _check(trace, model, name)
         requests = trace.requests[:limit] if limit else trace.requests
         if external:
             batches += [RoutingTrace(trace.meta, [request]) for request in requests]
@@ -139,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--limit", type=int, default=None, help="replay only the first N requests of each TRACE"
+    )
+    parser.add_argument(
+        "--warmup-limit",
+        type=int,
+        default=None,
+        help="replay only the first N requests of each --warmup TRACE",
     )
     parser.add_argument(
         "--json", type=Path, default=None, metavar="OUT", help="also write the result as JSON"
@@ -223,10 +232,14 @@ def run(args: argparse.Namespace) -> SimResult:
         raise UsageError(
             "--execution hybrid computes misses on the host CPU: give --host (see --list-presets)"
         )
-    warmup = read_traces(args.warmup, model.num_experts, None)
-    measured = read_traces(args.traces, model.num_experts, args.limit)
-    for name, trace in zip([*args.warmup, *args.traces], [*warmup, *measured], strict=False):
-        _check(trace, model, name)
+    warmup = read_traces(args.warmup, model, args.warmup_limit)
+    measured = read_traces(args.traces, model, args.limit)
+    if same := {Path(p).resolve() for p in args.warmup} & {Path(p).resolve() for p in args.traces}:
+        print(
+            f"fmoe-sim: note: both warm-up and measured: {', '.join(sorted(map(str, same)))}; the measured "
+            "requests were replayed in the warm-up first (a policy that learns has seen them)",
+            file=sys.stderr,
+        )
     try:
         everything = fit_layers([*warmup, *measured], model.num_layers, args.layers)
     except ValueError as err:

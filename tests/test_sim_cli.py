@@ -103,15 +103,44 @@ def test_help_and_presets_from_the_command_line():
         assert sim_cli.model_presets()[preset.name.lower()] is preset
 
 
+def _jsonl(path, requests: int = 3, steps: int = 3, layers: int = 2):
+    """Routing as a JSONL file, one record per request, step and layer (`RoutingTrace.from_external`)."""
+    records = [
+        {"request": f"r{r}", "step": s, "layer": layer, "experts": [layer, (r + s + layer + 1) % 8]}
+        for r in range(requests)
+        for s in range(steps)
+        for layer in range(layers)
+    ]
+    path.write_text("\n".join(map(json.dumps, records)))
+    return path
+
+
 @pytest.mark.parametrize("limit", [1, 2])
 def test_external_routing_replays_each_request_as_its_batch(tmp_path, limit):
-    lines = [
-        json.dumps({"request": r, "step": s, "layer": layer, "experts": [layer, (s + layer + 1) % 8]})
-        for r in ("a", "b")
-        for s in range(3)
-        for layer in range(2)
-    ]
-    path = tmp_path / "routing.jsonl"
-    path.write_text("\n".join(lines))
-    batches = sim_cli.read_traces([str(path)], num_experts=8, limit=limit)
+    path = _jsonl(tmp_path / "routing.jsonl", requests=2)
+    batches = sim_cli.read_traces([str(path)], cost_model.MODELS["mixtral"], limit=limit)
     assert len(batches) == limit and all(len(b.requests) == 1 for b in batches)
+
+
+def test_every_trace_is_checked_against_the_preset(tmp_path, capsys):
+    """The second TRACE too, behind one that replays as several batches (it used to reach the replay and
+    end in a traceback)."""
+    routing = _jsonl(tmp_path / "routing.jsonl")
+    (tmp_path / "wide").mkdir()
+    wide = _trace(tmp_path / "wide", experts=16)
+    assert sim_cli.main([str(routing), str(wide), "--model-preset", "mixtral", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"routing trace {wide} routes over 16 experts a layer" in err and err.count("\n") == 0, err
+
+
+def test_warmup_limit_and_a_warmup_that_is_also_measured(tmp_path, capsys, monkeypatch):
+    routing = _jsonl(tmp_path / "routing.jsonl")
+    replayed = []
+    run = sim_cli.Replay.run
+    monkeypatch.setattr(sim_cli.Replay, "run", lambda self, trace: replayed.append(trace) or run(self, trace))
+    argv = [str(routing), "--model-preset", "mixtral", "--no-progress", "--cache-experts", "8"]
+    assert sim_cli.main([*argv, "--warmup", str(routing), "--warmup-limit", "1"]) == 0
+    assert len(replayed) == 1 + 3  # one warm-up request, then the three measured
+    assert "both warm-up and measured" in capsys.readouterr().err
+    assert sim_cli.main(argv) == 0
+    assert "warm-up" not in capsys.readouterr().err
