@@ -30,8 +30,10 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import RESULTS, HelpFormatter, save
+from benchmarks.real_routing import DEFAULT_PATH
 
 BENCH_S = "bench-s"
+REPLAYED = {False: (3, 32), True: (1, 4)}  # live_replay's requests and decode steps, by --cpu-smoke
 TARGETS = dict(warm_vs_resident=1.15, lru_vs_link_bound=1.3, fmoe_vs_lru=1.0, sim_vs_live=(0.8, 1.2))
 
 
@@ -95,15 +97,17 @@ def overhead_section(smoke: bool, link: dict | None) -> dict:
     return dict(rows=rows, ratios=ratios, moe_layers=cfg.num_moe_layers, slots=slots, total=total)
 
 
-def replay_section(smoke: bool, hardware: str, host: str) -> dict:
+def replay_section(smoke: bool, hardware: str, host: str, routing: Path) -> dict:
     from benchmarks import live_replay
 
+    requests, steps = REPLAYED[smoke]
     argv = ["--policies", "on_demand_lru,fmoe,oracle", "--modes", "copy,hybrid", "--budget-of", "bf16"]
-    argv += ["--hardware", hardware, "--host", host, "--experts", "int4"]
+    argv += ["--hardware", hardware, "--host", host, "--experts", "int4", "--routing-data", str(routing)]
+    argv += ["--requests", str(requests), "--steps", str(steps)]
     if smoke:
-        argv += ["--layers", "2", "--width-scale", "0.05", "--requests", "1", "--steps", "4"]
+        argv += ["--layers", "2", "--width-scale", "0.05"]
     else:
-        argv += ["--layers", "24", "--width-scale", "1", "--requests", "3", "--steps", "32"]
+        argv += ["--layers", "24", "--width-scale", "1"]
     return live_replay.replay(live_replay.parser().parse_args(argv))
 
 
@@ -121,7 +125,23 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, seconds: the script's own check")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and markdown")
+    p.add_argument("--routing-data", type=Path, default=DEFAULT_PATH, help="gpt-oss-20b's routing set")
+    p.add_argument(
+        "--pack-routing",
+        type=Path,
+        metavar="DIR",
+        help="write to DIR the few requests of --routing-data the replay reads (tens of KB) and exit: "
+        "a lent machine has no ../shared, so carry DIR there and pass it as --routing-data",
+    )
     args = p.parse_args(argv)
+    if args.pack_routing is not None:
+        from benchmarks.live_replay import write_subset
+
+        written = write_subset(args.pack_routing, *REPLAYED[False], args.routing_data)  # --cpu-smoke's too
+        print(f"{args.pack_routing}: {written / 1e3:.0f} kB, the requests gpu_check replays")
+        return {}
+    if not (args.routing_data / "requests.json").is_file():
+        p.error(f"--routing-data {args.routing_data}: no routing set (for a lent machine: --pack-routing)")
     import jax
 
     kind = jax.devices()[0].device_kind
@@ -133,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     sections = (
         ("link", lambda: link_section(args.cpu_smoke)),
         ("offload_overhead", lambda: overhead_section(args.cpu_smoke, payload.get("link"))),
-        ("live_replay", lambda: replay_section(args.cpu_smoke, hardware, host)),
+        ("live_replay", lambda: replay_section(args.cpu_smoke, hardware, host, args.routing_data)),
     )
     for section, run in sections:
         print(f"-- {section}", flush=True)

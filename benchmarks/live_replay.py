@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import RESULTS, HelpFormatter, print_table, save, saved
-from benchmarks.real_routing import DEFAULT_PATH, load, request_names
+from benchmarks.real_routing import DEFAULT_PATH, request_names
 
 PROMPT_TOKEN = 1  # the one-token prompt each request starts from; its routing is forced anyway
 EXPERTS = {"bf16": None, "int8": "int8", "int4": "int4", "mxfp4": "mxfp4"}  # --experts: stored precision
@@ -56,9 +56,9 @@ def routing_requests(
     `RoutingTrace` of its first `steps` decode steps and `layers` MoE layers, prompt `[PROMPT_TOKEN]`."""
     from fmoe_jax.trace import RequestTrace, RoutingTrace
 
-    names = request_names(split, path)
-    chosen = request_names(split, path, limit=count) + [names[-1]]
-    trace = load(split, path)
+    chosen = chosen_requests(count, path, split)
+    trace = RoutingTrace.from_external(path, select=chosen)  # only these are read
+    names = [r["request"] for r in trace.meta["requests"]]
     by_name = dict(zip(names, trace.requests, strict=True))
     out = []
     for name in chosen:
@@ -74,6 +74,40 @@ def routing_requests(
         meta = {**trace.meta, "num_layers": layers, "requests": [name]}
         out.append(RoutingTrace(meta, [RequestTrace([PROMPT_TOKEN], its)]))
     return out
+
+
+def chosen_requests(count: int, path: Path = DEFAULT_PATH, split: str = "evaluation") -> list[str]:
+    """The names `routing_requests` replays: `count` of `split` evenly spaced, then the warm-up (its last)."""
+    return request_names(split, path, limit=count) + [request_names(split, path)[-1]]
+
+
+def write_subset(
+    dest: Path, count: int, steps: int, path: Path = DEFAULT_PATH, split: str = "evaluation"
+) -> int:
+    """Writes at `dest` the part of the routing set at `path` that `routing_requests(count, steps)` reads:
+    `split`'s request list (which decides the evenly spaced choice) and the chosen requests' first `steps`
+    decode steps. A machine without the shared data (a lent GPU) replays the same requests from it; this is
+    not a routing set for anything else. Returns the bytes written."""
+    import json
+
+    from fmoe_jax.offload.trace_formats import REQUESTS, ROUTING_ARRAYS
+
+    header = json.loads((path / REQUESTS).read_text())
+    keep = set(request_names(split, path))
+    records = [
+        {"request": r["request"], "dataset": r["dataset"]} for r in header["requests"] if r["request"] in keep
+    ]
+    arrays = np.load(path / ROUTING_ARRAYS)
+    subset = {}
+    for name in dict.fromkeys(chosen_requests(count, path, split)):
+        for key in (f"{name}__ids", f"{name}__w"):
+            if key in arrays.files:
+                subset[key] = arrays[key][:steps]
+    dest.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(dest / ROUTING_ARRAYS, **subset)
+    fields = {k: v for k, v in header.items() if k != "requests"}
+    (dest / REQUESTS).write_text(json.dumps({**fields, "requests": records}))
+    return sum((dest / f).stat().st_size for f in (ROUTING_ARRAYS, REQUESTS))
 
 
 def steps(trace: Any) -> int:

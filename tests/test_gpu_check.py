@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from benchmarks import gpu_check
 
 
 def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
-    payload = gpu_check.main(["--cpu-smoke", "--out", str(tmp_path)])
+    """From the packed routing a lent machine is given (`--pack-routing`), as it runs there."""
+    gpu_check.main(["--pack-routing", str(tmp_path / "pack")])
+    payload = gpu_check.main(
+        ["--cpu-smoke", "--out", str(tmp_path), "--routing-data", str(tmp_path / "pack")]
+    )
     assert payload["errors"] == {}, payload["errors"]
     saved = json.loads((tmp_path / "gpu_check_cpu_smoke.json").read_text())
     assert saved["link"]["latency"]["fit"]["rate_gbs"] > 0
@@ -37,3 +42,22 @@ def test_link_fit_recovers_a_line_and_bounds_an_unresolved_rate():
     assert noisy["latency_ms"] == pytest.approx(0.4)
     origin = fit_link(size, [1e-4, 5e-4, 2.1e-3])  # intercept below zero: a line through the origin
     assert origin["resolved"] and origin["latency_ms"] == 0.0 and origin["rate_gbs"] > 0
+
+
+def test_packed_routing_replays_the_same_requests_and_a_missing_set_is_refused(tmp_path, capsys):
+    """`--pack-routing` keeps exactly what `live_replay.routing_requests` reads: the same requests, steps and
+    weights as from the whole set; a check pointed at no routing set stops before any section runs."""
+    from benchmarks import live_replay
+
+    written = live_replay.write_subset(tmp_path, 3, 32)
+    assert written < 100_000  # tens of kB: it travels beside a 64 MiB working tree
+    for count, steps in gpu_check.REPLAYED.values():
+        whole = live_replay.routing_requests(count, steps, 24)
+        packed = live_replay.routing_requests(count, steps, 24, tmp_path)
+        assert [t.meta["requests"] for t in packed] == [t.meta["requests"] for t in whole]
+        for a, b in zip(whole, packed, strict=True):
+            pairs = zip(a.requests[0].iterations, b.requests[0].iterations, strict=True)
+            assert all(np.array_equal(x.ids, y.ids) and np.array_equal(x.probs, y.probs) for x, y in pairs)
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--routing-data", str(tmp_path / "absent")])
+    assert "no routing set" in capsys.readouterr().err
