@@ -1,21 +1,26 @@
-"""One check of the engine on an accelerator, in at most ~8 minutes: run it first whenever a GPU is at hand.
+"""One check of the engine on an accelerator, meant to take about 5 minutes: run it first when a GPU is lent.
 
-    python -m benchmarks.gpu_check [--cpu-smoke] [--out DIR]
+    python -m benchmarks.gpu_check [--cpu-smoke] [--out DIR] [--routing-data DIR | --pack-routing DIR]
 
 Writes `results/gpu_check_<device>.{json,md}` with, on JAX's default device:
 1. the link (`benchmarks/link_compute.py`'s essentials): pinned-host -> device copies at 0.25-256 MB (a line
-   gives the fixed cost per copy and the rate), a bench-s expert's copy, and how much of a copy hides
-   behind a compute issued after it and before it;
+   gives the fixed cost per copy and the rate), a bench-s expert's copy, how much of a copy hides behind a
+   compute issued after it and before it, and what one `lax.cond`, `lax.switch` and loop cost inside a
+   program (the offload step and the decode kernel hold several per layer);
 2. `offload_overhead` on bench-s (random weights, bf16): the resident engine, the offload engine holding every
    expert (warm), on_demand_lru and fmoe at 25 %, with launches and syncs per token, against the targets:
    warm <= 1.15x resident; on_demand_lru <= 1.3x its link-bound estimate (bytes moved per token / the
    measured rate + copies per token x the fixed cost + resident TPOT); fmoe <= 1.0x on_demand_lru;
-3. `live_replay` of gpt-oss-20b's real routing on a random-weight gpt-oss-20b (all 24 layers, int4 experts,
-   a cache of 25 % of the experts' bf16 bytes) for on_demand_lru, fmoe and oracle, copy-only and hybrid,
-   each beside the simulator's prediction on the device's hardware preset (target: within 20 %).
+3. `live_replay` of gpt-oss-20b's real routing on a random-weight gpt-oss-20b at full width (8 of its 24
+   layers: the step program compiles a 33-branch expert switch per layer, and 24 layers did not finish in
+   7 minutes on an H200's host; int4 experts, a cache of 25 % of the experts' bf16 bytes) for on_demand_lru,
+   fmoe and oracle, copy-only and hybrid, each beside the simulator's prediction on the device's hardware
+   preset (target: within 20 %).
 
-`--cpu-smoke` runs every section at tiny sizes in seconds (tested), so the script is known to work before a
-GPU is lent. A failing section is recorded and the others still run.
+A lent machine has no `../shared`: `--pack-routing DIR` writes the few requests section 3 replays (tens of
+kB), to carry there and pass as `--routing-data`. `--cpu-smoke` runs every section at tiny sizes in seconds
+(tested), so the script is known to work before a GPU is lent. A failing section is recorded and the others
+still run; each finished section is saved at once.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from benchmarks.common import RESULTS, HelpFormatter, save
 from benchmarks.real_routing import DEFAULT_PATH
 
 BENCH_S = "bench-s"
+LAYERS = 8  # live_replay's MoE layers (gpt-oss-20b has 24; see the docstring)
 REPLAYED = {False: (3, 32), True: (1, 4)}  # live_replay's requests and decode steps, by --cpu-smoke
 TARGETS = dict(warm_vs_resident=1.15, lru_vs_link_bound=1.3, fmoe_vs_lru=1.0, sim_vs_live=(0.8, 1.2))
 
@@ -41,7 +47,7 @@ def link_section(smoke: bool) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.link_compute import measure_copies, measure_latency, measure_overlap
+    from benchmarks.link_compute import measure_control_flow, measure_copies, measure_latency, measure_overlap
 
     dev = jax.devices()[0]
     pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
@@ -52,7 +58,8 @@ def link_section(smoke: bool) -> dict:
     d, f = (64, 128) if smoke else (1024, 3584)
     copy, host = measure_copies(BENCH_S, d, f, jnp.bfloat16, (pinned, device), repeats, None)
     overlap = measure_overlap(host, device, copy["whole_ms"], repeats, width=256 if smoke else 8192)
-    return dict(latency=latency, expert_copy=copy, overlap=overlap)
+    control = measure_control_flow(repeats, count=8 if smoke else 48, width=64 if smoke else 1024)
+    return dict(latency=latency, expert_copy=copy, overlap=overlap, control_flow=control)
 
 
 def overhead_section(smoke: bool, link: dict | None) -> dict:
@@ -107,7 +114,7 @@ def replay_section(smoke: bool, hardware: str, host: str, routing: Path) -> dict
     if smoke:
         argv += ["--layers", "2", "--width-scale", "0.05"]
     else:
-        argv += ["--layers", "24", "--width-scale", "1"]
+        argv += ["--layers", str(LAYERS), "--width-scale", "1"]
     return live_replay.replay(live_replay.parser().parse_args(argv))
 
 
@@ -185,6 +192,13 @@ def markdown(payload: dict) -> str:
             "- copy hidden behind a compute: "
             + ", ".join(f"{r['issue']} {r['overlap']:.0%}" for r in link["overlap"] if "overlap" in r),
         ]
+        control = link.get("control_flow")
+        if control:
+            lines.append(
+                "- inside a program, each: "
+                + ", ".join(f"{k} {v:.1f} us" for k, v in control["us_each"].items())
+                + f" (over {control['count']} plain {control['width']}-wide matrix-vector products)"
+            )
     over = payload.get("offload_overhead")
     if over:
         lines += [

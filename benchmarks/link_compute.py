@@ -237,6 +237,53 @@ def measure_overlap(host, device, copy_ms, repeats, width: int = 8192):
     return rows
 
 
+def measure_control_flow(repeats: int, count: int = 48, width: int = 1024, branches: int = 33) -> dict:
+    """What one conditional costs inside a jitted program on this device: `count` small matrix-vector
+    products in sequence, each plain, inside a `lax.cond`, inside a `lax.switch` over `branches` (gpt-oss's
+    32 experts and a skip: the decode kernel's one switch per assignment), and as a `fori_loop` of one
+    iteration; the difference over `count` is each one's price. A GPU runtime reads a conditional's branch
+    index on the host, which stalls the device; the offload step holds about three per MoE layer."""
+    import jax
+    import jax.numpy as jnp
+
+    w = jax.random.normal(jax.random.key(0), (width, width), jnp.float32) / width**0.5
+    scales = [1.0 + s / 64 for s in range(branches)]
+    x = jnp.ones((1, width), jnp.float32)
+    index = jnp.asarray([i % branches for i in range(count)], jnp.int32)  # every branch taken, none constant
+
+    def plain(x, w, index):
+        for i in range(count):
+            x = jnp.tanh(x @ w) * scales[i % branches]
+        return x
+
+    def cond(x, w, index):
+        for i in range(count):
+            x = jax.lax.cond(
+                index[i] >= 0, lambda v, i=i: jnp.tanh(v @ w) * scales[i % branches], lambda v: v, x
+            )
+        return x
+
+    def switch(x, w, index):
+        cases = [lambda v, s=s: jnp.tanh(v @ w) * s for s in scales]
+        for i in range(count):
+            x = jax.lax.switch(index[i], cases, x)
+        return x
+
+    def loop(x, w, index):
+        for i in range(count):
+            x = jax.lax.fori_loop(
+                0, index[i] * 0 + 1, lambda _, v, i=i: jnp.tanh(v @ w) * scales[i % branches], x
+            )
+        return x
+
+    ms = {}
+    for name, fn in (("plain", plain), ("cond", cond), ("switch", switch), ("loop", loop)):
+        program = jax.jit(fn)
+        ms[name] = median_ms(lambda p=program: p(x, w, index).block_until_ready(), repeats, warmup=2)
+    each = {name: (ms[name] - ms["plain"]) / count * 1e3 for name in ("cond", "switch", "loop")}
+    return dict(count=count, width=width, branches=branches, program_ms=ms, us_each=each)
+
+
 def measure_latency(pinned, device, repeats, link_nominal, sizes_mb=(0.25, 1, 4, 16, 64, 256)):
     """One bf16 array from pinned host memory to the device at sizes from 256 KB to 256 MB: a least-squares
     line through (bytes, seconds) gives the link's fixed cost per copy and its streaming rate."""
