@@ -257,6 +257,9 @@ def conclusion(results: Path = RESULTS) -> str:
         runs = [results / f"offload_overhead_h200_resting{tail}.json" for tail in ("", "_rerun", "_third")]
         live = [json.loads(run.read_text()) for run in runs if run.exists()]
         text.append(_device_sentence(json.loads(link.read_text()), live))
+    for check in sorted(results.glob("gpu_check_*.json")):
+        if not check.stem.endswith("_smoke"):
+            text.append(_gpu_check_sentence(json.loads(check.read_text())))
     replayed = results / "live_replay.json"
     if replayed.exists():
         text.append(_live_replay_sentence(json.loads(replayed.read_text())))
@@ -410,8 +413,10 @@ def _device_sentence(link: dict, live: list[dict]) -> str:
             return _span([f[key] for f, _ in pairs], fmt), _span([r[key] for _, r in pairs], fmt)
 
         hits, host = spans("hit_rate", "{:.2f}"), spans("critical_path_policy_ms", "{:.1f}")
+        date = live[0].get("machine", {}).get("date")
+        when = f" of {date[:10]}" if date else ""
         text += (
-            f" Live there (bench-s, 25 %, {len(pairs)} run(s)), fMoE decodes at "
+            f" Live there (bench-s, 25 %, {len(pairs)} run(s){when}), fMoE decodes at "
             f"{_span(ratios, '{:.2f}')}x on-demand LRU's TPOT with a hit rate of {hits[0]} against "
             f"{hits[1]}; "
             f"its host work on the critical path ({host[0]} ms a token against {host[1]}) "
@@ -424,6 +429,33 @@ def _device_sentence(link: dict, live: list[dict]) -> str:
             )
         )
     return text
+
+
+def _gpu_check_sentence(payload: dict) -> str:
+    """`benchmarks/gpu_check.py` on an accelerator: the engine's overheads there against their targets, and
+    what each conditional costs inside a program."""
+    from benchmarks.gpu_check import TARGETS
+
+    over, link = payload.get("offload_overhead"), payload.get("link") or {}
+    if not over:
+        return ""
+    r, t = over["ratios"], TARGETS
+    date = payload["machine"]["date"][:10]
+    text = (
+        f"The latest `gpu_check` on an {payload['device_kind']} ({date}), bench-s at batch 1 with random "
+        f"weights: the offload engine holding every expert decodes at {r['warm_vs_resident']:.2f}x the "
+        f"resident engine's TPOT (target {t['warm_vs_resident']}), on-demand LRU at 25 % at "
+        f"{r['lru_vs_link_bound']:.2f}x its link-bound estimate (target {t['lru_vs_link_bound']}), and fMoE "
+        f"at {r['fmoe_vs_lru']:.2f}x LRU's TPOT (target {t['fmoe_vs_lru']})"
+    )
+    control = link.get("control_flow")
+    if control:
+        each = control["us_each"]
+        text += (
+            f"; inside a program a `lax.cond` costs {each['cond']:.0f} us there and a "
+            f"{control['branches']}-way `lax.switch` {each['switch']:.0f} us"
+        )
+    return text + "."
 
 
 def _live_replay_sentence(payload: dict) -> str:

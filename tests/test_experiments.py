@@ -645,3 +645,24 @@ def test_live_replay_splits_a_priced_policys_host_time_for_the_simulator():
     assert (out["paid_share"], out["unpaid"], out["copy_ms"]) == (0.1, 28, 0.04)
     assert bookkeeping({}, {"unpaid_bookkeeping": 0, "bookkeeping_ms": 9.0}, 2, 1e-3, 2)["floor_s"] == 0.0
     assert set(bookkeeping({}, {}, 20, 0.5e-3, 24).values()) == {None}
+
+
+def test_readme_reports_the_latest_gpu_check_against_its_targets():
+    """The gpu_check sentence follows the saved ratios and names the device and date; a smoke run (CPU) or a
+    check whose bench-s section failed says nothing."""
+    from benchmarks.make_readme import _gpu_check_sentence
+
+    def payload(fmoe_vs_lru: float) -> dict:
+        ratios = dict(warm_vs_resident=1.71, lru_vs_link_bound=3.31, fmoe_vs_lru=fmoe_vs_lru)
+        return dict(
+            device_kind="NVIDIA H200",
+            machine=dict(date="2026-11-30T14:52:39"),
+            offload_overhead=dict(ratios=ratios),
+            link=dict(control_flow=dict(branches=33, us_each=dict(cond=41.0, switch=55.0, loop=3.0))),
+        )
+
+    text = _gpu_check_sentence(payload(0.897))
+    assert "NVIDIA H200 (2026-11-30)" in text and "fMoE at 0.90x LRU's TPOT (target 1.0)" in text
+    assert "1.71x the resident engine's TPOT (target 1.15)" in text and "`lax.cond` costs 41 us" in text
+    assert "fMoE at 1.12x" in _gpu_check_sentence(payload(1.12))
+    assert _gpu_check_sentence({**payload(1.0), "offload_overhead": None}) == ""
