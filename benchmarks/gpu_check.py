@@ -18,9 +18,11 @@ Writes `results/gpu_check_<device>.{json,md}` with, on JAX's default device:
    preset (target: within 20 %).
 
 A lent machine has no `../shared`: `--pack-routing DIR` writes the few requests section 3 replays (tens of
-kB), to carry there and pass as `--routing-data`. `--cpu-smoke` runs every section at tiny sizes in seconds
-(tested), so the script is known to work before a GPU is lent. A failing section is recorded and the others
-still run; each finished section is saved at once.
+kB), to carry there and pass as `--routing-data`. Nor is fmoe_jax installed there, and its subpackages live
+in other folders (pyproject's `package-dir`): install it with `pip install --no-deps --no-build-isolation
+-e .`, or link `models`, `offload`, `convert` and `research` into a copy of `fmoe_jax/` and run from there.
+`--cpu-smoke` runs every section at tiny sizes in seconds (tested), so the script is known to work before a
+GPU is lent. A failing section is recorded and the others still run; each finished section is saved at once.
 """
 
 from __future__ import annotations
@@ -47,7 +49,13 @@ def link_section(smoke: bool) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.link_compute import measure_control_flow, measure_copies, measure_latency, measure_overlap
+    from benchmarks.link_compute import (
+        measure_control_flow,
+        measure_copies,
+        measure_expert_select,
+        measure_latency,
+        measure_overlap,
+    )
 
     dev = jax.devices()[0]
     pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
@@ -59,7 +67,10 @@ def link_section(smoke: bool) -> dict:
     copy, host = measure_copies(BENCH_S, d, f, jnp.bfloat16, (pinned, device), repeats, None)
     overlap = measure_overlap(host, device, copy["whole_ms"], repeats, width=256 if smoke else 8192)
     control = measure_control_flow(repeats, count=8 if smoke else 48, width=64 if smoke else 1024)
-    return dict(latency=latency, expert_copy=copy, overlap=overlap, control_flow=control)
+    select = measure_expert_select(repeats, d, f, layers=2 if smoke else 8)
+    return dict(
+        latency=latency, expert_copy=copy, overlap=overlap, control_flow=control, expert_select=select
+    )
 
 
 def overhead_section(smoke: bool, link: dict | None) -> dict:
@@ -197,7 +208,15 @@ def markdown(payload: dict) -> str:
             lines.append(
                 "- inside a program, each: "
                 + ", ".join(f"{k} {v:.1f} us" for k, v in control["us_each"].items())
-                + f" (over {control['count']} plain {control['width']}-wide matrix-vector products)"
+                + f" (over {control['count']} plain {control['width']}-wide matrix-vector products); "
+                f"a launch {control['dispatch']['us_per_argument']:.2f} us per array argument"
+            )
+        select = link.get("expert_select")
+        if select:
+            per = select["ms_per_layer"]
+            lines.append(
+                f"- a decode layer's top-{select['top_k']} of {select['experts']} bench-s experts: "
+                f"{per['switch']:.3f} ms by the engine's switch, {per['pool']:.3f} ms from a stacked pool"
             )
     over = payload.get("offload_overhead")
     if over:

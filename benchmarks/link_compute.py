@@ -281,7 +281,94 @@ def measure_control_flow(repeats: int, count: int = 48, width: int = 1024, branc
         program = jax.jit(fn)
         ms[name] = median_ms(lambda p=program: p(x, w, index).block_until_ready(), repeats, warmup=2)
     each = {name: (ms[name] - ms["plain"]) / count * 1e3 for name in ("cond", "switch", "loop")}
-    return dict(count=count, width=width, branches=branches, program_ms=ms, us_each=each)
+    return dict(
+        count=count, width=width, branches=branches, program_ms=ms, us_each=each, dispatch=_dispatch(repeats)
+    )
+
+
+def _dispatch(repeats: int, counts: tuple[int, ...] = (1, 256, 2048)) -> dict:
+    """A launch's price by its number of array arguments (the offload engine passes every cached expert's
+    matrices, and their scales, one by one: thousands at gpt-oss-20b's size): the median call of a program
+    that adds the first of `count` small arrays to a scalar, and the slope per argument."""
+    import jax
+    import jax.numpy as jnp
+
+    ms = {}
+    for count in counts:
+        arrays = [jnp.full((16,), i, jnp.float32) for i in range(count)]
+        program = jax.jit(lambda xs: xs[0] + 1.0)
+        ms[count] = median_ms(lambda p=program, a=arrays: p(a).block_until_ready(), repeats, warmup=2)
+    slope = (ms[counts[-1]] - ms[counts[0]]) / (counts[-1] - counts[0]) * 1e3
+    return dict(call_ms={str(k): v for k, v in ms.items()}, us_per_argument=slope)
+
+
+def measure_expert_select(
+    repeats: int, d: int, f: int, experts: int = 32, top_k: int = 4, layers: int = 8
+) -> dict:
+    """A batch-1 decode token's routed experts over `layers` MoE layers (bfloat16, SwiGLU), reached two ways:
+    the engine's kernel (`expert_parts(kernel="unrolled")`: per assignment, a `lax.switch` over the layer's
+    expert arrays, passed one by one as the offload engine passes its cached experts) and a stacked pool per
+    layer (`[J, F, D]` arrays; each chosen expert read at a dynamic index, with no conditional). Returns
+    milliseconds per layer of each, one program per way over all the layers."""
+    import jax
+    import jax.numpy as jnp
+    from fmoe_jax.models.moe import ExpertWeights, Routing, expert_parts
+
+    keys = iter(jax.random.split(jax.random.key(1), 3 * layers))
+    pools = [
+        tuple(
+            (jax.random.normal(next(keys), (experts, *shape), jnp.float32) / shape[1] ** 0.5).astype(
+                jnp.bfloat16
+            )
+            for shape in ((f, d), (f, d), (d, f))
+        )
+        for _ in range(layers)
+    ]
+    split = [[ExpertWeights(g[e], u[e], w[e]) for e in range(experts)] for g, u, w in pools]
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(np.stack([rng.choice(experts, top_k, replace=False) for _ in range(layers)]), jnp.int32)
+    weights = jnp.full((layers, top_k), 1.0 / top_k, jnp.float32)
+    x = jnp.ones((1, d), jnp.bfloat16)
+
+    def switched(x, split, ids, weights):
+        slots, valid = jnp.arange(experts, dtype=jnp.int32), jnp.ones((1,), bool)
+        for layer, layer_experts in enumerate(split):
+            probs = jnp.zeros((1, experts), jnp.float32)
+            routing = Routing(probs, ids[layer][None], weights[layer][None])
+            parts = expert_parts(x, routing, layer_experts, slots, valid, kernel="unrolled")
+            x = jnp.sum(parts, axis=1).astype(x.dtype)
+        return x
+
+    def pooled(x, pools, ids, weights):
+        for layer, (gate, up, down) in enumerate(pools):
+            out = jnp.zeros(x.shape, jnp.float32)
+            for a in range(top_k):
+                e = ids[layer, a]
+                g, u = (x @ jax.lax.dynamic_index_in_dim(m, e, keepdims=False).T for m in (gate, up))
+                h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
+                y = h @ jax.lax.dynamic_index_in_dim(down, e, keepdims=False).T
+                out = out + y.astype(jnp.float32) * weights[layer, a]
+            x = out.astype(x.dtype)
+        return x
+
+    ms, outs = {}, {}
+    for name, fn, weights_in in (("switch", switched, split), ("pool", pooled, pools)):
+        program = jax.jit(fn)
+        outs[name] = np.asarray(program(x, weights_in, ids, weights), np.float32)
+        ms[name] = median_ms(
+            lambda p=program, w=weights_in: p(x, w, ids, weights).block_until_ready(), repeats, warmup=2
+        )
+    return dict(
+        d=d,
+        f=f,
+        experts=experts,
+        top_k=top_k,
+        layers=layers,
+        ms_per_layer={k: v / layers for k, v in ms.items()},
+        max_abs_difference=float(
+            np.max(np.abs(outs["switch"] - outs["pool"]))
+        ),  # bf16 rounding apart, the same
+    )
 
 
 def measure_latency(pinned, device, repeats, link_nominal, sizes_mb=(0.25, 1, 4, 16, 64, 256)):
