@@ -12,10 +12,10 @@ Writes `results/gpu_check_<device>.{json,md}` with, on JAX's default device:
    warm <= 1.15x resident; on_demand_lru <= 1.3x its link-bound estimate (bytes moved per token / the
    measured rate + copies per token x the fixed cost + resident TPOT); fmoe <= 1.0x on_demand_lru;
 3. `live_replay` of gpt-oss-20b's real routing on a random-weight gpt-oss-20b at full width (8 of its 24
-   layers: the step program compiles a 33-branch expert switch per layer, and 24 layers did not finish in
-   7 minutes on an H200's host; int4 experts, a cache of 25 % of the experts' bf16 bytes) for on_demand_lru,
-   fmoe and oracle, copy-only and hybrid, each beside the simulator's prediction on the device's hardware
-   preset (target: within 20 %).
+   layers, so that the check fits a lent machine's time: the step program's compile grows with the layers,
+   each compiling a switch over its experts; int4 experts, a cache of 25 % of the experts' bf16 bytes) for
+   on_demand_lru, fmoe and oracle, copy-only and hybrid, each beside the simulator's prediction on the
+   device's hardware preset (target: within 20 %).
 
 A lent machine has no `../shared`: `--pack-routing DIR` writes the few requests section 3 replays (tens of
 kB), to carry there and pass as `--routing-data`. Nor is fmoe_jax installed there, and its subpackages live
