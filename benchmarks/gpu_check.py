@@ -216,7 +216,8 @@ def markdown(payload: dict) -> str:
             per = select["ms_per_layer"]
             lines.append(
                 f"- a decode layer's top-{select['top_k']} of {select['experts']} bench-s experts: "
-                f"{per['switch']:.3f} ms by the engine's switch, {per['pool']:.3f} ms from a stacked pool"
+                f"{per['switch']:.3f} ms by the engine's switch, {per['pool']:.3f} ms from a stacked pool "
+                f"(outputs differ by at most {select['max_abs_difference']:.3g})"
             )
     over = payload.get("offload_overhead")
     if over:

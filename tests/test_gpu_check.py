@@ -21,7 +21,8 @@ def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
     assert saved["link"]["latency"]["fit"]["rate_gbs"] > 0
     assert set(saved["link"]["control_flow"]["us_each"]) == {"cond", "switch", "loop"}
     select = saved["link"]["expert_select"]
-    assert set(select["ms_per_layer"]) == {"switch", "pool"} and select["max_abs_difference"] < 0.05
+    assert set(select["ms_per_layer"]) == {"switch", "pool"}
+    assert select["max_abs_difference"] == 0.0  # a stacked pool computes what the engine's switch does
     rows = saved["offload_overhead"]["rows"]
     assert set(rows) == {"resident", "warm (cache = all)", "on_demand_lru 25%", "fmoe 25%"}
     assert rows["warm (cache = all)"]["launches_per_token"] == 1.0  # every expert resident: one launch
