@@ -217,7 +217,8 @@ def markdown(payload: dict) -> str:
             lines.append(
                 f"- a decode layer's top-{select['top_k']} of {select['experts']} bench-s experts: "
                 f"{per['switch']:.3f} ms by the engine's switch, {per['pool']:.3f} ms from a stacked pool "
-                f"(outputs differ by at most {select['max_abs_difference']:.3g})"
+                f"(outputs differ by at most {select['max_abs_difference']:.3g}; compiled in "
+                f"{select['compile_s']['switch']:.1f} and {select['compile_s']['pool']:.1f} s)"
             )
     over = payload.get("offload_overhead")
     if over:

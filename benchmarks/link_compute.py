@@ -310,7 +310,8 @@ def measure_expert_select(
     expert arrays, passed one by one as the offload engine passes its cached experts) and a stacked pool per
     layer (`[J, F, D]` arrays; each chosen expert read at a dynamic index, with no conditional, through the
     same `swiglu`). Returns milliseconds per layer of each, one program per way over all the layers, compiled
-    as the engine compiles, and the largest difference between their outputs: 0 where the pool is lossless."""
+    as the engine compiles, their compile times, and the largest difference between their outputs: 0 where
+    the pool is lossless."""
     import jax
     import jax.numpy as jnp
     from fmoe_jax.models.moe import ExpertWeights, Routing, expert_parts, swiglu
@@ -353,9 +354,12 @@ def measure_expert_select(
             x = jnp.sum(jnp.stack(parts, axis=1), axis=1).astype(x.dtype)
         return x
 
-    ms, outs = {}, {}
+    ms, outs, compile_s = {}, {}, {}
     for name, fn, weights_in in (("switch", switched, split), ("pool", pooled, pools)):
-        program = jax.jit(fn, compiler_options=EXACT_ROUNDING)  # as the engine compiles
+        start = time.perf_counter()
+        lowered = jax.jit(fn).lower(x, weights_in, ids, weights)
+        program = lowered.compile(compiler_options=EXACT_ROUNDING)  # as the engine compiles
+        compile_s[name] = time.perf_counter() - start
         outs[name] = np.asarray(program(x, weights_in, ids, weights), np.float32)
         ms[name] = median_ms(
             lambda p=program, w=weights_in: p(x, w, ids, weights).block_until_ready(), repeats, warmup=2
@@ -367,6 +371,7 @@ def measure_expert_select(
         top_k=top_k,
         layers=layers,
         ms_per_layer={k: v / layers for k, v in ms.items()},
+        compile_s=compile_s,
         max_abs_difference=float(np.max(np.abs(outs["switch"] - outs["pool"]))),  # 0: bit-identical
     )
 
