@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import RESULTS, HelpFormatter, print_table, save, saved
-from benchmarks.real_routing import DEFAULT_PATH, request_names
+from benchmarks.real_routing import DEFAULT_PATH, evenly, request_names
 
 PROMPT_TOKEN = 1  # the one-token prompt each request starts from; its routing is forced anyway
 EXPERTS = {"bf16": None, "int8": "int8", "int4": "int4", "mxfp4": "mxfp4"}  # --experts: stored precision
@@ -78,7 +78,8 @@ def routing_requests(
 
 def chosen_requests(count: int, path: Path = DEFAULT_PATH, split: str = "evaluation") -> list[str]:
     """The names `routing_requests` replays: `count` of `split` evenly spaced, then the warm-up (its last)."""
-    return request_names(split, path, limit=count) + [request_names(split, path)[-1]]
+    names = request_names(split, path)
+    return evenly(names, count) + [names[-1]]
 
 
 def write_subset(

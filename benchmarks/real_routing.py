@@ -46,10 +46,14 @@ def request_names(part: str, path: Path = DEFAULT_PATH, limit: int | None = None
     if part not in SPLIT:
         raise ValueError(f"unknown part {part!r} of the split; parts: {', '.join(SPLIT)}")
     records = json.loads((Path(path) / "requests.json").read_text())["requests"]
-    names = [r["request"] for r in records if r["dataset"] in SPLIT[part]]
-    if limit is not None and limit < len(names):
-        names = [names[i] for i in np.linspace(0, len(names) - 1, limit).round().astype(int)]
-    return names
+    return evenly([r["request"] for r in records if r["dataset"] in SPLIT[part]], limit)
+
+
+def evenly(names: list[str], limit: int | None) -> list[str]:
+    """`limit` of `names`, evenly spaced from the first to the last (all of them when `limit` is None)."""
+    if limit is None or limit >= len(names):
+        return names
+    return [names[i] for i in np.linspace(0, len(names) - 1, limit).round().astype(int)]
 
 
 def load(part: str, path: Path = DEFAULT_PATH, limit: int | None = None) -> RoutingTrace:
