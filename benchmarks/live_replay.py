@@ -5,7 +5,7 @@
         [--hardware cpu_2core_vm] [--name live_replay]
 
 Requests of `benchmarks/real_routing.py`'s evaluation split (`--split validation`: its validation split, where
-choices are made) of gpt-oss-20b's decode routing (evenly spaced,
+choices are made) of gpt-oss-20b's decode routing (evenly spaced over all but the split's last,
 each its first `--steps` decode steps) are decoded one at a time, batch 1, by a model with random weights
 (`fmoe_jax.random_model`) of gpt-oss-20b's dimensions (its first `--layers` layers, widths and vocabulary
 times `--width-scale`, experts in `--experts`), every MoE layer forced to the recorded experts
@@ -50,13 +50,19 @@ EXPERTS = {"bf16": None, "int8": "int8", "int4": "int4", "mxfp4": "mxfp4"}  # --
 
 
 def routing_requests(
-    count: int, steps: int, layers: int, path: Path = DEFAULT_PATH, split: str = "evaluation"
+    count: int,
+    steps: int,
+    layers: int,
+    path: Path = DEFAULT_PATH,
+    split: str = "evaluation",
+    names: list[str] | None = None,
 ) -> list[Any]:
     """`count` requests of `split` (evenly spaced) and a warm-up one (the split's last), each a one-request
-    `RoutingTrace` of its first `steps` decode steps and `layers` MoE layers, prompt `[PROMPT_TOKEN]`."""
+    `RoutingTrace` of its first `steps` decode steps and `layers` MoE layers, prompt `[PROMPT_TOKEN]`;
+    `names`: these requests instead (the warm-up last), as a saved run names them."""
     from fmoe_jax.trace import RequestTrace, RoutingTrace
 
-    chosen = chosen_requests(count, path, split)
+    chosen = chosen_requests(count, path, split) if names is None else list(names)
     trace = RoutingTrace.from_external(path, select=chosen)  # only these are read
     names = [r["request"] for r in trace.meta["requests"]]
     by_name = dict(zip(names, trace.requests, strict=True))
@@ -77,9 +83,12 @@ def routing_requests(
 
 
 def chosen_requests(count: int, path: Path = DEFAULT_PATH, split: str = "evaluation") -> list[str]:
-    """The names `routing_requests` replays: `count` of `split` evenly spaced, then the warm-up (its last)."""
+    """The names `routing_requests` replays: `count` of `split` evenly spaced over all but its last, then
+    the warm-up (its last): the warm-up is never among the measured, whose cache and policy it warms."""
     names = request_names(split, path)
-    return evenly(names, count) + [names[-1]]
+    if len(names) < 2:
+        raise ValueError(f"the {split} split has {len(names)} request(s): a warm-up and one to measure needed")
+    return evenly(names[:-1], count) + [names[-1]]
 
 
 def write_subset(
@@ -351,7 +360,8 @@ def resimulate(args: argparse.Namespace) -> dict:
     settings = argparse.Namespace(**{**payload["args"], "hardware": args.hardware, "host": args.host})
     split = getattr(settings, "split", "evaluation")  # (runs saved before `--split` replayed evaluation)
     path = Path(settings.routing_data)
-    traces = routing_requests(settings.requests, settings.steps, settings.layers, path, split)
+    names = [*payload["requests"], payload["warmup_request"]]  # what was measured, whatever chooses now
+    traces = routing_requests(settings.requests, settings.steps, settings.layers, path, split, names)
     preset = synthetic(settings)[2]
     payload["rows"] = [simulated(row, traces, preset, settings) for row in payload["rows"]]
     payload.update(presets(settings), resimulated=True)
@@ -417,8 +427,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 def describe(payload: dict) -> str:
     m, split = payload["model"], payload["args"].get("split", "evaluation")
+    overlap = ""
+    if payload.get("warmup_request") in payload["requests"]:  # (a run before the choice left it out)
+        overlap = f" (the warm-up request, {payload['warmup_request']}, is among them: measured warm)"
     return (
-        f"gpt-oss-20b's real routing, {len(payload['requests'])} {split} requests x {payload['steps']} "
+        f"gpt-oss-20b's real routing, {len(payload['requests'])} {split} requests{overlap} x {payload['steps']} "
         f"decode steps, batch 1, live on a random-weight gpt-oss-20b of {m['layers']} MoE layers, hidden "
         f"{m['hidden']}, expert intermediate {m['expert_intermediate']}, vocabulary {m['vocab']}, "
         f"{m['experts']} experts ({m['expert_bytes'] / 1e6:.2f} MB each), beside the simulator on "

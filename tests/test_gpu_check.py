@@ -65,3 +65,20 @@ def test_packed_routing_replays_the_same_requests_and_a_missing_set_is_refused(t
     with pytest.raises(SystemExit):
         gpu_check.main(["--routing-data", str(tmp_path / "absent")])
     assert "no routing set" in capsys.readouterr().err
+
+
+def test_the_warm_up_request_is_never_among_the_measured(tmp_path):
+    """`live_replay` warms the cache and the policy on one request and measures others: the warm-up (the
+    split's last) is left out of the evenly spaced choice at every count, and a saved run's own names are what
+    `routing_requests(names=...)` (`--resimulate`) replays, whatever the choice rule is now."""
+    from benchmarks import live_replay
+    from benchmarks.real_routing import request_names
+
+    names = request_names("evaluation")
+    for count in (1, 2, 3, 5, len(names) - 1, len(names) + 4):
+        *measured, warmup = live_replay.chosen_requests(count)
+        assert warmup == names[-1] and warmup not in measured
+        assert len(measured) == min(count, len(names) - 1) == len(set(measured))
+    saved = [names[0], names[-1], names[5]]  # as an older run chose them: the warm-up measured too
+    traces = live_replay.routing_requests(2, 4, 24, names=saved)
+    assert [t.meta["requests"][0] for t in traces] == saved
