@@ -5,6 +5,10 @@ model's sizes on a hardware preset, and prints a one-screen summary (and `--json
         --model-preset gpt_oss --hardware rtx_3090 --budget 0.25
     fmoe-sim --list-presets
 
+`--policy`, `--hardware` and `--budget` (or `--cache-experts`) take comma-separated lists: every combination
+is replayed from the same traces (a sweep, `--jobs N` of them at a time in separate processes), and a table
+of the points replaces the summary.
+
 A TRACE is a trace saved by `RoutingTrace.save` (the `.npz`/`.json` pair, given with either suffix or none),
 replayed as the batch it was recorded as, or routing recorded elsewhere (`RoutingTrace.from_external`: a
 routing-set directory or a `.jsonl` file), whose requests are replayed one after another, each its own batch.
@@ -17,8 +21,11 @@ recorded elsewhere) matches on the routing alone, and says so. Every number prin
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
+import itertools
 import json
+import multiprocessing
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -58,6 +65,24 @@ def model_presets() -> dict[str, cost_model.ModelPreset]:
     for preset in (*cost_model.MODELS.values(), *cost_model.PRESETS.values()):
         out.setdefault(preset.name.lower(), preset)
     return out
+
+
+def listed(convert: Callable[[str], Any], choices: Sequence[str] | None = None) -> Callable[[str], list]:
+    """An argparse `type` for a comma-separated list, each item converted (and, given `choices`, one of
+    them; the error lists them, as argparse's own)."""
+
+    def parse(text: str) -> list:
+        items = [convert(item.strip()) for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected one or more comma-separated values, got {text!r}")
+        for item in items:
+            if choices is not None and item not in choices:
+                raise argparse.ArgumentTypeError(
+                    f"invalid choice: {item!r} (choose from {', '.join(map(repr, choices))})"
+                )
+        return items
+
+    return parse
 
 
 def _option(text: str) -> tuple[str, Any]:
@@ -112,25 +137,51 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("traces", nargs="*", metavar="TRACE", help="routing traces to replay (measured)")
-    parser.add_argument("--policy", default="on_demand_lru", choices=sorted(POLICIES), help="offload policy")
+    policies = sorted(POLICIES)
+    parser.add_argument(
+        "--policy",
+        default="on_demand_lru",
+        type=listed(str, policies),
+        metavar="POLICY[,POLICY...]",
+        help=f"offload policy, or several to compare ({', '.join(policies)})",
+    )
     parser.add_argument(
         "--policy-option",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a policy option (VALUE read as JSON, else a string); repeat for more",
+        help="a policy option (VALUE read as JSON, else a string); repeat for more. With several policies "
+        "each takes those it accepts",
     )
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model-preset", default=None, help="sizes to charge: a preset (see --list-presets)")
     model.add_argument("--model-config", type=Path, default=None, help="sizes from a model's config.json")
     hardware, hosts = sorted(cost_model.HARDWARE), sorted(cost_model.HOSTS)
-    parser.add_argument("--hardware", default="rtx_3090", type=preset_name(hardware), choices=hardware)
+    parser.add_argument(
+        "--hardware",
+        default="rtx_3090",
+        type=listed(preset_name(hardware), hardware),
+        metavar="HARDWARE[,HARDWARE...]",
+        help=f"accelerator preset, or several ({', '.join(hardware)})",
+    )
     parser.add_argument(
         "--host", default=None, type=preset_name(hosts), choices=hosts, help="host CPU (hybrid)"
     )
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--budget", type=float, default=0.25, help="cache budget, a share of all experts")
-    budget.add_argument("--cache-experts", type=int, default=None, help="cache budget in experts (slots)")
+    budget.add_argument(
+        "--budget",
+        type=listed(float),
+        default="0.25",
+        metavar="SHARE[,SHARE...]",
+        help="cache budget, a share of all experts, or several",
+    )
+    budget.add_argument(
+        "--cache-experts",
+        type=listed(int),
+        default=None,
+        metavar="N[,N...]",
+        help="cache budget in experts (slots), or several",
+    )
     parser.add_argument("--warmup", nargs="+", default=[], metavar="TRACE", help="replayed first, unmeasured")
     parser.add_argument("--execution", choices=("copy", "hybrid"), default="copy")
     parser.add_argument(
@@ -151,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--json", type=Path, default=None, metavar="OUT", help="also write the result as JSON"
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="points of a sweep replayed at once, each in its own process"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--list-presets", action="store_true", help="list model, hardware and host presets")
@@ -195,18 +249,28 @@ def _model(args: argparse.Namespace) -> cost_model.ModelPreset:
     return presets[name]
 
 
-def _offload(args: argparse.Namespace, total_experts: int, traces: Sequence[RoutingTrace]) -> OffloadConfig:
+def _offload(
+    args: argparse.Namespace, total_experts: int, traces: Sequence[RoutingTrace], *, quiet: bool = False
+) -> OffloadConfig:
+    """The replay's offload configuration for one point (`args.policy` and its budget scalars). In a sweep of
+    several policies (`args.policies`) each takes the options it accepts; one that none takes is refused."""
     options = dict(_option(text) for text in args.policy_option)
     accepted = accepted_options(args.policy)
+    policies = getattr(args, "policies", [args.policy])
+    if len(policies) > 1:
+        if unknown := sorted(k for k in options if not any(k in accepted_options(p) for p in policies)):
+            raise UsageError(f"no policy of {', '.join(policies)} takes the option(s) {', '.join(unknown)}")
+        options = {key: value for key, value in options.items() if key in accepted}
     if "asynchronous" in accepted:
         options.setdefault("asynchronous", False)  # a matcher thread's timing is not the simulated clock's
     if "semantic" in accepted and "semantic" not in options and not _has_embeds(traces):
         options["semantic"] = False  # routing recorded elsewhere carries no embeddings; said, not silent
-        print(
-            f"fmoe-sim: note: the traces carry no semantic embeddings, so {args.policy} matches on the "
-            "routing alone (--policy-option semantic=false)",
-            file=sys.stderr,
-        )
+        if not quiet:
+            print(
+                f"fmoe-sim: note: the traces carry no semantic embeddings, so {args.policy} matches on the "
+                "routing alone (--policy-option semantic=false)",
+                file=sys.stderr,
+            )
     if args.cache_experts is not None:
         slots = args.cache_experts
     else:
@@ -225,8 +289,22 @@ def _has_embeds(traces: Sequence[RoutingTrace]) -> bool:
     return all(it.embeds is not None for trace in traces for r in trace.requests for it in r.iterations)
 
 
-def run(args: argparse.Namespace) -> SimResult:
-    """Replays the arguments' traces; returns the result of the measured ones."""
+@dataclasses.dataclass
+class Workload:
+    """What every point of a run replays: the batches (warm-up first), fitted to the model's layers."""
+
+    model: cost_model.ModelPreset
+    batches: list[RoutingTrace]
+    warmup: int  # the first `warmup` batches are the warm-up
+    meta: dict[str, Any]
+
+    @property
+    def total_experts(self) -> int:
+        return self.meta["num_layers"] * self.meta["num_experts"]
+
+
+def load(args: argparse.Namespace, *, quiet: bool = False) -> Workload:
+    """Reads and checks the arguments' traces (`quiet`: without the notes, as a sweep's workers)."""
     model = _model(args)
     if args.execution == "hybrid" and args.host is None:
         raise UsageError(
@@ -234,7 +312,8 @@ def run(args: argparse.Namespace) -> SimResult:
         )
     warmup = read_traces(args.warmup, model, args.warmup_limit)
     measured = read_traces(args.traces, model, args.limit)
-    if same := {Path(p).resolve() for p in args.warmup} & {Path(p).resolve() for p in args.traces}:
+    same = {Path(p).resolve() for p in args.warmup} & {Path(p).resolve() for p in args.traces}
+    if same and not quiet:
         print(
             f"fmoe-sim: note: both warm-up and measured: {', '.join(sorted(map(str, same)))}; the measured "
             "requests were replayed in the warm-up first (a policy that learns has seen them)",
@@ -244,31 +323,102 @@ def run(args: argparse.Namespace) -> SimResult:
         everything = fit_layers([*warmup, *measured], model.num_layers, args.layers)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    meta = common_meta(everything)
-    offload = _offload(args, meta["num_layers"] * meta["num_experts"], everything)
+    return Workload(model, everything, len(warmup), common_meta(everything))
+
+
+def points(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """Every combination of the listed hardware, budgets and policies, in that order: the arguments of one
+    replay each, with those three as single values."""
+    if args.cache_experts is not None:
+        budgets = [dict(budget=None, cache_experts=n) for n in args.cache_experts]
+    else:
+        budgets = [dict(budget=b, cache_experts=None) for b in args.budget]
+    policies = list(dict.fromkeys(args.policy))
+    return [
+        argparse.Namespace(
+            **{**vars(args), "hardware": hardware, "policy": policy, **budget, "policies": policies}
+        )
+        for hardware, budget, policy in itertools.product(args.hardware, budgets, policies)
+    ]
+
+
+def replay(
+    point: argparse.Namespace, work: Workload, *, progress: bool = True, quiet: bool = False
+) -> SimResult:
+    """Replays the workload at one point; returns the result of the measured batches."""
+    offload = _offload(point, work.total_experts, work.batches, quiet=quiet)
     try:
-        replay = Replay(
+        replayer = Replay(
             offload,
-            meta=meta,
-            model=model,
-            hardware=cost_model.HARDWARE[args.hardware],
-            host=cost_model.HOSTS[args.host] if args.host else None,
-            check=everything,
+            meta=work.meta,
+            model=work.model,
+            hardware=cost_model.HARDWARE[point.hardware],
+            host=cost_model.HOSTS[point.host] if point.host else None,
+            check=work.batches,
         )
     except ValueError as err:
         raise UsageError(str(err)) from None
     try:
-        bar = tqdm(total=len(everything), unit="batch", disable=args.no_progress, desc="replaying")
+        bar = tqdm(total=len(work.batches), unit="batch", disable=not progress, desc="replaying")
         with bar:
-            for i, trace in enumerate(everything):
-                if i == len(warmup):
-                    replay.reset_statistics()
-                replay.run(trace)
+            for i, trace in enumerate(work.batches):
+                if i == work.warmup:
+                    replayer.reset_statistics()
+                replayer.run(trace)
                 bar.update()
     finally:
-        result = replay.close()
-    result.extra["trace_layers"] = meta.get("trace_layers", meta["num_layers"])
+        result = replayer.close()
+    result.extra["trace_layers"] = work.meta.get("trace_layers", work.meta["num_layers"])
     return result
+
+
+def run(args: argparse.Namespace) -> SimResult:
+    """Replays the arguments' traces at their one point; returns the result of the measured ones."""
+    (point,) = points(args)
+    return replay(point, load(args), progress=not args.no_progress)
+
+
+# A sweep's worker process: the workload it read once, for every point it is given.
+_WORKLOAD: Workload | None = None
+
+
+def _start_worker(args: argparse.Namespace) -> None:
+    global _WORKLOAD
+    _WORKLOAD = load(args, quiet=True)
+
+
+def _replay_in_worker(point: argparse.Namespace) -> SimResult:
+    return replay(point, _WORKLOAD, progress=False, quiet=True)
+
+
+def sweep(args: argparse.Namespace) -> tuple[Workload, list[argparse.Namespace], list[SimResult]]:
+    """Replays every point (`points`); each is checked before any runs. With `--jobs` above 1 the points
+    run in that many processes (started afresh: each reads the traces once), in the same order of results."""
+    if args.jobs < 1:
+        raise UsageError(f"--jobs must be at least 1, got {args.jobs}")
+    work, todo = load(args), points(args)
+    told = set()
+    for point in todo:  # every option and budget checked (and each note said once) before any replay
+        _offload(point, work.total_experts, work.batches, quiet=point.policy in told)
+        told.add(point.policy)
+    bar = tqdm(total=len(todo), unit="point", disable=args.no_progress, desc="sweeping")
+    with bar:
+        if args.jobs == 1:
+            results = []
+            for point in todo:
+                results.append(replay(point, work, progress=False, quiet=True))
+                bar.update()
+        else:
+            context = multiprocessing.get_context("spawn")  # JAX is loaded: no fork
+            jobs = min(args.jobs, len(todo))
+            with concurrent.futures.ProcessPoolExecutor(
+                jobs, mp_context=context, initializer=_start_worker, initargs=(args,)
+            ) as pool:
+                results = []
+                for result in pool.map(_replay_in_worker, todo):
+                    results.append(result)
+                    bar.update()
+    return work, todo, results
 
 
 def summary(
@@ -304,6 +454,56 @@ def summary(
     return "\n".join(lines)
 
 
+def sweep_table(work: Workload, todo: Sequence[argparse.Namespace], results: Sequence[SimResult]) -> str:
+    """A sweep's points, a line each, and the fastest policy at each (hardware, budget)."""
+    ms, layers = 1e3, work.meta["num_layers"]
+    trace_layers = work.meta.get("trace_layers", layers)
+    fitted = "the trace's"
+    if trace_layers != layers:
+        fitted = f"the trace's {trace_layers} projected onto the model's"
+    lines = [
+        f"simulated: {len(todo)} points, {work.model.name} sizes, {layers} MoE layers replayed ({fitted}; "
+        f"the model has {work.model.num_layers}), {todo[0].execution}",
+        f"{'hardware':12s} {'budget':>7s} {'policy':16s} {'slots':>6s} {'TPOT ms':>9s} {'tok/s':>7s} "
+        f"{'TTFT ms':>9s} {'hits':>6s} {'GB moved':>9s} {'stall':>6s}",
+    ]
+    best: dict[tuple, tuple[float, str]] = {}
+    for point, result in zip(todo, results, strict=True):
+        budget = f"{point.budget:g}" if point.cache_experts is None else f"{point.cache_experts}x"
+        tpot = result.median_tpot_s
+        stall = result.stall_s / result.total_s if result.total_s else 0.0
+        lines.append(
+            f"{point.hardware:12s} {budget:>7s} {point.policy:16s} {result.capacity:6d} "
+            + (f"{tpot * ms:9.2f} {1 / tpot:7.1f}" if tpot > 0 else f"{'-':>9s} {'-':>7s}")
+            + f" {result.median_ttft_s * ms:9.2f} {result.hit_rate:6.3f} {result.bytes_to_device / 1e9:9.2f}"
+            f" {stall:6.2f}"
+        )
+        where = (point.hardware, budget)
+        if tpot > 0 and (where not in best or tpot < best[where][0]):
+            best[where] = (tpot, point.policy)
+    if len({point.policy for point in todo}) > 1 and best:
+        lines.append(
+            "fastest (median TPOT): "
+            + "; ".join(f"{h} {b}: {policy}" for (h, b), (_, policy) in best.items())
+        )
+    return "\n".join(lines)
+
+
+def _record(point: argparse.Namespace, model: cost_model.ModelPreset, result: SimResult) -> dict[str, Any]:
+    layers = len(result.layer_hits)
+    return {
+        "policy": point.policy,
+        "model_preset": dataclasses.asdict(model),
+        "hardware": point.hardware,
+        "host": point.host,
+        "budget": point.budget,
+        "cache_experts": point.cache_experts,
+        "trace_layers": result.extra.get("trace_layers", layers),
+        "replayed_layers": layers,
+        "result": result.as_dict(),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -312,29 +512,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.traces:
         parser.error("give at least one TRACE (or --list-presets)")
+    several = len(args.policy) * len(args.hardware) * len(args.cache_experts or args.budget) > 1
     try:
         if args.json is not None and (problem := unwritable(args.json)) is not None:
             raise UsageError(f"--json {args.json}: {problem}")  # before the replay, not after it
         model = _model(args)
-        result = run(args)
+        if several:
+            work, todo, results = sweep(args)
+        else:
+            todo, results = points(args), [run(args)]
     except UsageError as err:
         print(f"fmoe-sim: error: {err}", file=sys.stderr)
         return 2
-    layers = len(result.layer_hits)
-    trace_layers = result.extra.get("trace_layers", layers)
-    print(summary(result, args, model, layers, trace_layers))
+    command = " ".join(sys.argv if argv is None else ["fmoe-sim", *argv])
+    if several:
+        print(sweep_table(work, todo, results))
+        pairs = zip(todo, results, strict=True)
+        record = {"simulated": True, "command": command, "points": [_record(p, model, r) for p, r in pairs]}
+    else:
+        (point,), (result,) = todo, results
+        layers = len(result.layer_hits)
+        print(summary(result, point, model, layers, result.extra.get("trace_layers", layers)))
+        record = {"simulated": True, "command": command, **_record(point, model, result)}
     if args.json is not None:
-        record = {
-            "simulated": True,
-            "command": " ".join(sys.argv if argv is None else ["fmoe-sim", *argv]),
-            "policy": args.policy,
-            "model_preset": dataclasses.asdict(model),
-            "hardware": args.hardware,
-            "host": args.host,
-            "trace_layers": trace_layers,
-            "replayed_layers": layers,
-            "result": result.as_dict(),
-        }
         try:
             write_atomically(args.json, lambda f: f.write(json.dumps(record, indent=1, default=str).encode()))
         except OSError as err:

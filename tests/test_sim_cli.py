@@ -144,3 +144,65 @@ def test_warmup_limit_and_a_warmup_that_is_also_measured(tmp_path, capsys, monke
     assert "both warm-up and measured" in capsys.readouterr().err
     assert sim_cli.main(argv) == 0
     assert "warm-up" not in capsys.readouterr().err
+
+
+def test_a_sweep_replays_every_combination_as_alone_and_in_parallel(tmp_path, capsys):
+    """Comma-separated policies, hardware and budgets replay every combination from the same traces: each
+    point's result is the one its own run gives, in one process or in two (`--jobs 2`), and the JSON holds
+    them all."""
+    path = _trace(tmp_path, requests=4)
+    base = [str(path), "--model-preset", "mixtral", "--no-progress"]
+    sweep = [
+        *base,
+        "--policy",
+        "on_demand_lru,fmoe",
+        "--hardware",
+        "h100_sxm,RTX-3090",
+        "--budget",
+        "0.25,0.5",
+    ]
+    for jobs in ("1", "2"):
+        out = tmp_path / f"sweep{jobs}.json"
+        assert sim_cli.main([*sweep, "--jobs", jobs, "--json", str(out)]) == 0
+        text = capsys.readouterr().out
+        assert text.startswith("simulated: 8 points, ") and text.count("\nh100_sxm ") == 4
+        assert "fastest (median TPOT): h100_sxm 0.25: " in text
+        points = json.loads(out.read_text())["points"]
+        assert [(p["hardware"], p["budget"], p["policy"]) for p in points] == [
+            (h, b, p)
+            for h in ("h100_sxm", "rtx_3090")
+            for b in (0.25, 0.5)
+            for p in ("on_demand_lru", "fmoe")
+        ]
+        if jobs == "1":
+            first = points
+        else:
+            assert points == first  # the same floats from the worker processes
+    alone = tmp_path / "alone.json"
+    argv = [*base, "--policy", "fmoe", "--hardware", "rtx_3090", "--budget", "0.5", "--json", str(alone)]
+    assert sim_cli.main(argv) == 0
+    record = json.loads(alone.read_text())
+    assert record["result"] == first[7]["result"] and record["budget"] == 0.5
+    assert "simulated: policy fmoe, 128 cache slots" in capsys.readouterr().out  # one point: the summary
+
+
+def test_a_sweep_checks_every_point_before_replaying_any(tmp_path, capsys):
+    path = _trace(tmp_path)
+    base = [str(path), "--model-preset", "mixtral", "--no-progress"]
+    for argv, message in [
+        ([*base, "--budget", "0.25,1.5"], "--budget must be a share of the experts in (0, 1], got 1.5"),
+        (
+            [*base, "--policy", "fmoe,on_demand_lru", "--policy-option", "bogus=1"],
+            "no policy of fmoe, on_demand_lru takes the option(s) bogus",
+        ),
+        ([*base, "--policy", "fmoe,on_demand_lru", "--jobs", "0"], "--jobs must be at least 1"),
+    ]:
+        assert sim_cli.main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert message in err and err.strip().count("\n") == 0 and out == "", (err, out)
+    # with several policies an option goes to those that take it
+    assert sim_cli.main([*base, "--policy", "fmoe,on_demand_lru", "--policy-option", "sticky=true"]) == 0
+    assert "on_demand_lru" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        sim_cli.main([*base, "--policy", "fmoe,bogus"])
+    assert "invalid choice: 'bogus' (choose from" in capsys.readouterr().err
