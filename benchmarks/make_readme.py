@@ -479,7 +479,8 @@ def _live_replay_sentence(payload: dict) -> str:
     ]
     text = (
         f"Live against simulated (`live_replay`, on {where}): {len(payload['requests'])} {split} requests "
-        f"of gpt-oss-20b's real routing, {payload['steps']} decode steps each, forced onto a random-weight "
+        f"of gpt-oss-20b's real routing{_warm_measured(payload)}, {payload['steps']} decode steps each, "
+        "forced onto a random-weight "
         f"gpt-oss-20b of {m['layers']} MoE layers (hidden {m['hidden']}, {m['experts']} experts) with "
         f"{'/'.join(f'{100 * b:g}' for b in budgets)} % of its experts cached: simulated TPOT, "
         f"charging this machine's measured engine costs, over live TPOT: {ratios}; hit rates live / "
@@ -494,6 +495,13 @@ def _live_replay_sentence(payload: dict) -> str:
             "simulated times leave the engine's host work out"
         )
     return text + "."
+
+
+def _warm_measured(payload: dict) -> str:
+    """A run whose warm-up request was also measured (the choice before 2026-11-30 did so) says it."""
+    if payload.get("warmup_request") not in payload["requests"]:
+        return ""
+    return f" (one of them, {payload['warmup_request']}, also the warm-up: measured warm)"
 
 
 def _external_sentence(payload: dict) -> str:

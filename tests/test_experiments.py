@@ -629,6 +629,9 @@ def test_readme_reports_live_replay_beside_the_simulator():
     assert "on_demand_lru's at the same budget: fmoe+stops 0.84x" in _live_replay_sentence(both)
     both["args"] = {"split": "validation"}
     assert "2 validation requests" in _live_replay_sentence(both)
+    assert "also the warm-up" not in _live_replay_sentence(both)  # (no warm-up named: measured apart)
+    both["warmup_request"] = "b"  # a run from before the warm-up was left out of the measured
+    assert "real routing (one of them, b, also the warm-up: measured warm)" in _live_replay_sentence(both)
 
 
 def test_live_replay_splits_a_priced_policys_host_time_for_the_simulator():
