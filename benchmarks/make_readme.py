@@ -59,6 +59,8 @@ BENCHMARKS = [
     ("quantization", "int8 / int4 experts: bytes, held-out NLL, expert-kernel speed, simulated TPOT"),
     ("serve_soak", "fmoe-serve under 32 hostile and careless clients: no 5xx, none lost, p99, memory"),
     ("linear_prefill", "prefill of a hybrid (Gated DeltaNet) model against a same-size Qwen3-MoE"),
+    ("sim_speed", "the trace-replay simulator's own speed: layer events replayed per second"),
+    ("sim_speed_paired", "the simulator's speed against an earlier commit's, paired on the same host"),
 ]
 
 TITLE = "# Benchmarks and experiments"
