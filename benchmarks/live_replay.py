@@ -87,7 +87,7 @@ def chosen_requests(count: int, path: Path = DEFAULT_PATH, split: str = "evaluat
     the warm-up (its last): the warm-up is never among the measured, whose cache and policy it warms."""
     names = request_names(split, path)
     if len(names) < 2:
-        raise ValueError(f"the {split} split has {len(names)} request(s): a warm-up and one to measure needed")
+        raise ValueError(f"the {split} split has {len(names)} request(s): it needs a warm-up and one more")
     return evenly(names[:-1], count) + [names[-1]]
 
 
@@ -431,11 +431,11 @@ def describe(payload: dict) -> str:
     if payload.get("warmup_request") in payload["requests"]:  # (a run before the choice left it out)
         overlap = f" (the warm-up request, {payload['warmup_request']}, is among them: measured warm)"
     return (
-        f"gpt-oss-20b's real routing, {len(payload['requests'])} {split} requests{overlap} x {payload['steps']} "
-        f"decode steps, batch 1, live on a random-weight gpt-oss-20b of {m['layers']} MoE layers, hidden "
-        f"{m['hidden']}, expert intermediate {m['expert_intermediate']}, vocabulary {m['vocab']}, "
-        f"{m['experts']} experts ({m['expert_bytes'] / 1e6:.2f} MB each), beside the simulator on "
-        f"{payload['hardware']} at the same sizes; load average "
+        f"gpt-oss-20b's real routing, {len(payload['requests'])} {split} requests{overlap} x "
+        f"{payload['steps']} decode steps, batch 1, live on a random-weight gpt-oss-20b of {m['layers']} "
+        f"MoE layers, hidden {m['hidden']}, expert intermediate {m['expert_intermediate']}, vocabulary "
+        f"{m['vocab']}, {m['experts']} experts ({m['expert_bytes'] / 1e6:.2f} MB each), beside the simulator "
+        f"on {payload['hardware']} at the same sizes; load average "
         f"{payload['load_average']['before'][0]:.1f} before, {payload['load_average']['after'][0]:.1f} after"
     )
 
