@@ -464,16 +464,16 @@ def sweep_table(work: Workload, todo: Sequence[argparse.Namespace], results: Seq
     lines = [
         f"simulated: {len(todo)} points, {work.model.name} sizes, {layers} MoE layers replayed ({fitted}; "
         f"the model has {work.model.num_layers}), {todo[0].execution}",
-        f"{'hardware':12s} {'budget':>7s} {'policy':16s} {'slots':>6s} {'TPOT ms':>9s} {'tok/s':>7s} "
+        f"{'hardware':12s} {'budget':>10s} {'policy':16s} {'slots':>6s} {'TPOT ms':>9s} {'tok/s':>7s} "
         f"{'TTFT ms':>9s} {'hits':>6s} {'GB moved':>9s} {'stall':>6s}",
     ]
     best: dict[tuple, tuple[float, str]] = {}
     for point, result in zip(todo, results, strict=True):
-        budget = f"{point.budget:g}" if point.cache_experts is None else f"{point.cache_experts}x"
+        budget = f"{point.budget:g}" if point.cache_experts is None else f"{point.cache_experts} slots"
         tpot = result.median_tpot_s
         stall = result.stall_s / result.total_s if result.total_s else 0.0
         lines.append(
-            f"{point.hardware:12s} {budget:>7s} {point.policy:16s} {result.capacity:6d} "
+            f"{point.hardware:12s} {budget:>10s} {point.policy:16s} {result.capacity:6d} "
             + (f"{tpot * ms:9.2f} {1 / tpot:7.1f}" if tpot > 0 else f"{'-':>9s} {'-':>7s}")
             + f" {result.median_ttft_s * ms:9.2f} {result.hit_rate:6.3f} {result.bytes_to_device / 1e9:9.2f}"
             f" {stall:6.2f}"
