@@ -183,9 +183,24 @@ def bar_plot(
         ax.set_ylabel(ylabel)
     fig.suptitle(f"{mode_title('live', backend)}: {title}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+def save_png(fig: Any, path: Path, dpi: int = 120, **options: Any) -> None:
+    """`fig.savefig` as a PNG with a 256-colour palette: a third of the bytes of matplotlib's RGBA at the
+    same size, with no difference a reader sees (every figure here is flat colours and lines). The figures
+    are committed, and the working tree travels to a lent accelerator under a size limit."""
+    import io
+
+    from PIL import Image
+
+    raw = io.BytesIO()
+    fig.savefig(raw, format="png", dpi=dpi, **options)
+    raw.seek(0)
+    with Image.open(raw) as image:
+        image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
 
 
 def grouped_bars(
@@ -228,6 +243,6 @@ def grouped_bars(
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 9), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0.9 / (3.6 * nrows + 0.9), 1, 1))
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
     print(f"wrote {path}")

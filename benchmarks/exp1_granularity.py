@@ -30,7 +30,7 @@ import argparse
 import numpy as np
 
 from benchmarks import harness as h
-from benchmarks.common import HelpFormatter
+from benchmarks.common import HelpFormatter, save_png
 from benchmarks.routing_analysis import entropy_bits
 
 NAME = "exp1_granularity"
@@ -163,7 +163,7 @@ def plot(payload: dict, path) -> None:
         row[2].set_yticks(np.linspace(0, 1, 6))
         row[2].legend(fontsize=8, loc="upper center", ncol=4)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
     print(f"wrote {path}")
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 import numpy as np
 
 from benchmarks import harness as h
-from benchmarks.common import HelpFormatter
+from benchmarks.common import HelpFormatter, save_png
 
 NAME = "exp3_online"
 POLICIES = ("on_demand_lru", "on_demand_lfu", "mixtral_offload", "moe_infinity", "promoe", "duoserve", "fmoe")
@@ -238,7 +238,7 @@ def plot(payload: dict, path) -> None:
     fig.legend(handles, list(colour), loc="lower center", ncol=len(colour), fontsize=8, frameon=False)
     fig.suptitle("Online serving at Azure trace arrival times (figure 10)", fontsize=11)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
     print(f"wrote {path}")
 

@@ -22,7 +22,7 @@ import argparse
 import numpy as np
 
 from benchmarks import harness as h
-from benchmarks.common import HelpFormatter
+from benchmarks.common import HelpFormatter, save_png
 
 NAME = "exp4_cache_budget"
 
@@ -89,7 +89,7 @@ def plot(payload: dict, path) -> None:
     fig.legend(handles, list(colour), loc="lower center", ncol=len(colour), fontsize=8, frameon=False)
     fig.suptitle("TPOT against the expert cache budget (figure 11)", fontsize=11)
     fig.tight_layout(rect=(0, 0.8 / (3.6 * nrows + 0.8), 1, 1))
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
     print(f"wrote {path}")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks import harness as h
-from benchmarks.common import HelpFormatter
+from benchmarks.common import HelpFormatter, save_png
 
 NAME = "exp6_sensitivity"
 BATCH_POLICIES = ("on_demand_lru", "mixtral_offload", "promoe", "moe_infinity", "fmoe")
@@ -115,7 +115,7 @@ def plot(payload: dict, path) -> None:
         "Sensitivity to prefetch distance, store capacity and batch size (figures 13, 14)", fontsize=11
     )
     fig.tight_layout(rect=(0, 0.8 / (3.3 * len(rows) + 0.8), 1, 1))
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}")
 

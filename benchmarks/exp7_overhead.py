@@ -31,7 +31,7 @@ import argparse
 import numpy as np
 
 from benchmarks import harness as h
-from benchmarks.common import HelpFormatter
+from benchmarks.common import HelpFormatter, save_png
 
 NAME = "exp7_overhead"
 STAGES = ("context_collection", "policy_events", "on_demand_wait", "prefetch_issue")
@@ -213,7 +213,7 @@ def plot(payload: dict, path) -> None:
     )
     right.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
     print(f"wrote {path}")
 

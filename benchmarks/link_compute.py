@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, HelpFormatter, median_ms, print_table, save
+from benchmarks.common import RESULTS, HelpFormatter, median_ms, print_table, save, save_png
 
 BENCH_S = dict(hidden_size=1024, expert_intermediate_size=3584)  # fmoe_jax.testing.PRESETS["bench-s"]
 
@@ -641,7 +641,7 @@ def plot(payload: dict, path: Path) -> None:
         right.legend(fontsize=8)
     fig.suptitle(f"live, {payload['device_kind']}: the link and the decode kernels")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
     print(f"wrote {path}")
 

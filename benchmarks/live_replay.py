@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import RESULTS, HelpFormatter, print_table, save, saved
+from benchmarks.common import RESULTS, HelpFormatter, print_table, save, save_png, saved
 from benchmarks.real_routing import DEFAULT_PATH, evenly, request_names
 
 PROMPT_TOKEN = 1  # the one-token prompt each request starts from; its routing is forced anyway
@@ -469,7 +469,7 @@ def plot(payload: dict, path: Path) -> None:
     ax.legend()
     ax.set_title(f"live ({payload['machine']['backend']}) vs simulated, gpt-oss-20b routing", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
     print(f"wrote {path}")
 

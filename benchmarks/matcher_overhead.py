@@ -33,7 +33,7 @@ from fmoe_jax.offload.policies.fmoe import HINT_NEIGHBOURS
 from fmoe_jax.offload.policies.fmoe.prefix_dots import PrefixDots
 from fmoe_jax.offload.policies.fmoe.store import ExpertMapStore
 
-from benchmarks.common import HelpFormatter
+from benchmarks.common import HelpFormatter, save_png
 
 MODELS = {
     "Mixtral-8x7B": dict(num_layers=32, num_experts=8, embed_dim=4096),
@@ -357,7 +357,7 @@ def plot(payload: dict, path: Path) -> None:
         ax.legend(fontsize=6)
     fig.suptitle("live (host CPU): fMoE expert map matcher (x: the brief's targets for Mixtral)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
 
 

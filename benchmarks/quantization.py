@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness as h
-from benchmarks.common import HelpFormatter
+from benchmarks.common import HelpFormatter, save_png
 
 NAME = "quantization"
 KINDS = ("int8", "int4")
@@ -415,7 +415,7 @@ def plot(payload: dict, path: Path) -> None:
         ax.legend(fontsize=7)
     fig.suptitle("Quantized experts", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}")
 

@@ -29,7 +29,7 @@ import fmoe_jax as fj
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.common import HelpFormatter, print_table, save  # noqa: E402
+from benchmarks.common import HelpFormatter, print_table, save, save_png  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("fmoe-tiny-mixtral", "fmoe-tiny-qwen-moe", "fmoe-tiny-qwen3-moe")
@@ -208,7 +208,7 @@ def plot_usage(result: dict, path: Path) -> None:
     fig.suptitle(
         f"{result['name']}: expert usage per layer and domain (held-out prompts + 32 generated tokens)"
     )
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    save_png(fig, path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -239,7 +239,7 @@ def plot_js(results: list[dict], path: Path) -> None:
         ax.set_title("JS divergence between domains, mean over layers", fontsize=9)
         fig.colorbar(image, ax=ax, fraction=0.046)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -264,7 +264,7 @@ def plot_entropy(results: list[dict], path: Path) -> None:
     ax.set_title("aggregating iterations raises entropy")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -285,7 +285,7 @@ def plot_loss(results: list[dict], path: Path) -> None:
     ax.set_title("training loss; dashed: held-out loss of the shipped bf16 model")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 

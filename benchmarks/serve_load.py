@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, HelpFormatter, colours, print_table, save, saved
+from benchmarks.common import RESULTS, HelpFormatter, colours, print_table, save, save_png, saved
 
 NAME = "serve_load"
 CLIENTS = (1, 4, 8)
@@ -258,7 +258,7 @@ def plot(payload: dict, path: Path) -> None:
         f"live ({backend}): fmoe-serve on {payload['model']}, {payload['new_tokens']} tokens per request"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
     print(f"wrote {path}")
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, HelpFormatter, print_table, save, saved
+from benchmarks.common import RESULTS, HelpFormatter, print_table, save, save_png, saved
 from benchmarks.serve_load import PROMPTS, ServerProcess
 
 NAME = "serve_soak"
@@ -387,7 +387,7 @@ def plot(payload: dict, path: Path) -> None:
         f"{payload['model']}; RSS {overall['rss_before_mb']:.0f} -> {overall['rss_after_mb']:.0f} MB"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
     print(f"wrote {path}")
 

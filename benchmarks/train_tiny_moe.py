@@ -198,7 +198,7 @@ def bench_dispatch(args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchmarks.common import median_ms, print_table, save
+    from benchmarks.common import median_ms, print_table, save, save_png
 
     cfg = config_from_hf(train.PRESETS[args.preset])
     module = build_model(cfg, seed=0)
@@ -252,7 +252,7 @@ def bench_dispatch(args) -> None:
     ax.set_xlabel("tokens/s, one MoE layer forward+backward")
     ax.set_title(f"{args.preset}: expert dispatch on {jax.default_backend()}, {n} tokens")
     fig.tight_layout()
-    fig.savefig(out / "train_dispatch.png", dpi=120)
+    save_png(fig, out / "train_dispatch.png")
 
 
 def main(argv: list[str] | None = None) -> int:
