@@ -394,8 +394,6 @@ def _replay_in_worker(point: argparse.Namespace) -> SimResult:
 def sweep(args: argparse.Namespace) -> tuple[Workload, list[argparse.Namespace], list[SimResult]]:
     """Replays every point (`points`); each is checked before any runs. With `--jobs` above 1 the points
     run in that many processes (started afresh: each reads the traces once), in the same order of results."""
-    if args.jobs < 1:
-        raise UsageError(f"--jobs must be at least 1, got {args.jobs}")
     work, todo = load(args), points(args)
     told = set()
     for point in todo:  # every option and budget checked (and each note said once) before any replay
@@ -516,11 +514,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.json is not None and (problem := unwritable(args.json)) is not None:
             raise UsageError(f"--json {args.json}: {problem}")  # before the replay, not after it
+        if args.jobs < 1:
+            raise UsageError(f"--jobs must be at least 1, got {args.jobs}")
         model = _model(args)
         if several:
             work, todo, results = sweep(args)
         else:
-            todo, results = points(args), [run(args)]
+            todo, results = points(args), [run(args)]  # (one point: its own summary below)
     except UsageError as err:
         print(f"fmoe-sim: error: {err}", file=sys.stderr)
         return 2

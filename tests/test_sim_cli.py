@@ -196,6 +196,7 @@ def test_a_sweep_checks_every_point_before_replaying_any(tmp_path, capsys):
             "no policy of fmoe, on_demand_lru takes the option(s) bogus",
         ),
         ([*base, "--policy", "fmoe,on_demand_lru", "--jobs", "0"], "--jobs must be at least 1"),
+        ([*base, "--jobs", "-1"], "--jobs must be at least 1, got -1"),  # one point too
     ]:
         assert sim_cli.main(argv) == 2, argv
         out, err = capsys.readouterr()
