@@ -425,11 +425,17 @@ def main(argv: list[str] | None = None) -> dict:
     return payload
 
 
+def warm_measured(payload: dict) -> str | None:
+    """A saved run's warm-up request if it was measured too (the choice before 2026-11-30), else None."""
+    warm = payload.get("warmup_request")
+    return warm if warm in payload["requests"] else None
+
+
 def describe(payload: dict) -> str:
     m, split = payload["model"], payload["args"].get("split", "evaluation")
     overlap = ""
-    if payload.get("warmup_request") in payload["requests"]:  # (a run before the choice left it out)
-        overlap = f" (the warm-up request, {payload['warmup_request']}, is among them: measured warm)"
+    if warm := warm_measured(payload):
+        overlap = f" (the warm-up request, {warm}, is among them: measured warm)"
     return (
         f"gpt-oss-20b's real routing, {len(payload['requests'])} {split} requests{overlap} x "
         f"{payload['steps']} decode steps, batch 1, live on a random-weight gpt-oss-20b of {m['layers']} "

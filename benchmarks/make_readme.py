@@ -500,10 +500,11 @@ def _live_replay_sentence(payload: dict) -> str:
 
 
 def _warm_measured(payload: dict) -> str:
-    """A run whose warm-up request was also measured (the choice before 2026-11-30 did so) says it."""
-    if payload.get("warmup_request") not in payload["requests"]:
-        return ""
-    return f" (one of them, {payload['warmup_request']}, also the warm-up: measured warm)"
+    """A run whose warm-up request was also measured says it (`live_replay.warm_measured`)."""
+    from benchmarks.live_replay import warm_measured
+
+    warm = warm_measured(payload)
+    return f" (one of them, {warm}, also the warm-up: measured warm)" if warm else ""
 
 
 def _external_sentence(payload: dict) -> str:

@@ -520,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if several:
             work, todo, results = sweep(args)
         else:
-            todo, results = points(args), [run(args)]  # (one point: its own summary below)
+            todo, results = points(args), [run(args)]
     except UsageError as err:
         print(f"fmoe-sim: error: {err}", file=sys.stderr)
         return 2
