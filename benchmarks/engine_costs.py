@@ -29,6 +29,7 @@ import argparse
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,9 +48,10 @@ BASE = dict(
     num_experts_per_tok=4,
 )
 STEPS = 24
-# bf16 experts, as models ship: one memory rate then covers experts, attention and the LM head alike (int4
-# experts on a CPU backend are bound by their dequantization, not their bytes, which one rate cannot say).
-EXPERTS = None
+# bf16 experts by default, as models ship: one memory rate then covers experts, attention and the LM head
+# alike (int4 experts on a CPU backend are bound by their dequantization, not their bytes, which one rate
+# cannot say). `--experts int4` fits the kernels on int4 experts: for a preset checked against int4 replays.
+EXPERTS = "none"
 
 
 def link() -> dict:
@@ -101,14 +103,14 @@ def launch_and_sync() -> dict:
     )
 
 
-def decode_tpot(hf: dict) -> float:
+def decode_tpot(hf: dict, experts: str = EXPERTS) -> float:
     """Median decode step (s) of a random-weight model of `hf`'s sizes (bf16), batch 1, served by the
     offload engine holding every expert (one launch and one sync a step)."""
     import fmoe_jax as fj
 
     total = hf["num_hidden_layers"] * hf["num_local_experts"]
     offload = fj.OffloadConfig(policy="on_demand_lru", cache_experts=total, preload=True)
-    model = fj.random_model(hf, offload, expert_quantization=EXPERTS or "none")
+    model = fj.random_model(hf, offload, expert_quantization=experts)
     with model:
         fj.generate(model, [[1, 2, 3]], max_new_tokens=4, stop_at_eos=False)
         steps = []
@@ -116,6 +118,13 @@ def decode_tpot(hf: dict) -> float:
             out = fj.generate(model, [[1, 2, 3]], max_new_tokens=STEPS, stop_at_eos=False)
             steps += out.stats.decode_step_s
     return float(np.median(steps))
+
+
+def _quantization(experts: str) -> Any:
+    """The `ExpertQuantization` of `--experts` (None: bf16), as the byte counts take it."""
+    from fmoe_jax.models.quant import expert_quantization
+
+    return None if experts == "none" else expert_quantization(experts)
 
 
 def shape(like: str, layers: int, width_scale: float) -> dict:
@@ -137,7 +146,15 @@ def shape(like: str, layers: int, width_scale: float) -> dict:
 ROUNDS, RESIDENT_TOLERANCE = 3, 0.15
 
 
-def relaunch(base: dict, launch: dict, link: dict, like: str, rounds: int = ROUNDS) -> dict:
+def relaunch(
+    base: dict,
+    launch: dict,
+    link: dict,
+    like: str,
+    rounds: int = ROUNDS,
+    experts: str = EXPERTS,
+    routing: Path | None = None,
+) -> dict:
     """What one more launch of the engine's step program costs beyond its arguments, its sync and the
     copies of the misses it stopped for (`launch_s`): decode steps at a quarter of the experts
     (on_demand_lru), a line through the median step at each launch count (`relaunch_fit`), against the
@@ -150,9 +167,9 @@ def relaunch(base: dict, launch: dict, link: dict, like: str, rounds: int = ROUN
     from fmoe_jax.offload.cost_model import ModelPreset
 
     total = base["num_hidden_layers"] * base["num_local_experts"]
-    steps = _relaunch_steps(base, like, total, rounds)
+    steps = _relaunch_steps(base, like, total, rounds, experts, routing)
     fit = relaunch_fit(steps["quarter"], steps["launches"], steps["resident"])
-    preset = ModelPreset.from_config(config_from_hf(base))
+    preset = ModelPreset.from_config(config_from_hf(base), quantization=_quantization(experts))
     copies_per_launch = steps["misses"] / max(1.0, float(np.sum(np.concatenate(steps["launches"]) - 1)))
     copy_s = preset.expert_bytes / link["link_bytes_per_s"] + link["copy_latency_s"]
     arguments = preset.launch_arguments(base["num_hidden_layers"], base["num_local_experts"])
@@ -176,7 +193,9 @@ def relaunch(base: dict, launch: dict, link: dict, like: str, rounds: int = ROUN
     )
 
 
-def _relaunch_steps(base: dict, like: str, total: int, rounds: int) -> dict:
+def _relaunch_steps(
+    base: dict, like: str, total: int, rounds: int, experts: str, routing: Path | None
+) -> dict:
     """Decode steps of each round (the first request warms up, uncounted): the quarter cache's steps and
     their launch counts, the resident engine's steps, and the quarter cache's misses over all rounds."""
     import dataclasses
@@ -186,12 +205,13 @@ def _relaunch_steps(base: dict, like: str, total: int, rounds: int) -> dict:
     from fmoe_jax.engines.offload import OffloadEngine
 
     offload = fj.OffloadConfig(policy="on_demand_lru", cache_experts=total // 4)
-    model = fj.random_model(base, offload, expert_quantization=EXPERTS or "none")
+    model = fj.random_model(base, offload, expert_quantization=experts)
     everything = fj.OffloadConfig(policy="on_demand_lru", cache_experts=total, preload=True)
     engine = OffloadEngine(model.module, everything, programs=model.engine.programs)
     resident = dataclasses.replace(model, engine=engine, offload=everything)
     if like == "gpt-oss-20b":
-        *traces, warmup = routing_requests(3, 32, base["num_hidden_layers"], split="store")
+        where = {} if routing is None else dict(path=routing)
+        *traces, warmup = routing_requests(3, 32, base["num_hidden_layers"], split="store", **where)
         runs = [
             dict(prompts=[t.requests[0].prompt], max_new_tokens=32, forced_routing=t)
             for t in [warmup, *traces]
@@ -259,20 +279,19 @@ def _line(steps: list, launches: list, min_steps: int) -> tuple[float, float] | 
     return float(slope), float(intercept)
 
 
-def kernels(launch: dict, base: dict) -> dict:
+def kernels(launch: dict, base: dict, experts: str = EXPERTS) -> dict:
     """Fixed and per-byte expert and attention times from warm offload decode steps at two top-k and widths,
     less the step's launch and sync; the attention's fixed time holds the host's serving of the layer."""
     from fmoe_jax.models import config_from_hf
-    from fmoe_jax.models.quant import expert_quantization
     from fmoe_jax.offload.cost_model import CostModel, HardwarePreset, ModelPreset
 
     wider = {**base, "intermediate_size": 2 * base["intermediate_size"]}
     runs = {
-        "k1": decode_tpot({**base, "num_experts_per_tok": 1}),
-        "k4": decode_tpot(base),
-        "k4_wide": decode_tpot(wider),
+        "k1": decode_tpot({**base, "num_experts_per_tok": 1}, experts),
+        "k4": decode_tpot(base, experts),
+        "k4_wide": decode_tpot(wider, experts),
     }
-    q = expert_quantization(EXPERTS, None)
+    q = _quantization(experts)
     narrow = ModelPreset.from_config(config_from_hf(base), quantization=q)
     wide = ModelPreset.from_config(config_from_hf(wider), quantization=q)
     layers = base["num_hidden_layers"]
@@ -314,6 +333,16 @@ def main(argv: list[str] | None = None) -> dict:
         help="measure the step program's relaunch alone; the rest from the saved --name",
     )
     p.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of the relaunch measurement")
+    p.add_argument(
+        "--experts", default=EXPERTS, choices=["none", "int8", "int4"], help="the experts' quantization"
+    )
+    p.add_argument(
+        "--routing-data",
+        type=Path,
+        default=None,
+        help="gpt-oss-20b's routing set, for --like gpt-oss-20b's relaunch (default: real_routing's path; "
+        "a lent machine: gpu_check --pack-routing's folder)",
+    )
     p.add_argument("--name", default="engine_costs_cpu", help="results name")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON")
     args = p.parse_args(argv)
@@ -324,8 +353,11 @@ def main(argv: list[str] | None = None) -> dict:
         measured = saved(args.name, args.out)["measured"]
     else:
         measured = dict(link=link(), launch=launch_and_sync())
-        measured["kernels"] = kernels(measured["launch"], base)
-    measured["relaunch"] = relaunch(base, measured["launch"], measured["link"], args.like, args.rounds)
+        measured["kernels"] = kernels(measured["launch"], base, args.experts)
+        save(args.name, dict(fit_on=dict(like=args.like, experts=args.experts), measured=measured), args.out)
+    measured["relaunch"] = relaunch(
+        base, measured["launch"], measured["link"], args.like, args.rounds, args.experts, args.routing_data
+    )
     r = measured["relaunch"]
     single = "-" if r["single_pass_launch_s"] is None else f"{1e3 * r['single_pass_launch_s']:.2f} ms"
     verdict = "resolved" if r["resolved"] else "UNRESOLVED"
@@ -350,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.name,
         dict(
             preset_fields=fields,
-            fit_on=dict(like=args.like, hf_config=base),
+            fit_on=dict(like=args.like, hf_config=base, experts=args.experts),
             measured=measured,
             seconds=time.perf_counter() - start,
             load_average=dict(before=load_before, after=os.getloadavg()),

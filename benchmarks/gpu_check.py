@@ -155,8 +155,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.pack_routing is not None:
         from benchmarks.live_replay import write_subset
 
-        written = write_subset(args.pack_routing, *REPLAYED[False], args.routing_data)  # --cpu-smoke's too
-        print(f"{args.pack_routing}: {written / 1e3:.0f} kB, the requests gpu_check replays")
+        # --cpu-smoke's requests too; the store split's for `engine_costs --like gpt-oss-20b`'s relaunch
+        splits = ("evaluation", "store")
+        written = write_subset(args.pack_routing, *REPLAYED[False], args.routing_data, splits)
+        print(f"{args.pack_routing}: {written / 1e3:.0f} kB, the requests gpu_check and engine_costs replay")
         return {}
     if not (args.routing_data / "requests.json").is_file():
         p.error(f"--routing-data {args.routing_data}: no routing set (for a lent machine: --pack-routing)")

@@ -92,24 +92,24 @@ def chosen_requests(count: int, path: Path = DEFAULT_PATH, split: str = "evaluat
 
 
 def write_subset(
-    dest: Path, count: int, steps: int, path: Path = DEFAULT_PATH, split: str = "evaluation"
+    dest: Path, count: int, steps: int, path: Path = DEFAULT_PATH, splits: tuple[str, ...] = ("evaluation",)
 ) -> int:
-    """Writes at `dest` the part of the routing set at `path` that `routing_requests(count, steps)` reads:
-    `split`'s request list (which decides the evenly spaced choice) and the chosen requests' first `steps`
-    decode steps. A machine without the shared data (a lent GPU) replays the same requests from it; this is
-    not a routing set for anything else. Returns the bytes written."""
+    """Writes at `dest` the part of the routing set at `path` that `routing_requests(count, steps, split=s)`
+    reads for each split `s` of `splits`: their request lists (which decide the evenly spaced choice) and the
+    chosen requests' first `steps` decode steps. A machine without the shared data (a lent GPU) replays the
+    same requests from it; this is not a routing set for anything else. Returns the bytes written."""
     import json
 
     from fmoe_jax.offload.trace_formats import REQUESTS, ROUTING_ARRAYS
 
     header = json.loads((path / REQUESTS).read_text())
-    keep = set(request_names(split, path))
+    keep = {name for split in splits for name in request_names(split, path)}
     records = [
         {"request": r["request"], "dataset": r["dataset"]} for r in header["requests"] if r["request"] in keep
     ]
     arrays = np.load(path / ROUTING_ARRAYS)
     subset = {}
-    for name in dict.fromkeys(chosen_requests(count, path, split)):
+    for name in dict.fromkeys(name for split in splits for name in chosen_requests(count, path, split)):
         for key in (f"{name}__ids", f"{name}__w"):
             if key in arrays.files:
                 subset[key] = arrays[key][:steps]

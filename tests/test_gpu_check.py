@@ -49,15 +49,17 @@ def test_link_fit_recovers_a_line_and_bounds_an_unresolved_rate():
 
 
 def test_packed_routing_replays_the_same_requests_and_a_missing_set_is_refused(tmp_path, capsys):
-    """`--pack-routing` keeps exactly what `live_replay.routing_requests` reads: the same requests, steps and
-    weights as from the whole set; a check pointed at no routing set stops before any section runs."""
+    """`--pack-routing` keeps exactly what `live_replay.routing_requests` reads, of each split packed: the same
+    requests, steps and weights as from the whole set; a check pointed at no routing set stops before any section runs."""
     from benchmarks import live_replay
 
-    written = live_replay.write_subset(tmp_path, 3, 32)
+    written = live_replay.write_subset(tmp_path, 3, 32, splits=("evaluation", "store"))
     assert written < 100_000  # tens of kB: it travels beside a 64 MiB working tree
-    for count, steps in gpu_check.REPLAYED.values():
-        whole = live_replay.routing_requests(count, steps, 24)
-        packed = live_replay.routing_requests(count, steps, 24, tmp_path)
+    # gpu_check's replays, and engine_costs' relaunch (3 store requests of 32 steps)
+    wanted = [("evaluation", *pair) for pair in gpu_check.REPLAYED.values()] + [("store", 3, 32)]
+    for split, count, steps in wanted:
+        whole = live_replay.routing_requests(count, steps, 24, split=split)
+        packed = live_replay.routing_requests(count, steps, 24, tmp_path, split=split)
         assert [t.meta["requests"] for t in packed] == [t.meta["requests"] for t in whole]
         for a, b in zip(whole, packed, strict=True):
             pairs = zip(a.requests[0].iterations, b.requests[0].iterations, strict=True)
