@@ -6,8 +6,10 @@ each layer it stopped at (entry: that layer's experts, loaded by then), so that 
 one host read per stop, and a step whose routed experts are all resident costs one of each whatever the
 budget. Which experts a launch may use is a device-side slot table `[L, J]` (-1: absent) over the model's
 own expert parameters, where the engine passes each held expert's cached arrays and a placeholder for the
-others. Arrays as arguments need no device-side copy of a landed expert into a pool; a stacked pool (one
-argument per layer, a gather per expert) has not been measured against them.
+others. Arrays as arguments need no device-side copy of a landed expert into a pool; but on an H200 a
+stacked pool (one argument per weight, a dynamic index per expert) ran a decode layer's experts 6.7x faster
+than this switch, and every argument costs a launch ~0.8 us (decision "stacked expert pool",
+`benchmarks/DECISIONS.md`): the change this engine has measured and not yet made.
 
 Layers before the entry point and after the stop are skipped with `lax.cond`, their cache entries passed
 through untouched (any per-layer state, a KV cache or another pytree), so one program serves every entry
