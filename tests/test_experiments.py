@@ -438,6 +438,14 @@ def test_conclusion_counts_where_fmoe_hybrid_wins_and_loses():
     assert "at 1 of 2 (model, system, budget) points" in text
     assert "at budget 0.5 to on_demand_lru+hybrid, by up to 11 %" in text
     assert "0.75–0.80x Fiddler's" in text
+    assert "real routing" not in text
+    # gpt-oss-20b's real routing is counted apart from the shipped models' traces
+    payload["models"]["gpt-oss-20b-routing@bf16 at gpt-oss-20b"] = {
+        "sys": rows(0.25, fmoe_h=10.0, fiddler=20.0, on_demand_lru_h=15.0)
+    }
+    shipped, routing = _hybrid_sentence(payload).split(" On gpt-oss-20b's real routing")
+    assert "at 1 of 2 (model, system, budget) points" in shipped
+    assert "at 1 of 1 (model, system, budget) points" in routing and "0.50x Fiddler's" in routing
 
 
 def test_exp7_times_the_whole_fmoe_policy_per_iteration():
