@@ -641,7 +641,9 @@ def _hybrid_sentence(payload: dict) -> str:
         f"would land runs there, and a hit too where that ends the layer sooner), fmoe+hybrid is {text}."
     )
     if routing:
-        text += f" On gpt-oss-20b's real routing (simulated at its sizes) it is {_hybrid_wins(routing)}."
+        names = ", ".join(dict.fromkeys(m.split(" at ")[0] for m in routing))
+        wins = _hybrid_wins(routing)
+        text += f" On gpt-oss-20b's real routing ({names}, simulated at its sizes) it is {wins}."
     return text
 
 
