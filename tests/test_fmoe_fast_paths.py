@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 from fmoe_jax.offload.config import OffloadConfig
 from fmoe_jax.offload.cost_model import MIXTRAL_8X7B, RTX_3090
 from fmoe_jax.offload.policies import FMoE
@@ -71,3 +72,33 @@ def test_the_kept_table_and_the_refusal_memo_change_no_outcome():
     assert general.prefetches > 0 and general.misses > 0
     np.testing.assert_equal(dataclasses.asdict(fast), dataclasses.asdict(general))  # every field, exactly
     assert policies[1].searches < policies[0].searches  # refusals stood without a victim search
+
+
+class ScoredOneByOne(FMoE):
+    """fMoE whose victims the cache scores one `keep_score` at a time, in recency order."""
+
+    keep_scores = None
+
+
+@pytest.mark.parametrize("eviction", ["fmoe", "lfu", "lru"])
+def test_array_scores_of_the_other_eviction_rules_change_no_outcome(eviction):
+    """`Eviction.keep_scores` of the paper's p * freq (one `keep_priority` over the candidates), LFU and LRU
+    choose every victim as scoring each candidate alone does."""
+    store, replayed = traces(2, 4, 40), traces(3, 3, 60)
+    results = []
+    for cls in (ScoredOneByOne, FMoE):
+        policy = cls.from_traces(
+            store,
+            prefetch_distance=1,
+            store_capacity=64,
+            semantic=False,
+            asynchronous=False,
+            eviction=eviction,
+        )
+        offload = OffloadConfig(policy=policy, cache_experts=LAYERS * EXPERTS // 4)
+        results.append(simulate(replayed, offload, model=MIXTRAL_8X7B, hardware=RTX_3090))
+    one_by_one, arrays = results
+    assert one_by_one.prefetches > 0 and one_by_one.misses > 0
+    np.testing.assert_equal(
+        dataclasses.asdict(arrays), dataclasses.asdict(one_by_one)
+    )  # every field, exactly

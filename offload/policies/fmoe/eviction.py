@@ -162,6 +162,10 @@ class Eviction:
         table = self._table  # kept: "reuse", ranked by keep score
         if table is not None:
             return table.take(layers * table.shape[1] + experts)
+        if self.rule == "fmoe":  # `keep_priority` once over the candidates: the same doubles as per key
+            latest = np.where(self.guides.latest[layers], self.guides.latest_p[layers, experts], 0.0)
+            keys = zip(layers.tolist(), experts.tolist(), strict=True)
+            return keep_priority(latest, np.array([self.cache.freq(key) for key in keys], np.float64))
         if self.rule != "reuse":
             keys = zip(layers.tolist(), experts.tolist(), strict=True)
             return np.array([self.keep_score(key, self.cache.entry(key)) for key in keys], np.float64)
