@@ -49,8 +49,9 @@ def test_link_fit_recovers_a_line_and_bounds_an_unresolved_rate():
 
 
 def test_packed_routing_replays_the_same_requests_and_a_missing_set_is_refused(tmp_path, capsys):
-    """`--pack-routing` keeps exactly what `live_replay.routing_requests` reads, of each split packed: the same
-    requests, steps and weights as from the whole set; a check pointed at no routing set stops before any section runs."""
+    """`--pack-routing` keeps exactly what `live_replay.routing_requests` reads, of each split packed: the
+    same requests, steps and weights as from the whole set; a check pointed at no routing set stops before any
+    section runs."""
     from benchmarks import live_replay
 
     written = live_replay.write_subset(tmp_path, 3, 32, splits=("evaluation", "store"))
