@@ -354,7 +354,6 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         measured = dict(link=link(), launch=launch_and_sync())
         measured["kernels"] = kernels(measured["launch"], base, args.experts)
-        save(args.name, dict(fit_on=dict(like=args.like, experts=args.experts), measured=measured), args.out)
     measured["relaunch"] = relaunch(
         base, measured["launch"], measured["link"], args.like, args.rounds, args.experts, args.routing_data
     )

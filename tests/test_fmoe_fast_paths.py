@@ -99,6 +99,5 @@ def test_array_scores_of_the_other_eviction_rules_change_no_outcome(eviction):
         results.append(simulate(replayed, offload, model=MIXTRAL_8X7B, hardware=RTX_3090))
     one_by_one, arrays = results
     assert one_by_one.prefetches > 0 and one_by_one.misses > 0
-    np.testing.assert_equal(
-        dataclasses.asdict(arrays), dataclasses.asdict(one_by_one)
-    )  # every field, exactly
+    # every field, exactly
+    np.testing.assert_equal(dataclasses.asdict(arrays), dataclasses.asdict(one_by_one))
