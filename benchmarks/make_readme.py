@@ -347,34 +347,67 @@ def _routing_sentence(payload: dict, budget: float = 0.25) -> str:
 def _foresight_sentence(payload: dict, budget: float = 0.25) -> str:
     """`benchmarks/foresight.py` at `budget` (the issue's point; the smallest budget run if absent): the share
     of the gap between the best baseline and the oracle fMoE closes, and what the oracle limited to the
-    current token and to one more token closes."""
-    rows = payload.get("rows", [])
+    current token and to one more token closes; then the same on gpt-oss-20b's real routing, at every
+    budget run (`_foresight_routing`)."""
+    from benchmarks.real_routing import NAME
+
+    every = payload.get("rows", [])
+    routing = [r for r in every if r["model"].startswith(NAME)]
+    rows = [r for r in every if not r["model"].startswith(NAME)]
     budgets = sorted({r["budget"] for r in rows})
     if not budgets:
-        return ""
+        return _foresight_routing(routing)
     if budget not in budgets:
         budget = budgets[0]
     rows = [r for r in rows if r["budget"] == budget]
     pct = [100 * r["fmoe_closure"] for r in rows]
-    split = payload["args"].get("split", "eval")
+    split = rows[0].get("split", payload["args"].get("split", "eval"))
     text = (
         f"At {budget:.0%} cached (simulated, {split} split, `foresight`), fMoE "
         f"closes {_span(pct, '{:.0f}')} % of the gap between the best baseline and the oracle"
     )
+    text += _limited_oracles(rows)
+    matched = [r["fmoe_matches"] for r in rows]
+    current, more = sum(m >= 0 for m in matched), sum(m >= 1 for m in matched)
+    text += (
+        f". fMoE is at least as fast as the oracle seeing the current token alone at {current} of "
+        f"{len(rows)} points, and as the one seeing one more token at {more}."
+    )
+    return " ".join(t for t in (text, _foresight_routing(routing)) if t)
+
+
+def _limited_oracles(rows: list[dict]) -> str:
     limited = [
         f"{_span([100 * r[f'closure_{n}_tokens'] for r in rows], '{:.0f}')} % when it sees "
         + ("only the current token" if n == 0 else f"{n} more token{'s' * (n > 1)}")
         for n in (0, 1, 2)
-        if all(f"closure_{n}_tokens" in r for r in rows)
+        if all(r.get(f"closure_{n}_tokens") is not None for r in rows)
     ]
-    if limited:
-        text += f"; the oracle itself closes {', '.join(limited)}"
-    matched = [r["fmoe_matches"] for r in rows]
-    current, more = sum(m >= 0 for m in matched), sum(m >= 1 for m in matched)
-    return (
-        text + f". fMoE is at least as fast as the oracle seeing the current token alone at {current} of "
-        f"{len(rows)} points, and as the one seeing one more token at {more}."
-    )
+    return f"; the oracle itself closes {', '.join(limited)}" if limited else ""
+
+
+def _foresight_routing(rows: list[dict]) -> str:
+    """`foresight` on gpt-oss-20b's real routing, every (preset, budget) point of each split run: what fMoE
+    and the limited oracles close, and at how many points the oracle that sees one more token (perfect
+    knowledge no causal policy has) closes less than half of the gap."""
+    text = []
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model]
+        pct = [100 * r["fmoe_closure"] for r in mine]
+        budgets = ", ".join(f"{b:.3g}" for b in sorted({r["budget"] for r in mine}))
+        line = (
+            f"On gpt-oss-20b's real routing ({model}, {mine[0].get('split', 'eval')} split, `foresight`, "
+            f"simulated at its sizes, budgets {budgets}), fMoE closes {_span(pct, '{:.0f}')} % of the gap"
+            + _limited_oracles(mine)
+        )
+        short = [r for r in mine if r.get("closure_1_tokens") is not None and r["closure_1_tokens"] < 0.5]
+        if any(r.get("closure_1_tokens") is not None for r in mine):
+            line += (
+                f"; the oracle seeing one more token closes less than half of it at {len(short)} of "
+                f"{len(mine)} (preset, budget) points"
+            )
+        text.append(line + ".")
+    return " ".join(text)
 
 
 def _device_sentence(link: dict, live: list[dict]) -> str:

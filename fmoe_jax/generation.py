@@ -262,6 +262,7 @@ def _generation(
         trace.add_iteration(
             out.recorded,
             valid=np.arange(t_pad)[None, :] >= (t_pad - np.array([len(p) for p in ids]))[:, None],
+            tokens=tokens,
         )
 
     for step in range(max_new_tokens):
@@ -283,15 +284,16 @@ def _generation(
         row_valid = active.copy()
         key = sampler_key(step_keys[step + 1], seen)
         forcing = forced(step + 1, 1, active)
+        fed = next_tokens[:, None]
         out, cache = engine.step(
-            next_tokens[:, None], cache, layout, key, sampling, record_trace, record_hidden, forced=forcing
+            fed, cache, layout, key, sampling, record_trace, record_hidden, forced=forcing
         )
         next_tokens = np.asarray(out.tokens)
         step_compile_s = engine.programs.compile_s - compiled
         compile_s += step_compile_s
         stats.decode_step_s.append(time.perf_counter() - t0 - step_compile_s)
         if trace is not None:
-            trace.add_iteration(out.recorded, valid=row_valid[:, None])
+            trace.add_iteration(out.recorded, valid=row_valid[:, None], tokens=fed)
 
     stats.compile_s = compile_s
     return _output(model, rows, stats, trace)

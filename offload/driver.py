@@ -157,20 +157,24 @@ class Driver:
         if lacking:
             self.cache.request_prefetch(lacking, replace=False)
 
-    def iteration(self, valid: np.ndarray, embeds: np.ndarray | None, loop: LayerLoop) -> None:
+    def iteration(
+        self, valid: np.ndarray, embeds: np.ndarray | None, loop: LayerLoop, tokens: np.ndarray | None = None
+    ) -> None:
         """Runs one iteration over the MoE layers (see the module docstring for the order).
 
         Args:
           valid: `[B, T]` bool, the iteration's valid tokens.
           embeds: `[N, H]` float32 semantic context, or None when the policy does not need it.
           loop: the layers' routing and compute (`LayerLoop`).
+          tokens: `[N]` int64 token ids fed, or None (unknown, or the policy does not need them).
         """
         policy = self.policy
         token_valid = valid.reshape(-1)
         rows = None if token_valid.all() else token_valid  # the valid tokens' rows (None: every row)
         # Read once an iteration, as `Policy` documents: they hold until `on_iteration_end`.
         semantic, probs = policy.needs_semantic, policy.needs_probs
-        start = IterationStart(valid, embeds if semantic else None, self.requests)
+        tokens = tokens if policy.needs_tokens else None
+        start = IterationStart(valid, embeds if semantic else None, self.requests, tokens)
         self._tell(policy.on_iteration_start, start)
         cache, hears, planner = self.cache, policy.hears_layers, self.planner
         # Protect a layer's experts before the policy hears of its routing: a prefetch requested before they

@@ -29,6 +29,7 @@ class IterationStart:
     # Each row's request, an id stable across iterations (continuous batching, where a row's request
     # changes between `RequestStart`s); None: the rows are the requests of the last `RequestStart`.
     requests: tuple[int, ...] | None = None
+    tokens: np.ndarray | None = None  # [N] int64 token ids fed (policies that `needs_tokens`; None: unknown)
 
     @property
     def decoding(self) -> bool:

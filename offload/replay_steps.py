@@ -24,6 +24,7 @@ class Step:
     probs: np.ndarray | None  # [N, L, J] float32
     embeds: np.ndarray | None  # [N, H] float32
     hidden: np.ndarray | None  # [N, L, D] float32
+    fed: np.ndarray | None  # [N] int64 token ids fed, where the policy `needs_tokens` and the trace has them
     new_tokens: np.ndarray  # [R] new tokens of each active row
     past_tokens: np.ndarray  # [R] tokens each active row had before this iteration
     routed: np.ndarray  # [L, J] valid tokens routed to each expert
@@ -54,6 +55,7 @@ def layout(trace: RoutingTrace, i: int, policy: Policy, past: list[list[int]]) -
     probs = np.zeros((rows, width, layers, num_experts), np.float32) if policy.needs_probs else None
     embeds = np.zeros((rows, width, meta["embed_dim"]), np.float32) if policy.needs_semantic else None
     hidden = None
+    fed = np.zeros((rows, width), np.int64) if policy.needs_tokens else None
     new_tokens, past_tokens = [], []
     for b in active:
         it = requests[b].iterations[i]
@@ -68,6 +70,11 @@ def layout(trace: RoutingTrace, i: int, policy: Policy, past: list[list[int]]) -
             if hidden is None:
                 hidden = np.zeros((rows, width, layers, it.hidden.shape[-1]), np.float32)
             hidden[b, width - t :] = it.hidden
+        if fed is not None:
+            if it.tokens is None:
+                fed = None  # a request without them: the policy hears none this iteration
+            else:
+                fed[b, width - t :] = it.tokens
         new_tokens.append(t)
         past_tokens.append(past[b][i])
     n = rows * width
@@ -81,6 +88,7 @@ def layout(trace: RoutingTrace, i: int, policy: Policy, past: list[list[int]]) -
         probs=None if probs is None else probs.reshape(n, layers, num_experts),
         embeds=None if embeds is None else embeds.reshape(n, -1),
         hidden=None if hidden is None else hidden.reshape(n, layers, -1),
+        fed=None if fed is None else fed.reshape(n),
         new_tokens=np.asarray(new_tokens),
         past_tokens=np.asarray(past_tokens),
         routed=routed,
@@ -129,6 +137,7 @@ class Counted:
             probs=it.probs.astype(np.float32).reshape(t, layers, -1) if policy.needs_probs else None,
             embeds=it.embeds.astype(np.float32).reshape(t, -1) if policy.needs_semantic else None,
             hidden=it.hidden.astype(np.float32).reshape(t, layers, -1) if policy.needs_hidden else None,
+            fed=it.tokens if policy.needs_tokens else None,
             new_tokens=np.asarray([t]),
             past_tokens=np.asarray([past[0][i]]),
             routed=self.routed[i],

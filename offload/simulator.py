@@ -479,7 +479,7 @@ def _replay_batch(
             engine.runs(keys)
             host.start(link.clock, tokens, list(step.tokens(m, keys)))
 
-        driver.iteration(step.valid, step.embeds, Functions(route, compute, on_host))
+        driver.iteration(step.valid, step.embeds, Functions(route, compute, on_host), step.fed)
         active = step.valid.any(axis=1)
         link.compute(charges.head_s(int(active.sum())))
         for b in np.flatnonzero(active):

@@ -30,6 +30,7 @@ class Iteration:
     embeds: np.ndarray | None = None  # [t, H] float32 embedding-layer output (semantic context)
     weights: np.ndarray | None = None  # [t, L, k] float32 mixing weights, when known
     hidden: np.ndarray | None = None  # [t, L, D] float32 router inputs, when recorded (learned predictors)
+    tokens: np.ndarray | None = None  # [t] int64 the token ids fed, when known (fmoe's token contexts)
 
     @property
     def num_tokens(self) -> int:
@@ -64,14 +65,15 @@ class RoutingTrace:
         )
         return cls(meta, [RequestTrace(list(p)) for p in prompts])
 
-    def add_iteration(self, step_out, valid: np.ndarray) -> None:
+    def add_iteration(self, step_out, valid: np.ndarray, tokens: np.ndarray | None = None) -> None:
         """Appends one engine step's recorded routing (`fmoe_jax.engines.Recorded`); `valid` `[B, T]` marks
-        real (unpadded, active) tokens."""
+        real (unpadded, active) tokens; `tokens` `[B, T]`, the token ids the step fed."""
         embeds = np.asarray(step_out.embeds, np.float32)  # [B, T, H]
         probs = np.asarray(step_out.probs, np.float32)  # [B, T, L, J]
         ids = np.asarray(step_out.ids, np.int32)  # [B, T, L, k]
         hidden = None if step_out.hidden is None else np.asarray(step_out.hidden, np.float32)  # [B, T, L, D]
         valid = np.broadcast_to(valid, ids.shape[:2])
+        fed = None if tokens is None else np.asarray(tokens, np.int64).reshape(ids.shape[:2])
         for b, request in enumerate(self.requests):
             rows = valid[b]
             if rows.any():
@@ -81,6 +83,7 @@ class RoutingTrace:
                         probs=probs[b, rows],
                         embeds=embeds[b, rows],
                         hidden=None if hidden is None else hidden[b, rows],
+                        tokens=None if fed is None else fed[b, rows],
                     )
                 )
 
@@ -98,7 +101,8 @@ class RoutingTrace:
 
         Args:
           requests: per request, per iteration, a dict with `ids` `[t, L, k]` (required), and optionally
-            `weights` `[t, L, k]`, `probs` `[t, L, J]`, `embeds` `[t, H]`; or the path of a routing-set
+            `weights` `[t, L, k]`, `probs` `[t, L, J]`, `embeds` `[t, H]`, `tokens` `[t]` (the token ids
+            fed); or the path of a routing-set
             directory or a JSONL file (`offload/trace_formats.py`: one iteration per decode step, and
             `meta["requests"]` lists each request's record, its dataset for instance).
           num_experts: J (a routing set's `requests.json` gives it). Without probabilities, policies that
@@ -150,7 +154,15 @@ class RoutingTrace:
                 if embeds is not None:
                     embeds = np.asarray(embeds, np.float32)
                     embed_dim = embeds.shape[-1]
-                req.iterations.append(Iteration(ids, np.asarray(probs, np.float32), embeds, weights))
+                tokens = it.get("tokens")
+                if tokens is not None:
+                    tokens = np.asarray(tokens, np.int64)
+                    if tokens.shape != ids.shape[:1]:
+                        raise ValueError(
+                            f"request {r} iteration {i}: tokens must be [t], got shape {tokens.shape}"
+                        )
+                iteration = Iteration(ids, np.asarray(probs, np.float32), embeds, weights, tokens=tokens)
+                req.iterations.append(iteration)
             out.append(req)
         base = dict(
             num_layers=num_layers or 0,
@@ -170,7 +182,7 @@ class RoutingTrace:
         for r, req in enumerate(self.requests):
             arrays[f"r{r}_prompt"] = np.asarray(req.prompt, np.int32)
             for i, it in enumerate(req.iterations):
-                for name in ("ids", "probs", "embeds", "weights", "hidden"):
+                for name in ("ids", "probs", "embeds", "weights", "hidden", "tokens"):
                     value = getattr(it, name)
                     if value is not None:
                         arrays[f"r{r}_i{i}_{name}"] = value
@@ -202,7 +214,9 @@ class RoutingTrace:
                     return data[key] if key in data.files else None
 
                 req.iterations.append(
-                    Iteration(get("ids"), get("probs"), get("embeds"), get("weights"), get("hidden"))
+                    Iteration(
+                        get("ids"), get("probs"), get("embeds"), get("weights"), get("hidden"), get("tokens")
+                    )
                 )
             requests.append(req)
         return cls(header["meta"], requests)

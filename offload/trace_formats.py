@@ -3,18 +3,23 @@
 Two formats:
 - a *routing set* directory: `decode_routing.npz` (per request `<name>__ids` `[T, L, k]`, optional
   `<name>__w` `[T, L, k]` weights and `<name>__pos` `[T]` positions) and `requests.json` (`num_experts` and
-  `requests`, a list of dicts naming each `request`, with any other fields such as `dataset`), as the shared
-  gpt-oss-20b set (`../shared/data/routing/gpt-oss-20b/`) is stored;
-- a JSONL file of `{"request", "step", "layer", "experts", "weights"}` records, one per token and layer (the
-  easiest thing to write from a forward hook on a transformers or vLLM model; README, "Bring your routing").
+  `requests`, a list of dicts naming each `request`, with any other fields such as `dataset`, and optionally
+  `tokens`, the strings of the tokens at each position), as the shared gpt-oss-20b set
+  (`../shared/data/routing/gpt-oss-20b/`) is stored;
+- a JSONL file of `{"request", "step", "layer", "experts", "weights", "token"}` records (`weights` and the fed
+  token's id `token` optional), one per token and layer (the easiest thing to write from a forward hook on a
+  transformers or vLLM model; README, "Bring your routing").
 
 Both hold decode steps one token each: every step becomes an iteration of one token, and a request's first
-step stands in for its prefill (the simulator's TTFT of such a trace means nothing; TPOT does).
+step stands in for its prefill (the simulator's TTFT of such a trace means nothing; TPOT does). Where the
+fed token of each step is known, its iteration carries it (`tokens`): a routing set's token strings (at
+`__pos`) as `token_id`s, a JSONL file's ids as given.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -98,21 +103,46 @@ def _read_routing_set(directory: Path, num_experts: int | None, keep: Callable) 
             raise ValueError(
                 f"routing set {directory}: {name}__w has shape {weights.shape}, {name}__ids {ids.shape}"
             )
-        requests.append(_steps(ids, weights))
+        requests.append(_steps(ids, weights, _fed_tokens(record, arrays, name, len(ids))))
     meta = {key: header[key] for key in ("model", "num_moe_layers") if key in header}
     meta["requests"] = [{k: v for k, v in r.items() if k not in ("tokens", "prompt")} for r in chosen]
     meta["source"] = str(directory)
     return requests, {**meta, "num_experts": int(num_experts)}
 
 
-def _steps(ids: np.ndarray, weights: np.ndarray | None) -> list[dict[str, np.ndarray]]:
+def token_id(text: str) -> int:
+    """A routing set's token string as a token id: a stable 63-bit hash (the set holds strings, not the
+    tokenizer's ids; equal strings get equal ids, and distinct ones collide with odds of ~1e-10 in a
+    vocabulary of 200k)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _fed_tokens(record: dict[str, Any], arrays: Any, name: str, steps: int) -> np.ndarray | None:
+    """The token fed at each decode step (`tokens[pos]`, as `token_id`s), where the set records both."""
+    strings = record.get("tokens")
+    if not isinstance(strings, list) or f"{name}__pos" not in arrays.files:
+        return None
+    pos = np.asarray(arrays[f"{name}__pos"], np.int64)
+    if pos.shape != (steps,) or pos.min(initial=0) < 0 or pos.max(initial=0) >= len(strings):
+        return None  # positions that do not index the strings: no tokens rather than wrong ones
+    return np.array([token_id(strings[p]) for p in pos.tolist()], np.int64)
+
+
+def _steps(
+    ids: np.ndarray, weights: np.ndarray | None, tokens: np.ndarray | None = None
+) -> list[dict[str, np.ndarray]]:
     """One iteration of one token per decode step."""
     ids = np.asarray(ids, np.int32)
     weights = None if weights is None else np.asarray(weights, np.float32)
-    return [
-        {"ids": ids[t : t + 1]} if weights is None else {"ids": ids[t : t + 1], "weights": weights[t : t + 1]}
-        for t in range(ids.shape[0])
-    ]
+    steps = []
+    for t in range(ids.shape[0]):
+        step = {"ids": ids[t : t + 1]}
+        if weights is not None:
+            step["weights"] = weights[t : t + 1]
+        if tokens is not None:
+            step["tokens"] = tokens[t : t + 1]
+        steps.append(step)
+    return steps
 
 
 def _read_jsonl(path: Path, num_experts: int, keep: Callable) -> tuple[list, dict]:
@@ -127,10 +157,12 @@ def _read_jsonl(path: Path, num_experts: int, keep: Callable) -> tuple[list, dic
                 experts = [int(e) for e in record["experts"]]
                 weights = record.get("weights")
                 weights = None if weights is None else [float(w) for w in weights]
+                token = record.get("token")
+                token = None if token is None else int(token)
             except (ValueError, KeyError, TypeError) as err:
                 raise ValueError(
                     f"routing data {path}, line {line_no}: expected a JSON object with request, step, layer, "
-                    f"experts (and optionally weights): {err}"
+                    f"experts (and optionally weights, token): {err}"
                 ) from None
             if weights is not None and len(weights) != len(experts):
                 raise ValueError(
@@ -138,7 +170,7 @@ def _read_jsonl(path: Path, num_experts: int, keep: Callable) -> tuple[list, dic
                 )
             if not keep({"request": request}):
                 continue
-            steps.setdefault(request, {}).setdefault(step, {})[layer] = (experts, weights)
+            steps.setdefault(request, {}).setdefault(step, {})[layer] = (experts, weights, token)
     if not steps:
         raise ValueError(f"routing data {path}: no routing records (of the selected requests)")
     requests = [_jsonl_request(path, name, by_step) for name, by_step in steps.items()]
@@ -154,7 +186,7 @@ def _jsonl_request(
     path: Path, name: str, by_step: dict[int, dict[int, tuple]]
 ) -> list[dict[str, np.ndarray]]:
     layers = 1 + max(max(records) for records in by_step.values())
-    ids, weights = [], []
+    ids, weights, tokens = [], [], []
     for step in sorted(by_step):
         records = by_step[step]
         if sorted(records) != list(range(layers)):
@@ -164,6 +196,7 @@ def _jsonl_request(
             )
         ids.append([records[layer][0] for layer in range(layers)])
         weights.append([records[layer][1] for layer in range(layers)])
+        tokens.append(next((r[2] for r in records.values() if r[2] is not None), None))
     try:
         ids_array = np.asarray(ids, np.int32)  # [T, L, k]
     except ValueError:
@@ -171,4 +204,5 @@ def _jsonl_request(
             f"routing data {path}: request {name} routes to different numbers of experts"
         ) from None
     has_weights = all(w is not None for step in weights for w in step)
-    return _steps(ids_array, np.asarray(weights, np.float32) if has_weights else None)
+    fed = np.asarray(tokens, np.int64) if all(t is not None for t in tokens) else None
+    return _steps(ids_array, np.asarray(weights, np.float32) if has_weights else None, fed)

@@ -1091,3 +1091,60 @@ def test_a_paused_policy_learns_no_maps_and_learns_again_after():
     iteration()
     assert len(policy.store) == 2
     policy.close()
+
+
+def test_token_contexts_learn_what_follows_the_last_tokens_fed():
+    """Each decode context (the last 3, 2 or 1 tokens a row fed) learns the experts of the `horizon`
+    iterations after it; `hint` reads the longest context seen before; rows combine as independent
+    chances; a new request forgets the rows, not what was learned; the least recently seen contexts go
+    beyond `capacity`."""
+    from fmoe_jax.offload.policies.fmoe.token_contexts import TokenContexts
+
+    def used(*flat):
+        mask = np.zeros((2, 4), bool)
+        mask.reshape(-1)[list(flat)] = True
+        return mask
+
+    contexts = TokenContexts(num_layers=2, num_experts=4, horizon=2)
+    masks = [used(0), used(1), used(2, 4), used(5), used(6)]
+    for token, mask in zip([7, 8, 9, 7, 8], masks, strict=True):
+        contexts.observe(0, [token], mask)
+    # Now the row fed 9, 7, 8: no (9, 7, 8) seen before; (7, 8) was, followed by the experts of 9 and 7.
+    np.testing.assert_array_equal(contexts.hint([0]), (masks[2] | masks[3]).astype(float))
+    assert contexts.hint([1]) is None  # a row that fed nothing
+    contexts.start_request()
+    assert contexts.hint([0]) is None
+    contexts.observe(0, [3, 9], None)  # a prefill's tokens: history only
+    contexts.observe(0, [7], used(7))
+    # (3, 9, 7) was never seen and (9, 7) never learned (the request ended inside its horizon): (7,) was,
+    # followed by 8's and 9's experts.
+    np.testing.assert_array_equal(contexts.hint([0]), (masks[1] | masks[2]).astype(float))
+    contexts.observe(1, [9], used(3))  # another row: after 9 came 7 and 8 ({5} | {6}) before
+    both = 1.0 - (1.0 - contexts.hint([0])) * (1.0 - contexts.hint([1]))
+    np.testing.assert_array_equal(contexts.hint([0, 1]), both)
+    small = TokenContexts(num_layers=2, num_experts=4, horizon=1, capacity=1)
+    for token in (1, 2, 3):
+        small.observe(0, [token], used(token))
+    assert len(small) == 2  # (1, 2) and (2,): (1,) went when (2,) came, beyond one context an order
+    small.start_request()
+    small.observe(0, [2], used(0))
+    np.testing.assert_array_equal(small.hint([0]), used(3).astype(float))
+    small.start_request()
+    small.observe(0, [1], used(0))
+    assert small.hint([0]) is None
+
+
+def test_the_live_engine_feeds_fmoe_the_tokens_it_feeds_the_model(hf_dirs):
+    """Live, fmoe's token contexts hear each row's tokens as the engine feeds them (the prompt, then each
+    generated token but the last), and the output stays the resident model's."""
+    prompts = [[5, 9, 13, 17, 21, 25], [7, 7, 8, 8, 9]]
+    ref = fj.generate(fj.load_model(hf_dirs["qwen2_moe"]), prompts, max_new_tokens=6, stop_at_eos=False)
+    options = {"asynchronous": False, "pay_for_matching": False}
+    offload = OffloadConfig(policy="fmoe", cache_experts=4, prefetch_distance=1, policy_options=options)
+    with fj.load_model(hf_dirs["qwen2_moe"], offload=offload) as model:
+        out = fj.generate(model, prompts, max_new_tokens=6, stop_at_eos=False)
+        contexts = model.engine.policy.token_contexts
+    assert out.tokens == ref.tokens
+    for row, (prompt, generated) in enumerate(zip(prompts, out.tokens, strict=True)):
+        assert list(contexts._rows[row].recent) == (prompt + generated[:-1])[-3:]
+    assert len(contexts) > 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import exp2_overall, exp4_cache_budget, exp5_ablation, exp8_hybrid, real_routing
+from benchmarks import exp2_overall, exp4_cache_budget, exp5_ablation, exp8_hybrid, foresight, real_routing
 from benchmarks import harness as h
 
 DATASETS = {"store": "mmlu_test", "validation": "mmlu_dev", "evaluation": "mmlu_validation"}
@@ -112,6 +112,47 @@ def test_exp5_and_exp8_run_on_routing_alone(routing, tmp_path):
         "rtx_3090+desktop_ddr4"
     ]
     assert {r["policy"] for r in rows} >= {"fmoe+hybrid", "fiddler", "static_split"}
+
+
+def test_foresight_on_the_routing_merges_beside_the_saved_models(routing, tmp_path):
+    """`foresight --merge` on the routing keeps the saved rows of other models (and their split), replaces
+    its own, compares against the baselines the routing can drive, and the README reports it apart."""
+    from benchmarks.make_readme import _foresight_sentence
+
+    shipped = dict(model="fmoe-tiny-mixtral", hardware="h100_sxm", budget=0.25, fmoe_closure=0.5)
+    shipped |= dict(fmoe_matches=1, closure_0_tokens=0.1, closure_1_tokens=0.6, closure_2_tokens=0.9)
+    saved = {"command": "the whole run", "args": {"split": "eval"}, "rows": [shipped]}
+    saved |= {"notes": ["fmoe-tiny-mixtral: its settings", "closure: the old run's"], "tables": {}}
+    (tmp_path / "foresight.json").write_text(json.dumps(saved))
+    argv = [*common(routing, tmp_path), "--hardware", "rtx_3090", "--budgets", "0.25", "0.5"]
+    for _ in range(2):  # the second run replaces the first's rows
+        payload = foresight.main([*argv, "--horizons", "1", "--merge"])
+    rows = payload["rows"]
+    assert [(r["model"], r["budget"]) for r in rows] == [
+        ("fmoe-tiny-mixtral", 0.25),
+        (f"{real_routing.NAME}@bf16", 0.25),
+        (f"{real_routing.NAME}@bf16", 0.5),
+    ]
+    assert all(r["split"] == "eval" for r in rows) and payload["command"] == "the whole run"
+    for r in rows[1:]:
+        assert set(r["tpot_s"]) == {
+            "on_demand_lru",
+            "on_demand_lfu",
+            "mixtral_offload (no speculation)",
+            "moe_infinity",
+            "fmoe",
+            "oracle, 1 token(s)",
+            "oracle",
+        }
+        assert r["best_tpot_s"] == min(v for k, v in r["tpot_s"].items() if k not in ("fmoe",) and "oracle" not in k)
+    notes = json.loads((tmp_path / "foresight.json").read_text())["notes"]
+    assert notes[0] == "fmoe-tiny-mixtral: its settings" and sum(n.startswith("closure:") for n in notes) == 1
+    assert sum(n.startswith(f"{real_routing.NAME}@bf16:") for n in notes) == 1
+    text = _foresight_sentence(json.loads((tmp_path / "foresight.json").read_text()))
+    assert text.startswith("At 25% cached (simulated, eval split, `foresight`), fMoE closes 50 % of the gap")
+    short = sum(r["closure_1_tokens"] < 0.5 for r in rows[1:])
+    assert f"On gpt-oss-20b's real routing ({real_routing.NAME}@bf16, eval split, `foresight`" in text
+    assert f"closes less than half of it at {short} of 2 (preset, budget) points." in text
 
 
 def test_gpt_oss_routing_takes_the_shared_split(routing, tmp_path):

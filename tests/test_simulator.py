@@ -698,3 +698,42 @@ def test_actionable_errors():
         simulate(trace, OffloadConfig(devices=2), model=MIXTRAL_8X7B, hardware=HARDWARE["h100_sxm"])
     with pytest.raises(ValueError, match="must be in"):
         dataclasses.replace(HARDWARE["h100_sxm"], link_efficiency=1.5)
+
+
+def _token_routing(rng: np.random.Generator, requests: int, steps: int, tokens: bool):
+    """One-row requests over 4 layers of 8 experts, top-2, whose fed tokens cycle through a request's own
+    four, each token routed the same way every time it is fed (its experts drawn once)."""
+    vocab = {t: np.argsort(rng.random((1, 4, 8)), -1)[..., :2] for t in range(16)}
+    routed = []
+    for _ in range(requests):
+        own = rng.choice(16, 4, replace=False)
+        cycle = [int(own[s % 4]) for s in range(steps)]
+        routed.append(
+            [{"ids": vocab[t], **({"tokens": np.array([t])} if tokens else {})} for t in cycle]
+        )
+    return [RoutingTrace.from_external([r], num_experts=8) for r in routed]
+
+
+def test_fmoe_reads_the_tokens_fed_where_a_trace_has_them():
+    """fmoe's token contexts learn from the store traces' tokens and the replayed ones': a token that
+    foretells the next tokens' experts makes more hits; switched off, or on a trace without tokens, the
+    tokens are not read (the same outcome as a trace without them)."""
+    rng = np.random.default_rng(0)
+    store = _token_routing(rng, 6, 24, tokens=True)
+    replay_rng = np.random.default_rng(1)
+    with_tokens = _token_routing(replay_rng, 4, 24, tokens=True)
+    without = _token_routing(np.random.default_rng(1), 4, 24, tokens=False)
+
+    def run(traces, **options):
+        policy = FMoE.from_traces(store, prefetch_distance=1, store_capacity=64, semantic=False, **options)
+        offload = OffloadConfig(policy=policy, cache_experts=12, prefetch_distance=1)
+        result = simulate(traces, offload, model=TOY_MODEL, hardware=TOY_HARDWARE)
+        return result, policy
+
+    on, policy = run(with_tokens, asynchronous=False)
+    assert policy.needs_tokens and len(policy.token_contexts) > 0
+    off, quiet = run(with_tokens, asynchronous=False, token_contexts=False)
+    assert not quiet.needs_tokens and quiet.token_contexts is None
+    blind, _ = run(without, asynchronous=False)
+    assert (off.median_tpot_s, off.hit_rate) == (blind.median_tpot_s, blind.hit_rate)
+    assert on.hit_rate > off.hit_rate + 0.01, (on.hit_rate, off.hit_rate)

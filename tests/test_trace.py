@@ -191,3 +191,41 @@ def test_routing_jsonl_records(tmp_path):
     path.write_text('{"request": "a", "step": 0}\n')
     with pytest.raises(ValueError, match="line 1: expected a JSON object"):
         RoutingTrace.from_external(path, num_experts=4)
+
+
+def test_routing_sets_and_jsonl_give_each_step_its_fed_token(tmp_path):
+    """A routing set's token strings at `__pos` become token ids (equal strings, equal ids), kept by
+    save/load; a JSONL record's `token` is the step's id; positions that do not index the strings give
+    none."""
+    import json
+
+    from fmoe_jax.offload.trace_formats import token_id
+
+    ids = np.zeros((4, 3, 2), np.int16)
+    ids[..., 1] = 1
+    np.savez(tmp_path / "decode_routing.npz", r0__ids=ids, r0__pos=np.array([2, 3, 4, 5]), r1__ids=ids[:2])
+    strings = ["<s>", "Q", " the", " cat", " the", " cat"]
+    records = [{"request": "r0", "tokens": strings}, {"request": "r1", "tokens": strings}]
+    (tmp_path / "requests.json").write_text(json.dumps({"num_experts": 4, "requests": records}))
+    trace = RoutingTrace.from_external(tmp_path)
+    fed = [int(it.tokens[0]) for it in trace.requests[0].iterations]
+    assert fed == [token_id(s) for s in strings[2:]] and fed[0] == fed[2] != fed[1]
+    assert all(it.tokens is None for it in trace.requests[1].iterations)  # r1 has no positions
+    trace.save(tmp_path / "saved")
+    loaded = RoutingTrace.load(tmp_path / "saved")
+    assert [int(it.tokens[0]) for it in loaded.requests[0].iterations] == fed
+    np.savez(tmp_path / "decode_routing.npz", r0__ids=ids, r0__pos=np.array([2, 3, 4, 6]), r1__ids=ids[:2])
+    assert all(it.tokens is None for it in RoutingTrace.from_external(tmp_path).requests[0].iterations)
+
+    lines = [
+        {"request": "a", "step": s, "layer": layer, "experts": [0, 1], "token": 100 + s}
+        for s in range(2)
+        for layer in range(3)
+    ]
+    path = tmp_path / "routing.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    trace = RoutingTrace.from_external(path, num_experts=4)
+    assert [it.tokens.tolist() for it in trace.requests[0].iterations] == [[100], [101]]
+    path.write_text("\n".join(json.dumps({**x, "token": "x"}) for x in lines) + "\n")
+    with pytest.raises(ValueError, match="optionally weights, token"):
+        RoutingTrace.from_external(path, num_experts=4)

@@ -141,6 +141,8 @@ class StepLoop:
         # A continuous batch (a write index per row) counts its rows as such: its decode steps then compile
         # one program whatever the rows' experts, so serving compiles nothing after its warm-up.
         self.width_tokens = int(np.prod(self.shape)) if np.ndim(layout.write_index) else self.shape[1]
+        # The token ids fed, for a policy that reads them (`Policy.needs_tokens`): a host copy, `[N]`.
+        self.fed = np.asarray(tokens, np.int64).reshape(-1) if policy.needs_tokens else None
         if not devices.single:
             tokens, layout, forced = devices.replicate((tokens, layout, forced))
         self.forced, self.forced_embeds = forced, forced_embeds
@@ -170,7 +172,7 @@ class StepLoop:
         self.read()
         self.first = self.seen
         embeds = self.first.embeds if self.forced_embeds is None else self.forced_embeds
-        engine.driver.iteration(self.valid_bt, embeds, self)
+        engine.driver.iteration(self.valid_bt, embeds, self, self.fed)
         last = self.segment
         if self.seen is not None:  # the launch that ran to the end was read: its tokens came with it
             tokens = self.seen.tokens

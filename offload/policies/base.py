@@ -76,12 +76,15 @@ class Policy:
     #   as each iteration starts, and hold for the whole iteration: a policy may change them only in
     #   `on_iteration_end` (fmoe, live, stops wanting them while it could not pay for their use);
     # - `needs_hidden` (each MoE layer's router input) is read before each layer routes: a policy may change
-    #   it in `on_layer_routed`, for the next layer.
+    #   it in `on_layer_routed`, for the next layer;
+    # - `needs_tokens` (the token ids the iteration feeds, `IterationStart.tokens`) is read as each iteration
+    #   starts; a trace without them gives None.
     # The simulator reads them once, at the start, for what a trace must hold. Class attributes here; a
     # policy that changes them makes them read-only properties.
     needs_semantic = False
     needs_probs = False
     needs_hidden = False
+    needs_tokens = False
     # The policy works on a thread of its own, whose timing a simulated clock cannot follow.
     threaded = False
     preload_all = False  # the cache starts with every expert (the resident policy)

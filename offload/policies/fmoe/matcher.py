@@ -29,6 +29,7 @@ class Context:
     request: int = 0  # the policy's request count when published
     rows: Any = None  # update: each token's batch row
     requests: Any = None  # update: each row's request id (`IterationStart.requests`), or None
+    token_hint: Any = None  # update: `[L, J]` what the rows' token contexts forecast (`TokenContexts`)
     published: float = 0.0  # on the simulated clock (`PolicyContext.clock`), when the simulator times it
 
 

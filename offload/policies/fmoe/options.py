@@ -62,6 +62,10 @@ class FMoEOptions:
         ahead in layer steps (its chance of use at its layer's next routing, from a table of the request's
         history of it fit on `from_traces`' traces and learned online, with the guides' need); admission
         prices prefetches as before (`distance.py`). Decision "next-use distance".
+      token_contexts: the reuse hint also reads what followed the last tokens each row fed, where the engine
+        or trace gives them (`TokenContexts`: an n-gram model of the experts used within the horizon, learned
+        from `from_traces`' traces and online; eviction "reuse" without a reuse predictor). Decision "token
+        contexts".
       popularity: `[L, J]` tokens routed to each expert in earlier requests; eviction "reuse" also keeps an
         expert for its share of every token's routing. None (the default): the policy counts the tokens it
         serves (from the counts saved with a loaded store) and saves them with the store. False: no prior.
@@ -115,6 +119,7 @@ class FMoEOptions:
     offline_followers: bool = False
     learned_reuse: bool = False
     reuse_distance: bool = False
+    token_contexts: bool = True
     popularity: Any = None  # [L, J] counts, None, or False
     traj_target: Literal["band", "single"] = "band"
     asynchronous: bool = True

@@ -40,6 +40,7 @@ from .prefix_dots import PrefixDots
 from .skips import SearchSkips
 from .store import ExpertMapStore
 from .store_file import open_store, store_from_traces
+from .token_contexts import TokenContexts, used_by_row
 
 # The reuse hint averages what followed this many of the stored maps most like the last token's, weighted by
 # similarity (`ExpertMapStore.future_of`): one map's followers is a noisy forecast.
@@ -75,6 +76,8 @@ class FMoE(Policy):
         self._trained_reuse: dict[int, Predictor] = {}
         self._next_use: NextUseTraining | None = None  # `from_traces(learned_reuse=True)`: fits at `bind`
         self._distance_counts: np.ndarray | None = None  # `from_traces(reuse_distance=True)`
+        self._token_traces: list = []  # `from_traces`: the token contexts learn them at `bind`
+        self.token_contexts: TokenContexts | None = None
         self.calibration = Calibration()
         # P(needed at the next token's layer j | the reuse hint's p, its layer, recency): the next token's
         # guess.
@@ -104,6 +107,11 @@ class FMoE(Policy):
     @property
     def needs_hidden(self) -> bool:
         return self._wants_hidden
+
+    @property
+    def needs_tokens(self) -> bool:
+        options = self.options
+        return options.token_contexts and options.eviction == "reuse" and self.reuse_predictor is None
 
     @property
     def threaded(self) -> bool:
@@ -145,6 +153,7 @@ class FMoE(Policy):
             policy._next_use = NextUseTraining(traces, options["popularity"])
         if options.get("reuse_distance") and traces:
             policy._distance_counts = fit_counts(used_sets(traces))
+        policy._token_traces = list(traces) if policy.needs_tokens else []
         if train and traces:
             policy._reuse_traces = list(traces)
             policy._wants_hidden = True
@@ -173,6 +182,7 @@ class FMoE(Policy):
         self._embed_dim = ctx.embed_dim or 1
         self.store = open_store(self.store, self.store_path, ctx, options.store_capacity, self._embed_dim)
         self._bind_forecasts()
+        self._bind_token_contexts()
         self._begin_state()
         clocked = ctx.clock is not None and (ctx.matcher_s or 0.0) > 0
         self.matcher = make_matcher(
@@ -218,6 +228,24 @@ class FMoE(Policy):
         self.popularity, self.forecast, self.guides = built.popularity, built.forecast, built.guides
         self.sorted_maps, self.evictor, self.predicted = built.sorted_maps, built.evictor, built.predicted
 
+    def _bind_token_contexts(self) -> None:
+        """The token contexts over the forecast's horizon, first learning `from_traces`' traces (theirs)."""
+        self.token_contexts = None
+        if not self.needs_tokens:
+            return
+        ctx = self.ctx
+        self.token_contexts = TokenContexts(ctx.num_layers, ctx.num_experts, self.reuse_horizon)
+        for trace in self._token_traces:
+            for request in trace.requests:
+                self.token_contexts.start_request()
+                for it in request.iterations:
+                    if it.tokens is None:
+                        break
+                    valid = np.ones((1, it.num_tokens), bool)
+                    used = used_by_row(np.asarray(it.ids), valid, ctx.num_experts)[0]
+                    self.token_contexts.observe(0, it.tokens.tolist(), used)
+        self.token_contexts.start_request()
+
     def _begin_state(self) -> None:
         ctx = self.ctx
         # The first layer after which no trajectory search guides a layer: the next-token guess follows it.
@@ -233,6 +261,7 @@ class FMoE(Policy):
         self._resting = False
         self._rest_needed = 0  # experts the layers routed while resting (the credit's deposit at the end)
         self._spent = 0.0  # host seconds of this iteration's event handlers so far
+        self._fed: np.ndarray | None = None  # the iteration's token ids, for the token contexts
 
     def _train_reuse(self, horizon: int) -> Predictor:
         """The reuse predictor for `horizon`, trained once (decision "reuse predictor horizon")."""
@@ -270,6 +299,8 @@ class FMoE(Policy):
 
     # -- events from the engine (engine thread: cheap, never waits for matching) -------------------------
     def on_request_start(self, event: RequestStart) -> None:
+        if self.token_contexts is not None:
+            self.token_contexts.start_request()
         self.forecast.start_request()
         self._request += 1
         self._hint = None
@@ -301,6 +332,10 @@ class FMoE(Policy):
             self._maps = np.zeros((rows * tokens, self.ctx.num_layers, self.ctx.num_experts), np.float32)
             self._token_rows = np.repeat(np.arange(rows), tokens)[self._valid]  # each valid token's row
         self._requests = event.requests
+        self._fed = event.tokens if self.token_contexts is not None else None
+        self._valid_bt = valid
+        if self._fed is not None:
+            self._ids = np.zeros((rows * tokens, self.ctx.num_layers, self.ctx.top_k), np.int64)
         self._decoding = tokens == 1
         self.admission.begin_iteration(self._decoding)
         self._iteration += 1
@@ -331,6 +366,8 @@ class FMoE(Policy):
         """The first iteration fmoe pays for after resting: the request's routing features start over (they
         would skip the tokens it rested through)."""
         self._resting = False
+        if self.token_contexts is not None:
+            self.token_contexts.start_request()
         self.forecast.start_request()
         self.guides.start_request()
         self._hint = None
@@ -353,6 +390,8 @@ class FMoE(Policy):
         self.guides.route(layer, needed)
         self.popularity.count_layer(layer, event.ids, event.token_valid)
         self.forecast.mark_used(layer, needed)
+        if self._fed is not None:
+            self._ids[:, layer] = event.ids
         if event.probs is None:  # the engine skipped them: no search or update from this iteration
             self._recording = False
         elif self._recording:
@@ -411,9 +450,11 @@ class FMoE(Policy):
         self.guides.observe()
         self.forecast.end_iteration(self.guides.used)
         self.popularity.end_iteration(self.guides.used, self._valid.size)
+        token_hint = self._observe_tokens()
         if self._embeds.shape[0] and updates and self.budget.affords("update", self._recording):
             context = Context("update", data=self._embeds, extra=self._maps[self._valid])
             context.rows, context.requests = self._token_rows, self._requests
+            context.token_hint = token_hint
             context.request, context.iteration = self._request, self._iteration
             self.matcher.publish(context)
         self._plan_recording(updates)
@@ -422,6 +463,23 @@ class FMoE(Policy):
         if self._decoding:
             self.budget.record_spent("bookkeeping", self._spent + time.perf_counter() - start)
         self.evictor.stale()
+
+    def _observe_tokens(self) -> np.ndarray | None:
+        """The iteration's fed tokens and each row's experts join the token contexts; returns what they
+        forecast for the rows still active (`TokenContexts.hint`), or None."""
+        if self._fed is None:
+            return None
+        valid = self._valid_bt
+        rows, tokens = valid.shape
+        keys = self._requests if self._requests is not None else range(rows)
+        used = used_by_row(self._ids, valid, self.ctx.num_experts)
+        fed = self._fed.reshape(rows, tokens)
+        active = []
+        for b, key in enumerate(keys):
+            if valid[b].any():
+                self.token_contexts.observe(key, fed[b][valid[b]].tolist(), used[b])
+                active.append(key)
+        return self.token_contexts.hint(active)
 
     def _plan_recording(self, updates: bool) -> None:
         """Live, whether the next iteration's embeddings and router probabilities are copied out of the
@@ -484,7 +542,10 @@ class FMoE(Policy):
         if self.options.eviction == "reuse" and self.reuse_predictor is None:  # the next hint: what
             # followed the maps most like each row's last token's
             last = np.flatnonzero(np.append(context.rows[1:] != context.rows[:-1], True))
-            self._hint = self.store.future_of(context.extra[last], HINT_NEIGHBOURS).max(axis=0)
+            hint = self.store.future_of(context.extra[last], HINT_NEIGHBOURS).max(axis=0)
+            if context.token_hint is not None:  # either foretells a use (decision "token contexts")
+                hint = 1.0 - (1.0 - hint) * (1.0 - context.token_hint)
+            self._hint = hint
             self._hinted = context.iteration
         self.timers["store_update"] += time.perf_counter() - start
 

@@ -1,0 +1,135 @@
+"""What followed each recent context of fed tokens (`TokenContexts`): a forecast of the experts the next
+iterations use, from the tokens a request has fed so far, as an n-gram model with back-off. The reuse hint
+(`FMoE._update`) joins it to the store's. The token ids are what an engine feeds and knows before a step
+runs; routing recorded elsewhere may carry them too (`Iteration.tokens`). Decision "token contexts".
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+# Context lengths in tokens, the longest tried first: the last three tokens fed, else two, else one.
+ORDERS = (3, 2, 1)
+# Contexts kept per order, the least recently seen dropped first: 3 orders x 4,096 x L x J uint16 counts
+# (19 MB at gpt-oss-20b's 24 x 32).
+CAPACITY = 4096
+_HALVE_AT = 60_000  # a context's counts halve here, within uint16
+
+
+class TokenContexts:
+    """For each context (the last n tokens a row fed, n in `ORDERS`), how often each expert was used within
+    the `horizon` iterations that followed it: `hint` reads P(used within the horizon | the longest context
+    seen before) for each row, and the rows' chances combine as independent.
+
+    A row's state (its recent tokens, the contexts still inside their horizon) is kept per request key;
+    `start_request` forgets every row's, not what was learned.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, horizon: int, capacity: int = CAPACITY):
+        self.shape, self.horizon, self.capacity = (num_layers, num_experts), horizon, capacity
+        self._counts = {n: collections.OrderedDict() for n in ORDERS}  # context -> (times, [L * J] uses)
+        self._rows: dict[Hashable, _Row] = {}
+
+    def __len__(self) -> int:
+        return sum(len(table) for table in self._counts.values())
+
+    def start_request(self) -> None:
+        self._rows.clear()
+
+    def observe(self, row: Hashable, tokens: Sequence[int], used: np.ndarray | None) -> None:
+        """One iteration of `row`: it fed `tokens` (a prefill's, or decode's one) and used `used` (`[L, J]`
+        bool; None: not known, nothing learned). The contexts inside their horizon count `used`; a decode
+        iteration's contexts (ending with its token) start theirs."""
+        state = self._rows.setdefault(row, _Row())
+        if used is not None:
+            flat = used.reshape(-1)
+            done = 0
+            for pending in state.pending:
+                pending.used |= flat
+                pending.left -= 1
+                done += pending.left == 0
+            for _ in range(done):  # the oldest first: those whose horizon has passed
+                self._learn(state.pending.popleft())
+        else:
+            state.pending.clear()  # an iteration not seen: the horizons it falls in are incomplete
+        state.recent.extend(int(t) for t in tokens)
+        if len(tokens) == 1 and used is not None:
+            contexts = self._contexts(state.recent)
+            state.pending.append(
+                _Pending(contexts, np.zeros(self.shape[0] * self.shape[1], bool), self.horizon)
+            )
+
+    def hint(self, rows: Sequence[Hashable]) -> np.ndarray | None:
+        """`[L, J]` the chance each expert is used within the horizon by any of `rows` (None: no row's
+        context was seen before)."""
+        stays = None
+        for row in rows:
+            state = self._rows.get(row)
+            p = None if state is None else self._predict(state.recent)
+            if p is not None:
+                stays = 1.0 - p if stays is None else stays * (1.0 - p)
+        return None if stays is None else (1.0 - stays).reshape(self.shape)
+
+    def _contexts(self, recent: collections.deque) -> list[tuple[int, tuple[int, ...]]]:
+        tokens = tuple(recent)
+        return [(n, tokens[-n:]) for n in ORDERS if len(tokens) >= n]
+
+    def _predict(self, recent: collections.deque) -> np.ndarray | None:
+        for n, context in self._contexts(recent):
+            found = self._counts[n].get(context)
+            if found is not None:
+                times, uses = found
+                return uses / float(times)
+        return None
+
+    def _learn(self, pending: _Pending) -> None:
+        for n, context in pending.contexts:
+            table = self._counts[n]
+            found = table.get(context)
+            if found is None:
+                found = [0, np.zeros(pending.used.size, np.uint16)]
+                table[context] = found
+                if len(table) > self.capacity:
+                    table.popitem(last=False)
+            else:
+                table.move_to_end(context)
+            found[0] += 1
+            found[1] += pending.used
+            if found[0] >= _HALVE_AT:
+                found[0] //= 2
+                found[1] //= 2
+
+
+class _Row:
+    __slots__ = ("pending", "recent")
+
+    def __init__(self) -> None:
+        self.recent: collections.deque = collections.deque(maxlen=max(ORDERS))  # the last tokens fed
+        self.pending: collections.deque = collections.deque()  # contexts still inside their horizon
+
+
+class _Pending:
+    __slots__ = ("contexts", "left", "used")
+
+    def __init__(self, contexts: list, used: np.ndarray, left: int):
+        self.contexts, self.used, self.left = contexts, used, left
+
+
+def used_by_row(ids: np.ndarray, valid: np.ndarray, num_experts: int) -> list[np.ndarray]:
+    """Each row's experts `[L, J]` bool from an iteration's routing `ids` `[B * T, L, k]` and `valid`
+    `[B, T]`: those its valid tokens chose."""
+    rows, tokens = valid.shape
+    layers = ids.shape[1]
+    out = []
+    for b in range(rows):
+        chosen = ids[b * tokens : (b + 1) * tokens][valid[b]]  # [t, L, k]
+        mask = np.zeros((layers, num_experts), bool)
+        if len(chosen):
+            np.put_along_axis(
+                mask, chosen.transpose(1, 0, 2).reshape(layers, -1).astype(np.int64), True, axis=1
+            )
+        out.append(mask)
+    return out
