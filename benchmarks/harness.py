@@ -334,6 +334,7 @@ def load_workload(name: str, args: argparse.Namespace, *, record: bool = True) -
         uids=[p.uid for p in store + evaluation],
         ids=ids,
         new_tokens=args.new_tokens,
+        recorded="tokens",  # traces recorded with the fed token ids (fmoe's token contexts read them)
     )
     cache_dir = args.cache_dir / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     requests = [Request(p, i, None) for p, i in zip(store + evaluation, ids, strict=True)]

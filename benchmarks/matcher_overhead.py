@@ -49,6 +49,8 @@ POLICY_ROUNDS = 5  # `measure`'s rounds of `policy_iteration`
 PREFETCH_DISTANCE = 3
 NUM_CONTEXTS = 256
 FILL_CHUNK = 4096
+# `policy_iteration`'s iterations feed tokens in a cycle this long (fmoe's token contexts then hit).
+TOKEN_CYCLE = 16
 FLUSH_BYTES = 512 * 2**20
 # Targets from the project brief, for Mixtral's shapes at batch 1.
 TARGETS_MS = {1024: 1.0, 32768: 10.0}
@@ -120,7 +122,9 @@ def policy_iteration(
     """The whole fmoe policy's host work per decode iteration (batch 1), as the matcher thread and the engine
     thread do it together: semantic search, the trajectory searches (less those `skip_confirmed` and resting
     leave out), selection and admission of the selected experts, the calibration and forecast updates, the map
-    update (`learn`) and the reuse hint. Each query's map is the iteration's routing (its top k per layer).
+    update (`learn`), the reuse hint and the token contexts (the i-th iteration feeds token i mod
+    `TOKEN_CYCLE`, so that its contexts have been seen). Each query's map is the iteration's routing (its top
+    k per layer).
     Besides the time: searches, layers confirmed (`skip_confirmed`) and layers rested (after repeated matches)
     per iteration.
     Every selected expert is admitted (no cost hints): the most prefetch requests a search can make.
@@ -142,7 +146,7 @@ def policy_iteration(
     policy.bind(ctx, _NullCache(ctx.capacity))
     valid = np.ones((1, 1), bool)
 
-    def events(embeds: np.ndarray, maps: np.ndarray) -> tuple[IterationStart, list[LayerRouted]]:
+    def events(embeds: np.ndarray, maps: np.ndarray, token: int) -> tuple[IterationStart, list[LayerRouted]]:
         """The engine's events of one iteration: its routing (top k of the map) is the router's work, on
         the device, and the needed experts are computed for every policy, so both are made untimed."""
         routed = []
@@ -151,7 +155,7 @@ def policy_iteration(
             routed.append(
                 LayerRouted(layer, ids, valid, needed_experts(ids, valid.reshape(-1)), maps[:, layer])
             )
-        return IterationStart(valid, embeds), routed
+        return IterationStart(valid, embeds, tokens=np.array([token])), routed
 
     matcher = []  # each iteration's milliseconds in the matcher's own work (`FMoE.timers`)
 
@@ -163,7 +167,7 @@ def policy_iteration(
         policy.on_iteration_end()
         matcher.append(1e3 * (policy.timers["matching"] + policy.timers["store_update"] - before))
 
-    times = _time_ms(iteration, [events(*query) for query in queries])
+    times = _time_ms(iteration, [events(*query, i % TOKEN_CYCLE) for i, query in enumerate(queries)])
     counts = policy.stats()
     iterations = len(queries) + 1  # `_time_ms` runs the first once more, untimed
     return {

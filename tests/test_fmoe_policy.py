@@ -1148,3 +1148,29 @@ def test_the_live_engine_feeds_fmoe_the_tokens_it_feeds_the_model(hf_dirs):
     for row, (prompt, generated) in enumerate(zip(prompts, out.tokens, strict=True)):
         assert list(contexts._rows[row].recent) == (prompt + generated[:-1])[-3:]
     assert len(contexts) > 0
+
+
+def test_each_rows_experts_are_those_its_valid_tokens_chose():
+    from fmoe_jax.offload.policies.fmoe.token_contexts import used_by_row
+
+    rng = np.random.default_rng(0)
+    ids = np.argsort(rng.random((6, 5, 8)), -1)[..., :2]  # [B * T, L, k]
+
+    def reference(valid):
+        rows, tokens = valid.shape
+        out = []
+        for b in range(rows):
+            mask = np.zeros((5, 8), bool)
+            for t in np.flatnonzero(valid[b]):
+                for layer in range(5):
+                    mask[layer, ids[b * tokens + t, layer]] = True
+            out.append(mask)
+        return out
+
+    for valid in (
+        np.ones((6, 1), bool),
+        np.array([[1], [0], [1], [1], [0], [1]], bool),
+        np.eye(3, 2, dtype=bool),
+    ):
+        for got, want in zip(used_by_row(ids, valid, 8), reference(valid), strict=True):
+            np.testing.assert_array_equal(got, want)

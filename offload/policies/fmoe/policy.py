@@ -334,7 +334,10 @@ class FMoE(Policy):
         self._requests = event.requests
         self._fed = event.tokens if self.token_contexts is not None else None
         self._valid_bt = valid
-        if self._fed is not None:
+        # Each row's experts, for the token contexts: one row's are the guides' (`Guides.used`); several
+        # rows' come from their ids, kept layer by layer.
+        self._ids = None
+        if self._fed is not None and rows > 1:
             self._ids = np.zeros((rows * tokens, self.ctx.num_layers, self.ctx.top_k), np.int64)
         self._decoding = tokens == 1
         self.admission.begin_iteration(self._decoding)
@@ -390,7 +393,7 @@ class FMoE(Policy):
         self.guides.route(layer, needed)
         self.popularity.count_layer(layer, event.ids, event.token_valid)
         self.forecast.mark_used(layer, needed)
-        if self._fed is not None:
+        if self._ids is not None:
             self._ids[:, layer] = event.ids
         if event.probs is None:  # the engine skipped them: no search or update from this iteration
             self._recording = False
@@ -450,11 +453,11 @@ class FMoE(Policy):
         self.guides.observe()
         self.forecast.end_iteration(self.guides.used)
         self.popularity.end_iteration(self.guides.used, self._valid.size)
-        token_hint = self._observe_tokens()
+        rows = self._observe_tokens()
         if self._embeds.shape[0] and updates and self.budget.affords("update", self._recording):
             context = Context("update", data=self._embeds, extra=self._maps[self._valid])
             context.rows, context.requests = self._token_rows, self._requests
-            context.token_hint = token_hint
+            context.token_hint = None if rows is None else self.token_contexts.hint(rows)
             context.request, context.iteration = self._request, self._iteration
             self.matcher.publish(context)
         self._plan_recording(updates)
@@ -464,22 +467,22 @@ class FMoE(Policy):
             self.budget.record_spent("bookkeeping", self._spent + time.perf_counter() - start)
         self.evictor.stale()
 
-    def _observe_tokens(self) -> np.ndarray | None:
-        """The iteration's fed tokens and each row's experts join the token contexts; returns what they
-        forecast for the rows still active (`TokenContexts.hint`), or None."""
+    def _observe_tokens(self) -> list | None:
+        """The iteration's fed tokens and each row's experts join the token contexts; returns the keys of
+        the rows that fed any (for `TokenContexts.hint`), or None without tokens."""
         if self._fed is None:
             return None
         valid = self._valid_bt
         rows, tokens = valid.shape
         keys = self._requests if self._requests is not None else range(rows)
-        used = used_by_row(self._ids, valid, self.ctx.num_experts)
+        used = [self.guides.used] if rows == 1 else used_by_row(self._ids, valid, self.ctx.num_experts)
         fed = self._fed.reshape(rows, tokens)
         active = []
         for b, key in enumerate(keys):
             if valid[b].any():
                 self.token_contexts.observe(key, fed[b][valid[b]].tolist(), used[b])
                 active.append(key)
-        return self.token_contexts.hint(active)
+        return active
 
     def _plan_recording(self, updates: bool) -> None:
         """Live, whether the next iteration's embeddings and router probabilities are copied out of the

@@ -123,6 +123,10 @@ def used_by_row(ids: np.ndarray, valid: np.ndarray, num_experts: int) -> list[np
     `[B, T]`: those its valid tokens chose."""
     rows, tokens = valid.shape
     layers = ids.shape[1]
+    if tokens == 1 and valid.all():  # decode, every row active: each row's one token
+        masks = np.zeros((rows, layers, num_experts), bool)
+        masks[np.arange(rows)[:, None, None], np.arange(layers)[None, :, None], ids] = True
+        return list(masks)
     out = []
     for b in range(rows):
         chosen = ids[b * tokens : (b + 1) * tokens][valid[b]]  # [t, L, k]
