@@ -1122,6 +1122,10 @@ def test_token_contexts_learn_what_follows_the_last_tokens_fed():
     contexts.observe(1, [9], used(3))  # another row: after 9 came 7 and 8 ({5} | {6}) before
     both = 1.0 - (1.0 - contexts.hint([0])) * (1.0 - contexts.hint([1]))
     np.testing.assert_array_equal(contexts.hint([0, 1]), both)
+    for request in range(10, 15):  # requests passing through a continuous batch's two rows
+        contexts.observe(request, [1], used(0))
+        contexts.keep_rows([request - 1, request])
+    assert sorted(contexts._rows) == [11, 12, 13, 14]  # pruned past twice the batch: 0, 1 and 10 went
     small = TokenContexts(num_layers=2, num_experts=4, horizon=1, capacity=1)
     for token in (1, 2, 3):
         small.observe(0, [token], used(token))

@@ -708,9 +708,7 @@ def _token_routing(rng: np.random.Generator, requests: int, steps: int, tokens: 
     for _ in range(requests):
         own = rng.choice(16, 4, replace=False)
         cycle = [int(own[s % 4]) for s in range(steps)]
-        routed.append(
-            [{"ids": vocab[t], **({"tokens": np.array([t])} if tokens else {})} for t in cycle]
-        )
+        routed.append([{"ids": vocab[t], **({"tokens": np.array([t])} if tokens else {})} for t in cycle])
     return [RoutingTrace.from_external([r], num_experts=8) for r in routed]
 
 

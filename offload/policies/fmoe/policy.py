@@ -475,6 +475,8 @@ class FMoE(Policy):
         valid = self._valid_bt
         rows, tokens = valid.shape
         keys = self._requests if self._requests is not None else range(rows)
+        if self._requests is not None:  # continuous batching: a row's request changes as requests leave
+            self.token_contexts.keep_rows(keys)
         used = [self.guides.used] if rows == 1 else used_by_row(self._ids, valid, self.ctx.num_experts)
         fed = self._fed.reshape(rows, tokens)
         active = []

@@ -39,6 +39,13 @@ class TokenContexts:
     def start_request(self) -> None:
         self._rows.clear()
 
+    def keep_rows(self, rows: Sequence[Hashable]) -> None:
+        """Forgets the state of every row but `rows` (requests that have left a continuous batch), once
+        there are twice as many."""
+        if len(self._rows) > 2 * len(rows):
+            keep = set(rows)
+            self._rows = {key: state for key, state in self._rows.items() if key in keep}
+
     def observe(self, row: Hashable, tokens: Sequence[int], used: np.ndarray | None) -> None:
         """One iteration of `row`: it fed `tokens` (a prefill's, or decode's one) and used `used` (`[L, J]`
         bool; None: not known, nothing learned). The contexts inside their horizon count `used`; a decode
