@@ -474,6 +474,11 @@ class FMoE(Policy):
             return None
         valid = self._valid_bt
         rows, tokens = valid.shape
+        if rows == 1 and tokens == 1 and self._requests is None:  # decode at batch 1
+            if not valid[0, 0]:
+                return []
+            self.token_contexts.observe(0, [int(self._fed[0])], self.guides.used)
+            return [0]
         keys = self._requests if self._requests is not None else range(rows)
         if self._requests is not None:  # continuous batching: a row's request changes as requests leave
             self.token_contexts.keep_rows(keys)

@@ -50,24 +50,28 @@ class TokenContexts:
         """One iteration of `row`: it fed `tokens` (a prefill's, or decode's one) and used `used` (`[L, J]`
         bool; None: not known, nothing learned). The contexts inside their horizon count `used`; a decode
         iteration's contexts (ending with its token) start theirs."""
-        state = self._rows.setdefault(row, _Row())
+        state = self._rows.get(row)
+        if state is None:
+            state = self._rows[row] = _Row()
         if used is not None:
             flat = used.reshape(-1)
             done = 0
             for pending in state.pending:
-                pending.used |= flat
+                if pending.used is None:  # its first iteration: a copy
+                    pending.used = flat.copy()
+                else:
+                    pending.used |= flat
                 pending.left -= 1
                 done += pending.left == 0
             for _ in range(done):  # the oldest first: those whose horizon has passed
                 self._learn(state.pending.popleft())
         else:
             state.pending.clear()  # an iteration not seen: the horizons it falls in are incomplete
-        state.recent.extend(int(t) for t in tokens)
+        state.recent.extend(tokens)
+        recent = tuple(state.recent)
+        state.contexts = [(n, recent[-n:]) for n in ORDERS if len(recent) >= n]
         if len(tokens) == 1 and used is not None:
-            contexts = self._contexts(state.recent)
-            state.pending.append(
-                _Pending(contexts, np.zeros(self.shape[0] * self.shape[1], bool), self.horizon)
-            )
+            state.pending.append(_Pending(state.contexts, self.horizon))
 
     def hint(self, rows: Sequence[Hashable]) -> np.ndarray | None:
         """`[L, J]` the chance each expert is used within the horizon by any of `rows` (None: no row's
@@ -75,17 +79,13 @@ class TokenContexts:
         stays = None
         for row in rows:
             state = self._rows.get(row)
-            p = None if state is None else self._predict(state.recent)
+            p = None if state is None else self._predict(state.contexts)
             if p is not None:
                 stays = 1.0 - p if stays is None else stays * (1.0 - p)
         return None if stays is None else (1.0 - stays).reshape(self.shape)
 
-    def _contexts(self, recent: collections.deque) -> list[tuple[int, tuple[int, ...]]]:
-        tokens = tuple(recent)
-        return [(n, tokens[-n:]) for n in ORDERS if len(tokens) >= n]
-
-    def _predict(self, recent: collections.deque) -> np.ndarray | None:
-        for n, context in self._contexts(recent):
+    def _predict(self, contexts: list[tuple[int, tuple[int, ...]]]) -> np.ndarray | None:
+        for n, context in contexts:
             found = self._counts[n].get(context)
             if found is not None:
                 times, uses = found
@@ -111,18 +111,20 @@ class TokenContexts:
 
 
 class _Row:
-    __slots__ = ("pending", "recent")
+    __slots__ = ("contexts", "pending", "recent")
 
     def __init__(self) -> None:
         self.recent: collections.deque = collections.deque(maxlen=max(ORDERS))  # the last tokens fed
+        self.contexts: list[tuple[int, tuple[int, ...]]] = []  # (n, the last n of them), the longest first
         self.pending: collections.deque = collections.deque()  # contexts still inside their horizon
 
 
 class _Pending:
     __slots__ = ("contexts", "left", "used")
 
-    def __init__(self, contexts: list, used: np.ndarray, left: int):
-        self.contexts, self.used, self.left = contexts, used, left
+    def __init__(self, contexts: list, left: int):
+        self.contexts, self.left = contexts, left
+        self.used: np.ndarray | None = None  # [L * J] bool, the experts of the iterations since
 
 
 def used_by_row(ids: np.ndarray, valid: np.ndarray, num_experts: int) -> list[np.ndarray]:
