@@ -144,6 +144,7 @@ def settings_note(w: Any) -> str:
         f"d = {a.prefetch_distance}, store capacity {a.store_capacity}; simulated at {w.sizes()} "
         f"({w.preset.expert_bytes / 2**20:.1f} MiB per expert), all {meta['num_layers']} of its "
         f"{w.preset.num_layers} MoE layers; fmoe matches on routing alone (semantic=False, no reuse "
-        "predictor); mixtral_offload runs without its speculative gate (no router inputs), ProMoE and "
+        "predictor) and reads the token each step fed (token contexts); mixtral_offload runs without its "
+        "speculative gate (no router inputs), ProMoE and "
         "DuoServe not at all"
     )
