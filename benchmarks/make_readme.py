@@ -352,8 +352,8 @@ def _foresight_sentence(payload: dict, budget: float = 0.25) -> str:
     from benchmarks.real_routing import NAME
 
     every = payload.get("rows", [])
-    routing = [r for r in every if r["model"].startswith(NAME)]
-    rows = [r for r in every if not r["model"].startswith(NAME)]
+    routing = [r for r in every if r.get("model", "").startswith(NAME)]
+    rows = [r for r in every if not r.get("model", "").startswith(NAME)]
     budgets = sorted({r["budget"] for r in rows})
     if not budgets:
         return _foresight_routing(routing)
