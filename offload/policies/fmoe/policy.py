@@ -40,7 +40,7 @@ from .prefix_dots import PrefixDots
 from .skips import SearchSkips
 from .store import ExpertMapStore
 from .store_file import open_store, store_from_traces
-from .token_contexts import TokenContexts, used_by_row
+from .token_contexts import TokenContexts
 
 # The reuse hint averages what followed this many of the stored maps most like the last token's, weighted by
 # similarity (`ExpertMapStore.future_of`): one map's followers is a noisy forecast.
@@ -231,20 +231,10 @@ class FMoE(Policy):
     def _bind_token_contexts(self) -> None:
         """The token contexts over the forecast's horizon, first learning `from_traces`' traces (theirs)."""
         self.token_contexts = None
-        if not self.needs_tokens:
-            return
-        ctx = self.ctx
-        self.token_contexts = TokenContexts(ctx.num_layers, ctx.num_experts, self.reuse_horizon)
-        for trace in self._token_traces:
-            for request in trace.requests:
-                self.token_contexts.start_request()
-                for it in request.iterations:
-                    if it.tokens is None:
-                        break
-                    valid = np.ones((1, it.num_tokens), bool)
-                    used = used_by_row(np.asarray(it.ids), valid, ctx.num_experts)[0]
-                    self.token_contexts.observe(0, it.tokens.tolist(), used)
-        self.token_contexts.start_request()
+        if self.needs_tokens:
+            ctx = self.ctx
+            self.token_contexts = TokenContexts(ctx.num_layers, ctx.num_experts, self.reuse_horizon)
+            self.token_contexts.learn_traces(self._token_traces)
 
     def _begin_state(self) -> None:
         ctx = self.ctx
@@ -261,7 +251,6 @@ class FMoE(Policy):
         self._resting = False
         self._rest_needed = 0  # experts the layers routed while resting (the credit's deposit at the end)
         self._spent = 0.0  # host seconds of this iteration's event handlers so far
-        self._fed: np.ndarray | None = None  # the iteration's token ids, for the token contexts
 
     def _train_reuse(self, horizon: int) -> Predictor:
         """The reuse predictor for `horizon`, trained once (decision "reuse predictor horizon")."""
@@ -332,13 +321,8 @@ class FMoE(Policy):
             self._maps = np.zeros((rows * tokens, self.ctx.num_layers, self.ctx.num_experts), np.float32)
             self._token_rows = np.repeat(np.arange(rows), tokens)[self._valid]  # each valid token's row
         self._requests = event.requests
-        self._fed = event.tokens if self.token_contexts is not None else None
-        self._valid_bt = valid
-        # Each row's experts, for the token contexts: one row's are the guides' (`Guides.used`); several
-        # rows' come from their ids, kept layer by layer.
-        self._ids = None
-        if self._fed is not None and rows > 1:
-            self._ids = np.zeros((rows * tokens, self.ctx.num_layers, self.ctx.top_k), np.int64)
+        if self.token_contexts is not None:
+            self.token_contexts.begin_iteration(event.tokens, valid, self.ctx.top_k)
         self._decoding = tokens == 1
         self.admission.begin_iteration(self._decoding)
         self._iteration += 1
@@ -393,8 +377,8 @@ class FMoE(Policy):
         self.guides.route(layer, needed)
         self.popularity.count_layer(layer, event.ids, event.token_valid)
         self.forecast.mark_used(layer, needed)
-        if self._ids is not None:
-            self._ids[:, layer] = event.ids
+        if self.token_contexts is not None:
+            self.token_contexts.route(layer, event.ids)
         if event.probs is None:  # the engine skipped them: no search or update from this iteration
             self._recording = False
         elif self._recording:
@@ -453,7 +437,8 @@ class FMoE(Policy):
         self.guides.observe()
         self.forecast.end_iteration(self.guides.used)
         self.popularity.end_iteration(self.guides.used, self._valid.size)
-        rows = self._observe_tokens()
+        contexts = self.token_contexts
+        rows = None if contexts is None else contexts.end_iteration(self._requests, self.guides.used)
         if self._embeds.shape[0] and updates and self.budget.affords("update", self._recording):
             context = Context("update", data=self._embeds, extra=self._maps[self._valid])
             context.rows, context.requests = self._token_rows, self._requests
@@ -466,30 +451,6 @@ class FMoE(Policy):
         if self._decoding:
             self.budget.record_spent("bookkeeping", self._spent + time.perf_counter() - start)
         self.evictor.stale()
-
-    def _observe_tokens(self) -> list | None:
-        """The iteration's fed tokens and each row's experts join the token contexts; returns the keys of
-        the rows that fed any (for `TokenContexts.hint`), or None without tokens."""
-        if self._fed is None:
-            return None
-        valid = self._valid_bt
-        rows, tokens = valid.shape
-        if rows == 1 and tokens == 1 and self._requests is None:  # decode at batch 1
-            if not valid[0, 0]:
-                return []
-            self.token_contexts.observe(0, [int(self._fed[0])], self.guides.used)
-            return [0]
-        keys = self._requests if self._requests is not None else range(rows)
-        if self._requests is not None:  # continuous batching: a row's request changes as requests leave
-            self.token_contexts.keep_rows(keys)
-        used = [self.guides.used] if rows == 1 else used_by_row(self._ids, valid, self.ctx.num_experts)
-        fed = self._fed.reshape(rows, tokens)
-        active = []
-        for b, key in enumerate(keys):
-            if valid[b].any():
-                self.token_contexts.observe(key, fed[b][valid[b]].tolist(), used[b])
-                active.append(key)
-        return active
 
     def _plan_recording(self, updates: bool) -> None:
         """Live, whether the next iteration's embeddings and router probabilities are copied out of the

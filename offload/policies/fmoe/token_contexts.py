@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +33,9 @@ class TokenContexts:
         self.shape, self.horizon, self.capacity = (num_layers, num_experts), horizon, capacity
         self._counts = {n: collections.OrderedDict() for n in ORDERS}  # context -> (times, [L * J] uses)
         self._rows: dict[Hashable, _Row] = {}
+        self._fed: np.ndarray | None = None  # the current iteration's (`begin_iteration`)
+        self._valid: np.ndarray | None = None
+        self._ids: np.ndarray | None = None
 
     def __len__(self) -> int:
         return sum(len(table) for table in self._counts.values())
@@ -45,6 +49,60 @@ class TokenContexts:
         if len(self._rows) > 2 * len(rows):
             keep = set(rows)
             self._rows = {key: state for key, state in self._rows.items() if key in keep}
+
+    def learn_traces(self, traces: Sequence[Any]) -> None:
+        """Learns recorded requests (`RoutingTrace`s) from the tokens they fed (`Iteration.tokens`), each
+        from its start up to its first iteration without them; the rows are then forgotten."""
+        valid = np.ones((1, 1), bool)
+        for trace in traces:
+            for request in trace.requests:
+                self.start_request()
+                for it in request.iterations:
+                    if it.tokens is None:
+                        break
+                    ids = np.asarray(it.ids)
+                    used = used_by_row(ids, np.broadcast_to(valid, (1, it.num_tokens)), self.shape[1])
+                    self.observe(0, it.tokens.tolist(), used[0])
+        self.start_request()
+
+    def begin_iteration(self, tokens: np.ndarray | None, valid: np.ndarray, top_k: int) -> None:
+        """An iteration of a batch starts: `tokens` `[N]` the ids it feeds (None: unknown, it is not
+        learned), `valid` `[B, T]`. Several rows' experts are then kept as each layer routes (`route`)."""
+        self._fed, self._valid = tokens, valid
+        rows, width = valid.shape
+        self._ids = None
+        if tokens is not None and rows > 1:
+            self._ids = np.zeros((rows * width, self.shape[0], top_k), np.int64)
+
+    def route(self, layer: int, ids: np.ndarray) -> None:
+        """Layer `layer`'s choices `[N, k]`, kept where the iteration has several rows."""
+        if self._ids is not None:
+            self._ids[:, layer] = ids
+
+    def end_iteration(self, requests: Sequence[Hashable] | None, used: np.ndarray) -> list[Hashable] | None:
+        """The iteration has ended: each row's tokens and experts are observed (`used` `[L, J]`: the whole
+        iteration's, which are one row's own; `requests`: each row's request, None: the rows are the
+        requests). Returns the keys of the rows that fed any (for `hint`), or None without tokens."""
+        fed, valid = self._fed, self._valid
+        if fed is None:
+            return None
+        rows, tokens = valid.shape
+        if rows == 1 and tokens == 1 and requests is None:  # decode at batch 1
+            if not valid[0, 0]:
+                return []
+            self.observe(0, [int(fed[0])], used)
+            return [0]
+        keys = requests if requests is not None else range(rows)
+        if requests is not None:  # continuous batching: a row's request changes as requests leave
+            self.keep_rows(keys)
+        by_row = [used] if rows == 1 else used_by_row(self._ids, valid, self.shape[1])
+        fed = fed.reshape(rows, tokens)
+        active = []
+        for b, key in enumerate(keys):
+            if valid[b].any():
+                self.observe(key, fed[b][valid[b]].tolist(), by_row[b])
+                active.append(key)
+        return active
 
     def observe(self, row: Hashable, tokens: Sequence[int], used: np.ndarray | None) -> None:
         """One iteration of `row`: it fed `tokens` (a prefill's, or decode's one) and used `used` (`[L, J]`
