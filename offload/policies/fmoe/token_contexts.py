@@ -53,16 +53,16 @@ class TokenContexts:
     def learn_traces(self, traces: Sequence[Any]) -> None:
         """Learns recorded requests (`RoutingTrace`s) from the tokens they fed (`Iteration.tokens`), each
         from its start up to its first iteration without them; the rows are then forgotten."""
-        valid = np.ones((1, 1), bool)
         for trace in traces:
             for request in trace.requests:
                 self.start_request()
                 for it in request.iterations:
                     if it.tokens is None:
                         break
-                    ids = np.asarray(it.ids)
-                    used = used_by_row(ids, np.broadcast_to(valid, (1, it.num_tokens)), self.shape[1])
-                    self.observe(0, it.tokens.tolist(), used[0])
+                    valid = np.ones((1, it.num_tokens), bool)
+                    self.observe(
+                        0, it.tokens.tolist(), used_by_row(np.asarray(it.ids), valid, self.shape[1])[0]
+                    )
         self.start_request()
 
     def begin_iteration(self, tokens: np.ndarray | None, valid: np.ndarray, top_k: int) -> None:
