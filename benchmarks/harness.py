@@ -764,6 +764,7 @@ def write_results(
         print_table(rows)
     if merge and (Path(out) / f"{name}.json").exists():
         payload, tables, notes, command = merged_results(saved(name, out), payload, tables, notes, command)
+    command = payload.get("command", command)  # an experiment's own merge keeps the whole run's
     save(name, {"command": command, **payload, "tables": tables, "notes": list(notes)}, out)
     m = machine()
     lines = [

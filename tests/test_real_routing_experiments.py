@@ -134,6 +134,7 @@ def test_foresight_on_the_routing_merges_beside_the_saved_models(routing, tmp_pa
         (f"{real_routing.NAME}@bf16", 0.5),
     ]
     assert all(r["split"] == "eval" for r in rows) and payload["command"] == "the whole run"
+    assert "Command: `the whole run`" in (tmp_path / "foresight.md").read_text()  # as the JSON's
     for r in rows[1:]:
         assert set(r["tpot_s"]) == {
             "on_demand_lru",
