@@ -12,7 +12,8 @@ full fMoE prediction (every selected expert prefetched) with LRU, LFU, fMoE's p 
 Hit rates live, simulated with synchronous copies (prediction and caching alone) and asynchronous ones (with
 TPOT), on each `--hardware` preset. (c) What the default fmoe is made of (issue 16), simulated only: the reuse
 forecast without the learned reuse predictor (the store's hint instead), each eviction rule with its cost
-admission, calibration, the next-token guess and the popularity prior off, the searches resting only
+admission, calibration, the next-token guess, the popularity prior and (on routing recorded elsewhere,
+where no reuse predictor replaces them) the token contexts off, the searches resting only
 2 ** (n - 1) layers after n repeated matches in a row (`resting="doubling"`, the rule before 2026-11-28; the
 default rests the iteration out after its first repeat), the two earlier admission rules (as if the
 link were free; after the copies and misses queued ahead), no prefetch at all, whole copies and one chunk
@@ -61,6 +62,7 @@ PARTS = [
     h.Variant("no next-token guess", "fmoe", (("next_token", False),)),
     h.Variant("doubling rest after repeated matches", "fmoe", (("resting", "doubling"),)),
     h.Variant("no popularity prior", "fmoe", (("popularity", False),)),
+    h.Variant("no token contexts", "fmoe", (("token_contexts", False),)),
     h.Variant("admission: lands in time, pays for its stalls", "fmoe", (("link", "stalls"),)),
     h.Variant("admission after the link's queue", "fmoe", (("link", "queue"),)),
     h.Variant("no prefetch", "fmoe", (("admission", 2.0),)),  # no probability reaches 2
@@ -76,9 +78,9 @@ PARTS = [
 def groups(w: h.Workload) -> tuple[list[h.Variant], list[h.Variant], list[h.Variant]]:
     """(tracking, caching, parts) for the workload: on routing recorded elsewhere (no embeddings, no router
     inputs) speculation, semantic search and the reuse predictor are out, and map(T+delta) stands for
-    map(T+S+delta)."""
+    map(T+S+delta); where the default fmoe has its reuse predictor, the token contexts are off already."""
     if w.recorded:
-        return TRACKING, CACHING, PARTS
+        return TRACKING, CACHING, [v for v in PARTS if v.label != "no token contexts"]
     tracking = [v for v in TRACKING if v.label in ("hit count", "map(T)")]
     tracking += [h.Variant("map(T+delta)", "fmoe", (("semantic", False), *ALL)), TRACKING[-1]]
     return tracking, CACHING, [v for v in PARTS if v.label != "no reuse predictor"]

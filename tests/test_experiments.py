@@ -365,6 +365,7 @@ def test_exp5_ablates_the_default_fmoe_and_belady_foresight(hf_dirs, tmp_path):
     assert set(parts) >= {"fmoe (default: reuse eviction)", "whole copies", "calibration off", "oracle"}
     assert set(parts) >= {"no prefetch", "cancel between chunks", "no next-token guess"}
     assert set(parts) >= {"admission: lands in time, pays for its stalls", "admission after the link's queue"}
+    assert "no token contexts" not in parts  # the default's reuse predictor leaves them off
     assert "reuse" in {row["variant"] for row in result["caching"]}
     # Belady's miss count is the optimum of on-demand loading: no foresight limit does better.
     best = parts["Belady, whole future"]["sim_hit_rate_sync"]

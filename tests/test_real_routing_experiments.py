@@ -103,6 +103,7 @@ def test_exp5_and_exp8_run_on_routing_alone(routing, tmp_path):
     tracking, caching, parts = exp5_ablation.groups(w)
     assert [v.label for v in tracking] == ["hit count", "map(T)", "map(T+delta)", "+ cost admission"]
     assert caching == exp5_ablation.CACHING and "no reuse predictor" not in [v.label for v in parts]
+    assert "no token contexts" in [v.label for v in parts]  # the routing's fmoe reads the fed tokens
     rows = exp5_ablation.rows_for(w, tracking, w.args)
     assert all(0 < r["rtx_3090_hit_rate"] < 1 and r["rtx_3090_tpot_s"] > 0 for r in rows)
     payload = exp8_hybrid.main(
