@@ -35,6 +35,47 @@ import pytest  # noqa: E402
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
+# `--dist loadfile` hands a worker one whole file at a time, by default the files with the most tests first,
+# which put slow files of a few tests (test_multidevice.py: one, ~2 min) last while the other worker sat
+# idle. The files slowest in a measured run (one worker, 4,350 s in all) go first, slowest first; the others
+# follow in xdist's order.
+SLOWEST_FILES = (
+    "test_offload.py",
+    "test_parity.py",
+    "test_lossless.py",
+    "test_trained_models.py",
+    "test_experiments.py",
+    "test_convert.py",
+    "test_batching.py",
+    "test_baselines.py",
+    "test_multidevice.py",
+    "test_quant_loading.py",
+    "test_generate_api.py",
+    "test_hybrid.py",
+    "test_multihost.py",
+    "test_engine_isolation.py",
+    "test_moe_kernels.py",
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    def rank(scope: str) -> int:
+        name = Path(scope).name
+        return SLOWEST_FILES.index(name) if name in SLOWEST_FILES else len(SLOWEST_FILES)
+
+    class SlowestFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node) -> None:
+            self.workqueue.move_to_end(min(self.workqueue, key=rank), last=False)
+            super()._assign_work_unit(node)
+
+    return SlowestFirst(config, log)
+
+
 # Small configs that still exercise every feature: GQA, >= 2 layers, >= 4 experts, Mixtral's sliding
 # window, Qwen's dense layer and shared expert, Phi's biases and LongRoPE (original max 64 < 300 tokens),
 # Qwen3's per-head q/k norms with a head_dim that is not hidden / heads and top-8 of 16 experts renormalised,
