@@ -23,10 +23,14 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 # Every model owns its compiled programs, so a test that loads a model again compiles again. XLA's
-# persistent cache (a test setting, in a folder of this session) turns those repeats into cache hits:
-# ~8 s -> ~0.8 s per load of a shipped model on this CPU.
-_XLA_CACHE = tempfile.mkdtemp(prefix="fmoe-tests-xla-")
-atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+# persistent cache (a test setting, in a folder of this run) turns those repeats into cache hits:
+# ~8 s -> ~0.8 s per load of a shipped model on this CPU. One folder for the run: the first process (under
+# xdist the controller) makes it and removes it at exit; the test workers and the pytest processes tests
+# start inherit `FMOE_TEST_XLA_CACHE`, so a program one worker compiled is a hit in the other.
+_XLA_CACHE = os.environ.get("FMOE_TEST_XLA_CACHE")
+if not _XLA_CACHE:
+    _XLA_CACHE = os.environ["FMOE_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="fmoe-tests-xla-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
