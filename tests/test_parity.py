@@ -80,19 +80,27 @@ def test_phi_long_factors_matter(hf_dirs, original_longrope):
     assert float(jnp.max(jnp.abs(long_cos - short_cos))) > 0.1
 
 
+# `test_prefill_then_decode_equals_full_forward` steps at the shapes `test_greedy_batch_matches_hf_generate`'s
+# `generate` call compiles (two rows, a prompt bucketed to 96 tokens, a cache of 128), so that each family's
+# step programs compile once for both tests (the same program of another load is a compilation cache hit).
+PROMPT_BUCKET, CACHE_LEN = 96, 128
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_prefill_then_decode_equals_full_forward(name, hf_dirs):
+    """A 96-token prefill (past Mixtral's window of 48, Phi's original 64 positions), 16 decode steps."""
     model = fj.load_model(hf_dirs[name])
-    ids = np.random.default_rng(3).integers(0, 256, (2, 40)).astype(np.int32)
+    length = PROMPT_BUCKET + 16
+    ids = np.random.default_rng(3).integers(0, 256, (2, length)).astype(np.int32)
     full = np.asarray(fj.forward(model, ids))  # [B, T, V]
     engine = model.engine
-    prompt = 24
-    cache = engine.init_cache(2, 48)
+    prompt = PROMPT_BUCKET
+    cache = engine.init_cache(2, CACHE_LEN)
     key = jax.random.key(0)
     layout = Layout(jnp.int32(0), jnp.zeros((2,), jnp.int32), jnp.ones((2,), bool), prompt)
     out, cache = engine.step(jnp.asarray(ids[:, :prompt]), cache, layout, key, fj.Greedy())
     np.testing.assert_allclose(np.asarray(out.logits), full[:, prompt - 1], rtol=0, atol=1e-5)
-    for t in range(prompt, 40):
+    for t in range(prompt, length):
         layout = Layout(jnp.int32(t), jnp.zeros((2,), jnp.int32), jnp.ones((2,), bool), 1)
         out, cache = engine.step(jnp.asarray(ids[:, t : t + 1]), cache, layout, key, fj.Greedy())
         np.testing.assert_allclose(np.asarray(out.logits), full[:, t], rtol=0, atol=1e-5)
@@ -105,6 +113,10 @@ def test_greedy_batch_matches_hf_generate(name, hf_dirs, original_longrope):
     prompts = [rng.integers(3, 256, 37).tolist(), rng.integers(3, 256, 90).tolist()]
     model = fj.load_model(hf_dirs[name])
     out = fj.generate(model, prompts, max_new_tokens=32, stop_at_eos=False)
+    assert model.engine.programs.compilations.keys() == {
+        f"whole_step_T{PROMPT_BUCKET}_S{CACHE_LEN}_B2",
+        f"whole_step_T1_S{CACHE_LEN}_B2",
+    }  # the programs the test before compiled (see PROMPT_BUCKET)
     hf = make_hf_model(name)
     for prompt, ours in zip(prompts, out.tokens, strict=True):
         with torch.no_grad():
