@@ -790,11 +790,14 @@ def merged_results(
 ) -> tuple[dict[str, Any], dict, list[str], str]:
     """Saved results with the models of a partial run added or replaced: their entries, tables (captions
     start with the model's name) and settings notes; the saved command (the whole run's, which `rerun`
-    repeats) stays, and the partial run's command is listed under `merged`."""
+    repeats) stays, and the partial run's command is listed under `merged`. A model's entry may name the
+    preset it was simulated at ("gpt-oss-20b-routing@int4 at gpt-oss-20b (int4 experts)") where its
+    captions and notes name the model alone; notes of no model (the experiment's own) appear once."""
     models = list(payload["models"])
+    names = {*models, *(m.split(" at ", 1)[0] for m in models)}
 
     def mine(text: str) -> bool:
-        return any(text.startswith(f"{m}:") or text.startswith(f"{m},") for m in models)
+        return any(text.startswith(f"{m}:") or text.startswith(f"{m},") for m in names)
 
     merged = {**old, **{k: v for k, v in payload.items() if k != "models"}}
     merged["models"] = {**old["models"], **payload["models"]}
@@ -803,7 +806,7 @@ def merged_results(
     for key in ("command", "tables", "notes", "machine"):
         merged.pop(key, None)
     old_tables = {caption: rows for caption, rows in old["tables"].items() if not mine(caption)}
-    old_notes = [n for n in old["notes"] if not mine(n)]
+    old_notes = [n for n in dict.fromkeys(old["notes"]) if not mine(n) and n not in notes]
     return merged, {**old_tables, **tables}, [*old_notes, *notes], old["command"]
 
 

@@ -309,6 +309,29 @@ def test_exp3_serves_live_over_http_at_arrival_times_and_simulates(hf_dirs, tmp_
     assert (out / "exp3_online.png").stat().st_size > 10_000
 
 
+def test_merging_a_rerun_replaces_its_models_notes_and_keeps_the_experiments_notes_once():
+    """A model entry naming the preset it was simulated at ("r@int4 at P") owns the notes and captions that
+    name the model alone ("r@int4: ..."); the experiment's own notes, written by every run, stay single."""
+    from benchmarks import harness as h
+
+    general = "TPOT: medians over the requests."
+    old = {
+        "command": "exp --all",
+        "models": {"tiny": {"x": 1}, "r@int4 at P": {"x": 2}},
+        "tables": {"tiny, simulated at P on h": [{"x": 1}], "r@int4, simulated at P on h": [{"x": 2}]},
+        "notes": ["tiny: its settings", general, "r@int4: the old settings", general],
+    }
+    payload = {"models": {"r@int4 at P": {"x": 3}}}
+    tables = {"r@int4, simulated at P on h": [{"x": 3}]}
+    merged, tables, notes, command = h.merged_results(
+        old, payload, tables, ["r@int4: the new settings", general], "exp --model r@int4 --merge"
+    )
+    assert command == "exp --all" and merged["merged"][-1]["command"] == "exp --model r@int4 --merge"
+    assert merged["models"] == {"tiny": {"x": 1}, "r@int4 at P": {"x": 3}}
+    assert tables == {"tiny, simulated at P on h": [{"x": 1}], "r@int4, simulated at P on h": [{"x": 3}]}
+    assert notes == ["tiny: its settings", "r@int4: the new settings", general]
+
+
 def test_fmoe_store_and_moe_infinity_eams_are_sized_apart():
     """`--store-capacity` sizes fmoe's store (a run's `store_capacity` overrides it) and `--eam-capacity`
     MoE-Infinity's EAM collection: changing fmoe's store leaves the baseline as it was."""
