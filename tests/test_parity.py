@@ -11,6 +11,7 @@ from conftest import HF_CONFIGS, make_hf_model
 from fmoe_jax.models import Layout
 
 import fmoe_jax as fj
+from fmoe_jax.generation import bucket_length
 
 NAMES = list(HF_CONFIGS)
 
@@ -81,14 +82,17 @@ def test_phi_long_factors_matter(hf_dirs, original_longrope):
 
 
 # `test_prefill_then_decode_equals_full_forward` steps at the shapes `test_greedy_batch_matches_hf_generate`'s
-# `generate` call compiles (two rows, a prompt bucketed to 96 tokens, a cache of 128), so that each family's
-# step programs compile once for both tests (the same program of another load is a compilation cache hit).
-PROMPT_BUCKET, CACHE_LEN = 96, 128
+# `generate` call compiles (two rows, the longer prompt bucketed, a cache for it and the new tokens), so that
+# each family's step programs compile once for both tests (the same program of another load is a cache hit).
+GREEDY_LENGTHS, GREEDY_NEW_TOKENS = (37, 90), 32
+PROMPT_BUCKET = bucket_length(max(GREEDY_LENGTHS))
+CACHE_LEN = bucket_length(PROMPT_BUCKET + GREEDY_NEW_TOKENS)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_prefill_then_decode_equals_full_forward(name, hf_dirs):
     """A 96-token prefill (past Mixtral's window of 48, Phi's original 64 positions), 16 decode steps."""
+    assert PROMPT_BUCKET > 64  # the prefill crosses both
     model = fj.load_model(hf_dirs[name])
     length = PROMPT_BUCKET + 16
     ids = np.random.default_rng(3).integers(0, 256, (2, length)).astype(np.int32)
@@ -110,9 +114,9 @@ def test_prefill_then_decode_equals_full_forward(name, hf_dirs):
 def test_greedy_batch_matches_hf_generate(name, hf_dirs, original_longrope):
     """Two prompts of different lengths in one left-padded batch; each matches HF generating it alone."""
     rng = np.random.default_rng(4)
-    prompts = [rng.integers(3, 256, 37).tolist(), rng.integers(3, 256, 90).tolist()]
+    prompts = [rng.integers(3, 256, n).tolist() for n in GREEDY_LENGTHS]
     model = fj.load_model(hf_dirs[name])
-    out = fj.generate(model, prompts, max_new_tokens=32, stop_at_eos=False)
+    out = fj.generate(model, prompts, max_new_tokens=GREEDY_NEW_TOKENS, stop_at_eos=False)
     assert model.engine.programs.compilations.keys() == {
         f"whole_step_T{PROMPT_BUCKET}_S{CACHE_LEN}_B2",
         f"whole_step_T1_S{CACHE_LEN}_B2",
@@ -120,7 +124,7 @@ def test_greedy_batch_matches_hf_generate(name, hf_dirs, original_longrope):
     hf = make_hf_model(name)
     for prompt, ours in zip(prompts, out.tokens, strict=True):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_NEW_TOKENS, do_sample=False)
         assert ours == ref[0, len(prompt) :].tolist()
 
 
