@@ -622,14 +622,15 @@ def _matcher_sentence(payload: dict) -> str:
     rows = payload.get("real_size", [])
     share = next((r for r in rows if r["model"].startswith("Qwen1.5") and r["hardware"] == "h100_sxm"), None)
     if share:
-        verdict = "within" if share["matcher_share"] <= MATCHER_TARGET else "above"
         spread = (
             f" (rounds {share['host_range_ms'].replace('-', '–')} ms)" if "host_range_ms" in share else ""
         )
+        against = _against_target(
+            share["matcher_share"], " of an H100's compute for the iteration", "issue 16's target of "
+        )
         text += (
             f" That host work is {share['fmoe_host_ms']:.1f} ms a decode iteration at Qwen1.5-MoE's "
-            f"shapes{spread}, {share['matcher_share']:.2f} of an H100's compute for the iteration ({verdict} "
-            f"issue 16's target of {MATCHER_TARGET:.2f})"
+            f"shapes{spread}, {against}"
         )
         if "matcher_thread_share" in share:  # the matcher thread's part; the rest is the engine thread's
             text += (
@@ -641,6 +642,14 @@ def _matcher_sentence(payload: dict) -> str:
     return text
 
 
+def _against_target(share: float, what: str = "", target_words: str = "") -> str:
+    """A host share, `what` it is a share of, and the verdict against the matcher target, e.g. "0.37 (above
+    0.30)": to three decimals where two would round it onto the target."""
+    shown = f"{share:.2f}" if f"{share:.2f}" != f"{MATCHER_TARGET:.2f}" else f"{share:.3f}"
+    verdict = "within" if share <= MATCHER_TARGET else "above"
+    return f"{shown}{what} ({verdict} {target_words}{MATCHER_TARGET:.2f})"
+
+
 def _gpt_oss_host_sentence(rows: list[dict]) -> str:
     """Experiment 7 at gpt-oss-20b's shapes (issue 57's host budget): fMoE's host time per decode iteration
     over an H100's compute, with the experts as shipped (MXFP4) and in bf16."""
@@ -648,8 +657,7 @@ def _gpt_oss_host_sentence(rows: list[dict]) -> str:
     if not shares:
         return ""
     parts = [
-        f"{r['matcher_share']:.2f} with {'bf16' if 'bf16' in r['model'] else 'MXFP4'} experts "
-        f"({'within' if r['matcher_share'] <= MATCHER_TARGET else 'above'} {MATCHER_TARGET:.2f})"
+        _against_target(r["matcher_share"], f" with {'bf16' if 'bf16' in r['model'] else 'MXFP4'} experts")
         for r in shares
     ]
     return (
