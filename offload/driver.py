@@ -62,6 +62,10 @@ class LayerLoop(Protocol):
     live engine's step (`fmoe_jax/engines/step_loop.py`) or the simulator's replay (`offload/simulator.py`).
     """
 
+    # False: `compute` books a chunk without its experts' weights (the simulator's replay), so `ensure` hands
+    # over none.
+    wants_arrays: bool
+
     def route(self, layer: int) -> Routed:
         """MoE layer `layer`'s routing on the host (computed, or read from a trace); once a layer."""
 
@@ -89,6 +93,7 @@ class Functions:
     route: Callable[[int], Routed]
     compute: Compute
     host: Callable[[int, list[Key]], Any] = _no_host
+    wants_arrays: bool = True
 
 
 @dataclasses.dataclass
@@ -199,7 +204,7 @@ class Driver:
                 self._tell(policy.on_layer_routed, event)
             on_host = self._host_share(layer, needed, routed.ids, token_valid, loop) if planner else None
             served = [key for key in keys if key not in on_host] if on_host else keys
-            self.serve(layer, served, loop.compute, protected=guard)
+            self.serve(layer, served, loop.compute, protected=guard, arrays=loop.wants_arrays)
             if on_host and policy.host_fill:
                 fill = [(key, FILL_PRIORITY) for key in on_host if self.cache.entry(key) is None]
                 self.cache.request_prefetch(fill, replace=False, if_idle=policy.host_fill == "idle")
@@ -231,7 +236,9 @@ class Driver:
         self.timers["hybrid_planning"] += time.perf_counter() - start
         return on_host
 
-    def serve(self, layer: int, keys: list[Key], compute: Compute, *, protected: bool = True) -> None:
+    def serve(
+        self, layer: int, keys: list[Key], compute: Compute, *, protected: bool = True, arrays: bool = True
+    ) -> None:
         """For each device's share of the layer's needed experts `keys`, chunk by chunk: ensure, compute,
         release.
 
@@ -239,17 +246,18 @@ class Driver:
         there); a layer that needs nothing (or only host-computed experts) gets one `compute` with an empty
         chunk. `protected`: the caller has protected `keys` (`ServingCache.protect`); else they are
         protected here where the layer runs in several chunks or on several devices (one chunk is pinned
-        before anything could evict its experts)."""
+        before anything could evict its experts). `arrays=False`: `compute` gets no weights (an empty
+        dict)."""
         cache = self.cache
         parts = cache.parts(keys)
         if len(parts) == 1 and parts[0][0] is cache and len(keys) <= cache.book.capacity:  # the usual
             try:  # one device, one chunk: its release ends the protection
-                arrays = cache.ensure(layer, keys)
+                weights = cache.ensure(layer, keys, arrays=arrays)
             except BaseException:
                 cache.protect(())
                 raise
             try:
-                compute(layer, keys, arrays, True)
+                compute(layer, keys, weights, True)
             finally:
                 cache.release(keys, unprotect=True)
             return
@@ -258,9 +266,9 @@ class Driver:
                 cache.protect(keys, layer)
             if len(parts) == 1 and len(parts[0][1]) <= parts[0][0].book.capacity:  # one chunk on one device
                 part, chunk = parts[0]
-                arrays = part.ensure(layer, chunk)
+                weights = part.ensure(layer, chunk, arrays=arrays)
                 try:
-                    compute(layer, chunk, arrays, True)
+                    compute(layer, chunk, weights, True)
                 finally:
                     part.release(chunk)
                 return
@@ -274,9 +282,9 @@ class Driver:
                 return
             last = len(chunks) - 1
             for i, (part, chunk) in enumerate(chunks):
-                arrays = part.ensure(layer, chunk)
+                weights = part.ensure(layer, chunk, arrays=arrays)
                 try:
-                    compute(layer, chunk, arrays, i == last)
+                    compute(layer, chunk, weights, i == last)
                 finally:
                     part.release(chunk)
                 if i < last:

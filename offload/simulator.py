@@ -388,15 +388,25 @@ class Replay:
 # -- replay ---------------------------------------------------------------------------------------------
 class _Charges:
     """The cost model's seconds for the stages a replay charges again and again with the same arguments
-    (a chunk of experts and their token counts, the shared expert, the LM head), each worked out once: the
-    cost model is a pure function of them, so the floats are the ones it gives."""
+    (a layer's attention at the batch's token counts, a chunk of experts and their token counts, the shared
+    expert, the LM head), each worked out once: the cost model is a pure function of them, so the floats are
+    the ones it gives."""
 
     def __init__(self, costs: CostModel, engine: EngineModel, bills: bool = False):
         self.costs, self.engine = costs, engine  # the engine's host costs (`offload/engine_model.py`)
         self.bills = bills  # the policy's bookkeeping is priced: charge what it did (`Policy.charged_s`)
+        # Requests replayed one after another decode at the same (new, past) token counts, step for step.
+        self._attention: dict[tuple[bytes, bytes], float] = {}
         self._experts: dict[tuple[int, ...], float] = {}
         self._shared: dict[int, float] = {}
         self._head: dict[int, float] = {}
+
+    def attention_s(self, new_tokens: np.ndarray, past_tokens: np.ndarray) -> float:
+        key = (new_tokens.tobytes(), past_tokens.tobytes())  # both int64 `[R]`: the bytes say the values
+        seconds = self._attention.get(key)
+        if seconds is None:
+            seconds = self._attention[key] = self.costs.attention_s(new_tokens, past_tokens)
+        return seconds
 
     def experts_s(self, tokens: tuple[int, ...]) -> float:
         seconds = self._experts.get(tokens)
@@ -440,7 +450,7 @@ def _replay_batch(
         step = layout(trace, i, policy, past) if counted is None else counted.layout(i, policy, past)
         began = link.clock
         tokens = int(step.valid.sum())
-        route_s = charges.costs.attention_s(step.new_tokens, step.past_tokens) + engine.layer_s
+        route_s = charges.attention_s(step.new_tokens, step.past_tokens) + engine.layer_s
         link.compute(engine.step_started())
         shared_s = charges.shared_s(tokens)
         ids = step.ids.transpose(1, 0, 2)  # [L, N, k]: a layer's rows without a strided index each time
@@ -479,7 +489,8 @@ def _replay_batch(
             engine.runs(keys)
             host.start(link.clock, tokens, list(step.tokens(m, keys)))
 
-        driver.iteration(step.valid, step.embeds, Functions(route, compute, on_host), step.fed)
+        loop = Functions(route, compute, on_host, wants_arrays=False)  # the clock needs no weights
+        driver.iteration(step.valid, step.embeds, loop, step.fed)
         active = step.valid.any(axis=1)
         link.compute(charges.head_s(int(active.sum())))
         for b in np.flatnonzero(active):

@@ -143,14 +143,15 @@ def cache_state(cache: DeviceExpertCache) -> tuple:
 
 
 def test_a_layer_used_in_one_pass_changes_the_cache_as_the_general_path_does():
+    """Both paths, each also asked for no arrays (the simulator's `ensure(arrays=False)`): the same state."""
     rng = np.random.default_rng(3)
     caches = []
-    for link in (SimulatedLink(4, 1.0, chunks=3), Queued(4, 1.0, chunks=3)):
+    for link in (SimulatedLink, Queued) * 2:
         policy = OnDemandLRU()
-        cache = DeviceExpertCache(link, 7, 4, policy, max_inflight=2)
+        cache = DeviceExpertCache(link(4, 1.0, chunks=3), 7, 4, policy, max_inflight=2)
         policy.bind(PolicyContext(4, 6, 2, 4, 1, 7), cache)
         caches.append(cache)
-    fast, general = caches
+    fast, general = caches[:2]
     quiet = 0
     for step in range(300):
         layer = int(rng.integers(4))
@@ -162,13 +163,14 @@ def test_a_layer_used_in_one_pass_changes_the_cache_as_the_general_path_does():
             for cache in caches:
                 cache.request_prefetch(wanted)
         quiet += not fast.book.arriving
-        for cache in caches:
+        for i, cache in enumerate(caches):
             cache.protect(keys, layer)
-            arrays = cache.ensure(layer, keys)
-            assert list(arrays) == keys
+            arrays = cache.ensure(layer, keys, arrays=i < 2)
+            assert list(arrays) == (keys if i < 2 else [])
             cache.mover.compute(0.25 * len(keys))
             cache.release(keys, unprotect=True)
         assert cache_state(fast) == cache_state(general), step
+        assert [cache_state(c) for c in caches[2:]] == [cache_state(fast), cache_state(general)], step
     assert quiet > 80 and fast.book.stats.misses > 100 and fast.book.stats.prefetches > 10
 
 

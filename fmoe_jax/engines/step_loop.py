@@ -118,6 +118,8 @@ class StepLoop:
         forced_embeds: `[N, D]` the semantic context the policy hears instead of the step's embedding.
     """
 
+    wants_arrays = True  # its launches read the ensured experts' weights
+
     def __init__(
         self,
         engine: Any,

@@ -324,8 +324,9 @@ class DeviceExpertCache(BookView):
             self.serving = layer
 
     # -- the engine's side -----------------------------------------------------------------------------
-    def ensure(self, layer: int, needed: Sequence[Key]) -> dict[Key, ExpertWeights]:
-        """Makes `needed` (at most `capacity` experts of one layer) resident and pinned; returns their arrays.
+    def ensure(self, layer: int, needed: Sequence[Key], *, arrays: bool = True) -> dict[Key, ExpertWeights]:
+        """Makes `needed` (at most `capacity` experts of one layer) resident and pinned; returns their arrays
+        (`arrays=False`: an empty dict, for a caller that books the compute without the weights).
 
         Hits are counted before anything is loaded; misses load on demand ahead of queued prefetches.
         The caller must `release` the keys after computing with them.
@@ -337,12 +338,12 @@ class DeviceExpertCache(BookView):
             if book.arriving:
                 self._poll()
             if self._lands_now and not book.arriving and self.policy.evicts_least_recent:
-                out = self._ensure_now(layer, needed)
+                out = self._ensure_now(layer, needed, arrays)
                 if out is not None:
                     return out
             hits, late, misses = book.classify(layer, needed, pin=True)
             if not (late or misses):  # every one resident: nothing to wait for
-                return self._used(needed)
+                return self._used(needed, arrays)
             if misses:
                 self.paused += 1
                 try:
@@ -351,8 +352,7 @@ class DeviceExpertCache(BookView):
                     self._give_back(hits + late + [key for key in misses if key in book], True)
                     raise
             waiting = late + misses if late else misses
-            arrays = self.arrays
-            handles = [arrays[k] for k in waiting]
+            handles = [self.arrays[k] for k in waiting]
         start = time.perf_counter()
         try:
             self.mover.wait(handles)
@@ -364,7 +364,7 @@ class DeviceExpertCache(BookView):
             book.mark_all_ready(waiting)
             if misses:
                 self.paused -= 1
-            return self._used(needed)
+            return self._used(needed, arrays)
 
     def _load(self, misses: list[Key], needed: Sequence[Key]) -> None:
         """Starts the on-demand loads of `misses` (pinned), evicting what it must but none of `needed`.
@@ -396,11 +396,11 @@ class DeviceExpertCache(BookView):
             book.add_all(started, prefetched=False, pinned=True)
             arrays.update(zip(started, handles, strict=True))
 
-    def _ensure_now(self, layer: int, needed: Sequence[Key]) -> dict[Key, ExpertWeights] | None:
+    def _ensure_now(self, layer: int, needed: Sequence[Key], want: bool) -> dict[Key, ExpertWeights] | None:
         """`ensure` in one pass of the book (`CacheBook.use_least_recent`), for a mover that lands copies
         at once (`Mover.loads_now`) while nothing is arriving and a policy that evicts the least recently
-        used: the same counts, victims, slots, copies and uses as the general path. None (nothing done) when
-        it does not apply. Caller holds the lock."""
+        used: the same counts, victims, slots, copies and uses as the general path; their arrays where `want`
+        (else an empty dict). None (nothing done) when it does not apply. Caller holds the lock."""
         start = time.perf_counter()
         done = self.book.use_least_recent(layer, needed, self.mover.load_now)
         if done is None:
@@ -414,7 +414,9 @@ class DeviceExpertCache(BookView):
             if self.queued:
                 self.queued.difference_update(misses)
             arrays.update(zip(misses, handles, strict=True))
-        if self.mover.handle_is_result:
+        if not want:
+            out = {}
+        elif self.mover.handle_is_result:
             out = {key: arrays[key] for key in needed}
         else:
             result = self.mover.result
@@ -423,12 +425,14 @@ class DeviceExpertCache(BookView):
             self._pump()
         return out
 
-    def _used(self, needed: Sequence[Key]) -> dict[Key, ExpertWeights]:
-        """Counts a use of each of `needed` (resident, pinned) and returns their arrays; starts what
-        prefetches may start now. Caller holds the lock."""
+    def _used(self, needed: Sequence[Key], want: bool) -> dict[Key, ExpertWeights]:
+        """Counts a use of each of `needed` (resident, pinned) and returns their arrays (`want`: else an
+        empty dict); starts what prefetches may start now. Caller holds the lock."""
         self.book.record_uses(needed)
         arrays = self.arrays
-        if self.mover.handle_is_result:
+        if not want:
+            out = {}
+        elif self.mover.handle_is_result:
             out = {key: arrays[key] for key in needed}
         else:
             result = self.mover.result
