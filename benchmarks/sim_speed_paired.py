@@ -192,6 +192,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "median of the pairs",
         "same_outcome: both trees' simulated median TPOT and hit rate equal to the last bit at every replay",
     ]
+    changed = [row["policy"] for row in summary if not row["same_outcome"]]
+    if changed:
+        notes.append(
+            f"{', '.join(changed)}: the two trees replay different outcomes (the policy decides differently "
+            "between them: a default changed, benchmarks/DECISIONS.md), so its speedup compares different "
+            "work as well as faster code"
+        )
     payload = {"summary": summary, "rows": rows, "against": commit.stdout.strip(), "args": vars(args)}
     payload["args"] = {k: str(v) for k, v in payload["args"].items()}
     title = f"Simulator speed, paired against {commit.stdout.strip()}"
