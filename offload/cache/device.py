@@ -414,13 +414,7 @@ class DeviceExpertCache(BookView):
             if self.queued:
                 self.queued.difference_update(misses)
             arrays.update(zip(misses, handles, strict=True))
-        if not want:
-            out = {}
-        elif self.mover.handle_is_result:
-            out = {key: arrays[key] for key in needed}
-        else:
-            result = self.mover.result
-            out = {key: result(arrays[key]) for key in needed}
+        out = self._handed(needed, want)
         if self.queue or self.filling:
             self._pump()
         return out
@@ -429,16 +423,20 @@ class DeviceExpertCache(BookView):
         """Counts a use of each of `needed` (resident, pinned) and returns their arrays (`want`: else an
         empty dict); starts what prefetches may start now. Caller holds the lock."""
         self.book.record_uses(needed)
-        arrays = self.arrays
-        if not want:
-            out = {}
-        elif self.mover.handle_is_result:
-            out = {key: arrays[key] for key in needed}
-        else:
-            result = self.mover.result
-            out = {key: result(arrays[key]) for key in needed}
+        out = self._handed(needed, want)
         self._pump()
         return out
+
+    def _handed(self, needed: Sequence[Key], want: bool) -> dict[Key, ExpertWeights]:
+        """What `ensure` returns for `needed`: their arrays (the mover's results), or an empty dict where the
+        caller does not `want` them."""
+        if not want:
+            return {}
+        arrays = self.arrays
+        if self.mover.handle_is_result:
+            return {key: arrays[key] for key in needed}
+        result = self.mover.result
+        return {key: result(arrays[key]) for key in needed}
 
     def _give_back(self, pinned: list[Key], paused: bool) -> None:
         """Undoes a failed `ensure`'s pins and pause, so that the cache stays usable for the next call."""
