@@ -115,6 +115,31 @@ def test_a_search_the_last_match_foresaw_is_skipped_where_a_chance_match_is_rare
     assert searches(16, 4, traj_target="single") == (5, 0)  # each search guides one layer: none is skipped
 
 
+def test_a_match_confirms_only_the_layers_after_its_search():
+    """`SearchSkips.confirmed`: a layer routed as the match's top k foresaw confirms it, row by row; the
+    layers that had routed when the match was made, another iteration, or other routing do not."""
+    from fmoe_jax.offload.policies.fmoe.options import FMoEOptions
+    from fmoe_jax.offload.policies.fmoe.select import SortedMaps
+    from fmoe_jax.offload.policies.fmoe.skips import SearchSkips
+
+    rng = np.random.default_rng(3)
+    maps = rng.dirichlet(np.ones(16), size=(2, 6)).astype(np.float32)  # two rows' matched maps [B, L, J]
+    tops = np.sort(np.argsort(-maps, axis=-1, kind="stable")[..., :4], axis=-1)  # [B, L, k]
+    skips = SearchSkips(FMoEOptions(), num_experts=16, top_k=4, num_layers=6)
+    skips.foresee(7, maps[:1], 2, SortedMaps())
+    one = np.array([0])
+    assert all(skips.confirmed(layer, tops[0, layer][None, ::-1], one, 7, True) for layer in (3, 4, 5))
+    assert not any(skips.confirmed(layer, tops[0, layer][None], one, 7, True) for layer in (0, 1, 2))
+    assert not skips.confirmed(3, tops[0, 3][None], one, 8, True)  # another iteration's routing
+    assert not skips.confirmed(3, tops[1, 3][None], one, 7, True)  # other experts
+    assert not skips.confirmed(3, tops[0, 3][None], one, 7, False)  # prefill: never
+    skips.foresee(7, maps, 2, SortedMaps())  # a batch of two rows: each row's own top k
+    rows = np.array([0, 1])
+    assert skips.confirmed(4, tops[:, 4], rows, 7, True)
+    assert not skips.confirmed(4, tops[::-1, 4], rows, 7, True)
+    assert not skips.confirmed(4, tops[0, 4][None], one, 7, True)  # one row of the two: not this match
+
+
 def test_searches_rest_after_they_find_the_same_map_again():
     """After the first repeated match of an iteration its later layers' searches are left out (their routing
     still counts); resting="doubling" leaves out the next 2 ** (n - 1) layers' after n repeats in a row. A

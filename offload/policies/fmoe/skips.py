@@ -32,8 +32,9 @@ class SearchSkips:
             and math.log2(math.comb(num_experts, top_k)) >= CONFIRMATION_BITS
         )
         self.top_k = top_k
-        # (iteration, [L][B][k] nested lists): each row's matched map's top k per layer, in ascending ids
-        self._foreseen: tuple[int, list] | None = None
+        # (iteration, current, [B][L][k] nested lists): each row's matched map's top k per layer, in ascending
+        # ids, foreseen after layer `current` (the layers up to it had routed)
+        self._foreseen: tuple[int, int, list] | None = None
         self._matched: tuple[int, np.ndarray] | None = None  # (iteration, [B, L, J]): the last trajectory
         self._streak = 0  # trajectory matches in a row that found the same maps as the one before
         self._rest = (-1, -1)  # (iteration, layer): searches after layers up to it are left out
@@ -46,21 +47,19 @@ class SearchSkips:
         foreseen = self._foreseen
         if not (self.confirming and decoding) or foreseen is None or foreseen[0] != iteration:
             return False
-        expected = foreseen[1][layer]  # [B][k]
-        if len(expected) != len(active):
+        _, current, tops = foreseen
+        if len(tops) != len(active):
+            return False
+        if layer <= current:  # routed before the match: nothing foreseen there (no routing confirms it)
             return False
         if len(active) == 1:  # decode at batch 1: a Python sort of k ids (an array sort costs ~5x more)
-            return [sorted(np.asarray(ids)[active[0]].tolist())] == expected
-        return np.sort(np.asarray(ids)[active], axis=1).tolist() == expected
+            return sorted(np.asarray(ids)[active[0]].tolist()) == tops[0][layer]
+        return np.sort(np.asarray(ids)[active], axis=1).tolist() == [top[layer] for top in tops]
 
     def foresee(self, iteration: int, maps: np.ndarray, current: int, sorted_maps: SortedMaps) -> None:
         """Records each row's matched map's top k at the layers after `current`, for `confirmed`."""
-        unused = [0] * self.top_k  # layers <= current (routed already)
         tops = [sorted_maps.top_sets(expert_map, self.top_k) for expert_map in maps]  # [B][L][k]
-        expected = [[unused] * len(maps)] * (current + 1)
-        ahead = (top[current + 1 :] for top in tops)  # [B][L - current - 1][k]
-        expected += [list(rows) for rows in zip(*ahead, strict=True)]  # by layer: [L - current - 1][B][k]
-        self._foreseen = (iteration, expected)  # [L][B][k]
+        self._foreseen = (iteration, current, tops)
 
     def resting(self, layer: int, iteration: int) -> bool:
         """Whether the search after `layer` is left out because the searches before it found the same maps
