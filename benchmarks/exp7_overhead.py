@@ -65,8 +65,14 @@ def live_breakdown(variant: h.Variant, r: dict) -> dict:
 
 
 def real_size_rows(
-    hardware: list[str], repeats: int, prefetch_distance: int, store_capacity: int
+    hardware: list[str],
+    repeats: int,
+    prefetch_distance: int,
+    store_capacity: int,
+    names: set[str] | None = None,
 ) -> list[dict]:
+    """Part (b): each real model's decode iteration on each `hardware` preset beside fMoE's host work at its
+    shapes (`names`: only the models whose matcher shapes go by these `matcher_overhead.MODELS` names)."""
     import dataclasses
 
     from fmoe_jax.offload.cost_model import HARDWARE, MODELS, CostModel
@@ -89,6 +95,8 @@ def real_size_rows(
     measured: dict[str, dict] = {}  # the matcher's shapes do not depend on the experts' dtype: timed once
     rows = []
     for preset, name in presets:
+        if names is not None and name not in names:
+            continue
         if name not in measured:
             measured[name] = mo.measure(
                 name, mo.MODELS[name], store_capacity, repeats, flush, prefetch_distance, top_k=preset.top_k

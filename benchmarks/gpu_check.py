@@ -3,21 +3,24 @@
     python -m benchmarks.gpu_check [--cpu-smoke] [--out DIR] [--routing-data DIR | --pack-routing DIR]
 
 Writes `results/gpu_check_<device>.{json,md}` with, on JAX's default device:
-1. the link (`benchmarks/link_compute.py`'s essentials): pinned-host -> device copies at 0.25-256 MB (a line
+1. fMoE's host work per decode iteration on this machine's CPU (experiment 7's real-size rows, gpt-oss-20b and
+   Qwen1.5-MoE), as a share of an H100's compute (target <= 0.30): the host that serves
+   beside an accelerator, where this VM's speed drifts by tens of per cent;
+2. the link (`benchmarks/link_compute.py`'s essentials): pinned-host -> device copies at 0.25-256 MB (a line
    gives the fixed cost per copy and the rate), a bench-s expert's copy, how much of a copy hides behind a
    compute issued after it and before it, and what one `lax.cond`, `lax.switch` and loop cost inside a
    program (the offload step and the decode kernel hold several per layer);
-2. `offload_overhead` on bench-s (random weights, bf16): the resident engine, the offload engine holding every
+3. `offload_overhead` on bench-s (random weights, bf16): the resident engine, the offload engine holding every
    expert (warm), on_demand_lru and fmoe at 25 %, with launches and syncs per token, against the targets:
    warm <= 1.15x resident; on_demand_lru <= 1.3x its link-bound estimate (bytes moved per token / the
    measured rate + copies per token x the fixed cost + resident TPOT); fmoe <= 1.0x on_demand_lru;
-3. `live_replay` of gpt-oss-20b's real routing on a random-weight gpt-oss-20b at full width (8 of its 24
+4. `live_replay` of gpt-oss-20b's real routing on a random-weight gpt-oss-20b at full width (8 of its 24
    layers, so that the check fits a lent machine's time: the step program's compile grows with the layers,
    each compiling a switch over its experts; int4 experts, a cache of 25 % of the experts' bf16 bytes) for
    on_demand_lru, fmoe and oracle, copy-only and hybrid, each beside the simulator's prediction on the
    device's hardware preset (target: within 20 %).
 
-A lent machine has no `../shared`: `--pack-routing DIR` writes the few requests section 3 replays (tens of
+A lent machine has no `../shared`: `--pack-routing DIR` writes the few requests section 4 replays (tens of
 kB), to carry there and pass as `--routing-data`. Nor is fmoe_jax installed there, and its subpackages live
 in other folders (pyproject's `package-dir`): install it with `pip install --no-deps --no-build-isolation
 -e .`, or link `models`, `offload`, `convert` and `research` into a copy of `fmoe_jax/` and run from there.
@@ -43,6 +46,8 @@ BENCH_S = "bench-s"
 LAYERS = 8  # live_replay's MoE layers (gpt-oss-20b has 24; see the docstring)
 REPLAYED = {False: (3, 32), True: (1, 4)}  # live_replay's requests and decode steps, by --cpu-smoke
 TARGETS = dict(warm_vs_resident=1.15, lru_vs_link_bound=1.3, fmoe_vs_lru=1.0, sim_vs_live=(0.8, 1.2))
+HOST_MODELS = ("gpt-oss-20b", "Qwen1.5-MoE")  # the host section's (`matcher_overhead.MODELS` names)
+HOST_BUDGET = 0.30  # fMoE's host work per decode iteration, a share of an H100's compute (experiment 7)
 
 
 def link_section(smoke: bool) -> dict:
@@ -115,6 +120,19 @@ def overhead_section(smoke: bool, link: dict | None) -> dict:
     return dict(rows=rows, ratios=ratios, moe_layers=cfg.num_moe_layers, slots=slots, total=total)
 
 
+def host_section(smoke: bool) -> dict:
+    """fMoE's host work per decode iteration on this machine's CPU, the host beside the accelerator:
+    experiment 7's real-size rows for gpt-oss-20b (MXFP4 and bf16 experts) and Qwen1.5-MoE against an H100's
+    compute (target: <= `HOST_BUDGET` of it). A development VM's speed drifts within the hour; a lent
+    machine's host is the one fmoe runs on."""
+    from benchmarks import exp7_overhead
+
+    repeats, capacity = (4, 64) if smoke else (30, 512)
+    rows = exp7_overhead.real_size_rows(["h100_sxm"], repeats, 3, capacity, names=set(HOST_MODELS))
+    keys = ("model", "compute_ms", "fmoe_host_ms", "host_range_ms", "matcher_share", "matcher_thread_share")
+    return {"rows": [{k: r[k] for k in keys} for r in rows], "store_capacity": capacity, "repeats": repeats}
+
+
 def replay_section(smoke: bool, hardware: str, host: str, routing: Path) -> dict:
     from benchmarks import live_replay
 
@@ -171,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = f"gpu_check_{device}"
     started = time.perf_counter()
     sections = (
+        ("host", lambda: host_section(args.cpu_smoke)),
         ("link", lambda: link_section(args.cpu_smoke)),
         ("offload_overhead", lambda: overhead_section(args.cpu_smoke, payload.get("link"))),
         ("live_replay", lambda: replay_section(args.cpu_smoke, hardware, host, args.routing_data)),
@@ -252,6 +271,20 @@ def markdown(payload: dict) -> str:
             lines.append(
                 f"| {r['policy']} | {r['mode']} | {r['live_tpot_ms']:.2f} | {r['sim_tpot_ms']:.2f} | "
                 f"{r['sim_vs_live']:.2f} | {r['live_hit_rate']:.2f} / {r['sim_hit_rate']:.2f} |"
+            )
+    host = payload.get("host")
+    if host:
+        lines += [
+            "",
+            f"| fMoE's host work per decode iteration (this CPU, store of {host['store_capacity']} maps) | "
+            f"H100 compute ms | host ms | rounds' medians | share (target <= {HOST_BUDGET}) | "
+            "matcher thread's share |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in host["rows"]:
+            lines.append(
+                f"| {r['model']} | {r['compute_ms']:.2f} | {r['fmoe_host_ms']:.2f} | {r['host_range_ms']} | "
+                f"{r['matcher_share']:.3f} | {r['matcher_thread_share']:.3f} |"
             )
     for section, error in payload["errors"].items():
         lines.append(f"- {section} failed: {error}")

@@ -18,6 +18,11 @@ def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
     )
     assert payload["errors"] == {}, payload["errors"]
     saved = json.loads((tmp_path / "gpu_check_cpu_smoke.json").read_text())
+    host = saved["host"]["rows"]  # experiment 7's real-size rows of the two models the budget names
+    assert len(host) == 3  # gpt-oss-20b with MXFP4 and with bf16 experts, Qwen1.5-MoE
+    assert {r["model"].split(" (")[0] for r in host} == {"gpt-oss-20b", "Qwen1.5-MoE-A2.7B"}
+    for r in host:
+        assert r["fmoe_host_ms"] > 0 and r["matcher_share"] == r["fmoe_host_ms"] / r["compute_ms"]
     assert saved["link"]["latency"]["fit"]["rate_gbs"] > 0
     assert set(saved["link"]["control_flow"]["us_each"]) == {"cond", "switch", "loop"}
     select = saved["link"]["expert_select"]
@@ -31,7 +36,8 @@ def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
         (p, m) for p in ("on_demand_lru", "fmoe", "oracle") for m in ("copy", "hybrid")
     }
     assert all(r["live_tpot_ms"] > 0 and r["sim_tpot_ms"] > 0 for r in replay)
-    assert "| live_replay |" in (tmp_path / "gpu_check_cpu_smoke.md").read_text()
+    text = (tmp_path / "gpu_check_cpu_smoke.md").read_text()
+    assert "| live_replay |" in text and "fMoE's host work per decode iteration" in text
 
 
 def test_link_fit_recovers_a_line_and_bounds_an_unresolved_rate():
