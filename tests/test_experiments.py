@@ -192,6 +192,7 @@ def test_conclusion_is_computed_from_the_results(tmp_path):
     assert "rises by 12 % and stays 10 % below on-demand LRU (ratio 0.90x)" in cheap
     assert "rises by 50 % and stays 20 % above on-demand LRU (ratio 1.20x)" in overhead(12.0)
     assert "rises by 0 % and stays" in overhead(7.98)  # -0.25 % rounds to 0, not "-0"
+    assert "moves by -2 % and stays" in overhead(7.84)  # charged, it can end a little faster
     assert "Qwen1.5-MoE" not in cheap  # no real-size rows
     assert (
         "3.8 ms a decode iteration at Qwen1.5-MoE's shapes, 0.56 of an H100's compute for the iteration "
