@@ -615,9 +615,10 @@ def _matcher_sentence(payload: dict) -> str:
     cpu = f"a {machine['cpus']}-core {machine['backend'].upper()}" if "cpus" in machine else "its machine"
     low, high = round(100 * min(rises)), round(100 * max(rises))
     # A charged matcher can land a point's prefetches in another order and so end a little faster.
-    moves = f"moves by {low:+d} %" if low == high else f"moves by {low:+d} to {high:+d} %"
     if low >= 0:
         moves = f"rises by {_span([low, high], '{:.0f}')} %"
+    else:
+        moves = f"moves by {low:+d} %" if low == high else f"moves by {low:+d} to {high:+d} %"
     text = (
         f"These simulations treat fMoE's matcher as free; charged the host time it takes on {cpu} at real "
         f"sizes (experiment 7, {budget:.0%} cached), its simulated TPOT {moves} and stays "
