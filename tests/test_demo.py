@@ -58,6 +58,12 @@ def test_interpretation_reads_the_numbers():
     }
     text = demo.interpretation(rows, expert_kb=197, backend="cpu")
     assert "65%" in text and "58%" in text and "+7%" in text and "54 of 396" in text
-    assert "decodes slower than LRU here (15.7 against 10.8 ms)" in text and "197 KB" in text
+    assert "decodes 45% slower than LRU here (15.70 against 10.80 ms)" in text and "197 KB" in text
     rows["fmoe"]["tpot_ms"] = 9.0
-    assert "decodes faster than LRU" in demo.interpretation(rows, expert_kb=197, backend="cpu")
+    assert "decodes 17% faster than LRU" in demo.interpretation(rows, expert_kb=197, backend="cpu")
+    # Medians within 2 % are the same pace; with no prefetch the hits came from eviction alone.
+    rows["fmoe"].update(tpot_ms=6.39, prefetches=0, wasted=0)
+    rows["on_demand_lru"]["tpot_ms"] = 6.36
+    text = demo.interpretation(rows, expert_kb=197, backend="cpu")
+    assert "decodes about as fast as LRU here (6.39 against 6.36 ms)" in text
+    assert "eviction rule" in text and "prefetched nothing" in text and "0 of 0" not in text
